@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One-time (and safe-to-rerun) set-up: a venv with the pinned torch, the build and test
+# dependencies, and ditorch itself built in place. Both README commands call this first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DITORCH_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+# Debian packages: verbs headers let the RDMA transport compile (it is skipped without them).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libibverbs-dev >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs-dev librdmacm-dev >/dev/null) \
+    || echo "setup: libibverbs-dev not installed; the rdma transport will not be built" >&2
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip -q --disable-pip-version-check"
+# torch is pinned: 2.13.0 is the CPU wheel on local disk; any other version downloads gigabytes.
+stamp="$VENV/.ditorch-deps-$(sha1sum requirements.txt | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  $PIP install --upgrade pip setuptools wheel
+  $PIP install -r requirements.txt
+  touch "$stamp"
+fi
+# --no-build-isolation: an isolated build env would resolve (and download) another torch.
+$PIP install --no-build-isolation --no-deps -e . 2>&1 | grep -v -E '^\s*$' || true
+"$VENV/bin/python" -c "import ditorch" 
