@@ -1,0 +1,1 @@
+"""ditorch: train one model on a hyper-heterogeneous fleet."""
