@@ -1,0 +1,169 @@
+// The transport interface of DiComm: how bytes move between two ranks.
+//
+// The backend core (matching, collectives, staging, faults) is written against this header only.
+// A transport supplies, per backend instance, a `Transport` object that connects to peers
+// through the c10d store and yields one `Pair` per peer. A pair is a reliable, ordered,
+// message-oriented channel: every message is an `Envelope` (tag, size, dtype) followed by
+// `nbytes` of payload. The sending side hands a pointer to `Pair::send`; the receiving side's
+// transport asks the core's `Inbox` where the payload of each arriving envelope must land
+// (a posted receive buffer, or a fresh buffer for an unexpected message) and reports completion.
+//
+// Built-in transports: tcp (any peers), shm (same-host peers, cross-memory attach). The rdma
+// transport (csrc/comm/transport/rdma/) is compiled only when libibverbs is found.
+//
+// Rules every transport follows:
+//  - messages on one pair arrive in the order they were sent;
+//  - `Inbox::arrive` is called once per message, before any payload byte is written;
+//  - the `Landing::done` / `SendDone` callbacks run exactly once, on any thread, and must not
+//    be called with transport locks held that the core may need (the core may call `send`
+//    from inside a completion callback);
+//  - every error names the peer rank and the cause, e.g. "tcp: connection to rank 3 lost: EOF";
+//  - when a pair breaks, pending sends complete with an error and the transport calls
+//    `Inbox::peerFailed(peer, cause)` once.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace dicomm {
+
+// What precedes every message on the wire (after a transport's own framing, if any).
+struct Envelope {
+  uint64_t tag = 0;     // who the message is for: see csrc/comm/core/Tags.h
+  uint64_t nbytes = 0;  // payload size
+  int32_t dtype = -1;   // c10::ScalarType of the payload, -1 if untyped
+  uint32_t flags = 0;   // reserved for transports' use (e.g. rendezvous protocol); core ignores
+};
+static_assert(sizeof(Envelope) == 24, "Envelope is a wire format");
+
+// Memory a transport reads from or writes to.
+enum class MemoryKind : uint8_t {
+  kHost = 0,    // ordinary (possibly pinned) host memory
+  kDevice = 1,  // accelerator memory (only for a pair whose canAccessDevice() is true)
+};
+
+// Where an arriving message's payload goes; produced by the core's Inbox.
+struct Landing {
+  // Destination of the payload. nullptr: the core already rejected the message (e.g. a size or
+  // dtype mismatch, reported to the waiting op); the transport must consume and drop the payload
+  // so the stream stays in sync, then still call `done`.
+  void* data = nullptr;
+  // Bytes the destination can hold; the core guarantees capacity >= envelope.nbytes when
+  // data != nullptr (a transport never writes more than capacity).
+  size_t capacity = 0;
+  MemoryKind memory = MemoryKind::kHost;
+  // Called once the payload is fully in `data` (nullptr) or the transfer failed (the error).
+  std::function<void(std::exception_ptr)> done;
+};
+
+// The receiving half of the core, as a transport sees it.
+class Inbox {
+ public:
+  virtual ~Inbox() = default;
+  // A message from `peer` arrived; returns where its payload goes. Called on the transport's
+  // receive thread, in arrival order per pair. Never blocks on other messages.
+  virtual Landing arrive(int peer, const Envelope& envelope) = 0;
+  // The pair to `peer` broke (peer died, socket error, protocol error). Every op waiting on that
+  // peer fails with `cause`. Called at most once per pair, not during a local close().
+  virtual void peerFailed(int peer, const std::string& cause) = 0;
+};
+
+using SendDone = std::function<void(std::exception_ptr)>;
+
+// A connection to one peer.
+class Pair {
+ public:
+  virtual ~Pair() = default;
+  virtual int peer() const = 0;
+  virtual const char* transportName() const = 0;
+  // Whether send/Landing may point at device memory of `deviceType` (a c10::DeviceType value).
+  // tcp/shm: never (the core stages device tensors through host buffers unless the device's
+  // memory is host-addressable, in which case it passes MemoryKind::kHost pointers).
+  virtual bool canAccessDevice(int deviceType) const {
+    (void)deviceType;
+    return false;
+  }
+  // Queue `envelope` + `envelope.nbytes` bytes at `data` for the peer. `data` stays valid and
+  // unchanged until `done` runs. Thread-safe; messages leave in the order send() was called.
+  virtual void send(const Envelope& envelope, const void* data, MemoryKind memory,
+                    SendDone done) = 0;
+  // Stop threads and release the connection. Pending sends complete with an error that says the
+  // pair was closed locally; Inbox::peerFailed is not called. Idempotent.
+  virtual void close() = 0;
+};
+
+// What a transport needs to connect the ranks of one process group.
+struct TransportContext {
+  c10::intrusive_ptr<c10d::Store> store;  // the group's (prefixed) store
+  std::string keyPrefix;                  // prepend to every store key this transport uses
+  int rank = 0;
+  int size = 0;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  Inbox* inbox = nullptr;                 // outlives every Pair
+  std::string listenHost = "127.0.0.1";   // address to bind (DICOMM_LISTEN_HOST)
+  std::vector<uint8_t> authKey;           // shared secret peers must prove (from the store)
+};
+
+// One transport instance per process group. Typical lifetime:
+//   start(ctx)  -> open listeners, publish this rank's address under ctx.keyPrefix in the store
+//   connect(p)  -> for every peer p chosen to use this transport (both ranks of a pair call
+//                  connect for each other, in any order); blocks up to ctx.timeout and throws
+//                  std::runtime_error naming the peer if it never shows up
+//   ~Transport  -> after every Pair was closed
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  virtual void start(const TransportContext& context) = 0;
+  virtual std::unique_ptr<Pair> connect(int peer) = 0;
+};
+
+// Error thrown/reported by transports; what() names the peer.
+class TransportError : public std::runtime_error {
+ public:
+  TransportError(int peer, const std::string& what) : std::runtime_error(what), peer_(peer) {}
+  int peer() const { return peer_; }
+
+ private:
+  int peer_;
+};
+
+// ---- registry ----------------------------------------------------------------------------------
+
+struct TransportFactory {
+  // Whether this transport can run on this machine (e.g. a verbs device exists). Cheap, cached
+  // by the caller. A transport that is built but not usable is never chosen by `auto` and is an
+  // error when forced with DICOMM_TRANSPORT.
+  std::function<bool()> usable;
+  // Whether two ranks described by their host ids can use this transport with each other
+  // (shm: same host; tcp/rdma: always).
+  std::function<bool(const std::string& myHost, const std::string& peerHost)> reaches;
+  std::function<std::unique_ptr<Transport>()> create;
+  // Lower is preferred by `auto` (rdma 10, shm 20, tcp 30).
+  int preference = 100;
+};
+
+// Name -> factory for every transport compiled into this module.
+std::map<std::string, TransportFactory>& transportRegistry();
+
+struct TransportRegistrar {
+  TransportRegistrar(const std::string& name, TransportFactory factory) {
+    transportRegistry()[name] = std::move(factory);
+  }
+};
+
+}  // namespace dicomm
+
+// DICOMM_REGISTER_TRANSPORT(rdma, makeRdmaFactory()) in a transport's .cpp registers it at load.
+#define DICOMM_REGISTER_TRANSPORT(name, factory)                                    \
+  static ::dicomm::TransportRegistrar dicomm_transport_registrar_##name(#name, (factory))
