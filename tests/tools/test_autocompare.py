@@ -1,0 +1,138 @@
+"""autocompare must name a deliberately wrong kernel, save its inputs, and stay quiet on a
+correct model."""
+import csv
+import json
+
+import pytest
+import torch
+
+from ditorch import tools
+from ditorch.models import Llama, LlamaConfig
+from ditorch.tools import autocompare, replay
+
+from conftest import needs_dipu
+
+
+def _register_wrong_silu(lib):
+    """silu whose float32 kernel is 1% off (its float64 kernel, the reference, is right)."""
+    lib.define("silu(Tensor x) -> Tensor")
+
+    def kernel(x):
+        y = x * torch.sigmoid(x)
+        return y * 1.01 if x.dtype == torch.float32 else y
+
+    lib.impl("silu", kernel, "CPU")
+    return torch.ops.ditorch_tools_test.silu.default
+
+
+def test_finds_wrong_kernel_names_it_and_saves_inputs(test_library, tmp_path):
+    wrong = _register_wrong_silu(test_library)
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 8), torch.randn(8, 5)
+    with autocompare(reference="cpu", dtype=torch.float64, out_dir=tmp_path) as ac:
+        h = x @ w
+        y = wrong(h)
+        z = torch.softmax(y, -1).sum()
+    bad = ac.mismatches
+    assert [r.op for r in bad] == ["ditorch_tools_test::silu"]
+    assert {r.op for r in ac.results} >= {"aten::mm", "aten::_softmax", "aten::sum", "ditorch_tools_test::silu"}
+    # the reported error is the kernel's bug: 1% relative
+    assert bad[0].max_rel_err == pytest.approx(0.01, rel=1e-3)
+    saved = bad[0].inputs_saved
+    assert saved and (tmp_path / "mismatches").exists()
+    # the saved inputs are the op's real inputs: re-running the right computation on them
+    # gives the right answer, and replaying the capture reproduces the wrong output exactly
+    meta, args, kwargs, outputs = tools.load_capture(saved)
+    assert torch.equal(args[0], h)
+    assert torch.equal(outputs, y)
+    assert replay(saved).identical
+    # reports on exit
+    rows = list(csv.DictReader(open(tmp_path / "autocompare.csv")))
+    assert {"op", "max_abs_err", "max_rel_err", "cosine", "allclose"} <= set(rows[0])
+    assert [r["op"] for r in rows if r["allclose"] == "False"] == ["ditorch_tools_test::silu"]
+    assert len(json.loads((tmp_path / "autocompare.json").read_text())) == len(rows)
+    del z
+
+
+def test_raise_on_mismatch_and_per_op_tolerance(test_library):
+    wrong = _register_wrong_silu(test_library)
+    x = torch.randn(4, 4)
+    with pytest.raises(tools.MismatchError, match="ditorch_tools_test::silu"):
+        with autocompare(dtype=torch.float64, raise_on_mismatch=True, out_dir=None):
+            wrong(x)
+    # a tolerance loose enough for a 1% error, for this op and dtype only, accepts it
+    with autocompare(dtype=torch.float64, out_dir=None, tolerances={"silu": {torch.float32: (0.02, 1e-6)}}) as ac:
+        wrong(x)
+    assert ac.results and not ac.mismatches
+    with autocompare(dtype=torch.float64, out_dir=None, tolerances={"silu": {torch.float16: (0.02, 1e-6)}}) as ac:
+        wrong(x)
+    assert ac.mismatches
+
+
+def test_wrong_backward_kernel_is_found_in_the_backward_pass(test_library):
+    lib = test_library
+    lib.define("scale2(Tensor x) -> Tensor")
+    lib.define("scale2_backward(Tensor grad) -> Tensor")
+    lib.impl("scale2", lambda x: x * 2, "CPU")
+    lib.impl("scale2_backward", lambda g: g * (2.02 if g.dtype == torch.float32 else 2.0), "CPU")
+    ops = torch.ops.ditorch_tools_test
+
+    class Scale2(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return ops.scale2(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return ops.scale2_backward(g)
+
+    x = torch.randn(5, requires_grad=True)
+    with autocompare(dtype=torch.float64, out_dir=None) as ac:
+        Scale2.apply(x).pow(2).sum().backward()
+    [bad] = ac.mismatches
+    assert bad.op == "ditorch_tools_test::scale2_backward"
+    assert bad.phase == "backward" and bad.autograd_node.startswith("Scale2Backward")
+
+
+def test_no_false_alarm_on_the_llama_forward_and_backward():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32))
+    tokens = torch.randint(0, 64, (2, 17))
+    with autocompare(reference="cpu", dtype=torch.float64, out_dir=None) as ac:
+        model.loss(tokens).backward()
+    phases = {r.phase for r in ac.results}
+    assert phases == {"forward", "backward"}
+    assert any(r.op == "aten::mm" and r.phase == "backward" for r in ac.results)
+    assert not ac.mismatches, [str(tools.MismatchError(r)) for r in ac.mismatches[:3]]
+    assert all(r.cosine > 0.999 for r in ac.results if r.max_abs_err > 1e-6)
+
+
+def test_usable_as_decorator_and_state_accumulates():
+    ac = autocompare(ops="mm", out_dir=None)
+
+    @ac
+    def step(a, b):
+        return a @ b
+
+    step(torch.randn(3, 3), torch.randn(3, 3))
+    step(torch.randn(3, 3), torch.randn(3, 3))
+    assert [r.op for r in ac.results] == ["aten::mm", "aten::mm"]
+
+
+@needs_dipu
+def test_finds_wrong_dipu_kernel_against_cpu():
+    """An aten op overridden for the dipu (PrivateUse1) key with a wrong kernel, for this test only."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        def bad_softmax(x, dim, half_to_float):
+            out = torch.ops.aten._softmax.default(x.cpu(), dim, half_to_float) * 1.05
+            return out.to(x.device)
+
+        lib.impl("_softmax", bad_softmax, "PrivateUse1")
+        x = torch.randn(4, 8).to("dipu")
+        with autocompare(reference="cpu", out_dir=None) as ac:
+            (x @ x.T).softmax(-1)
+        assert [r.op for r in ac.mismatches] == ["aten::_softmax"]
+        assert any(r.op == "aten::mm" and r.allclose for r in ac.results)
+    finally:
+        lib._destroy()
