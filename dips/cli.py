@@ -1,0 +1,101 @@
+"""``ditorch ps leader|follower``: run the Di-PS leader or a follower PS.
+
+Also runnable as ``python -m dips.cli ...`` (the same arguments, without the ``ps``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", required=True, help="file holding the job's shared secret")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _add_commands(sub) -> None:
+    lead = sub.add_parser("leader", help="run the leader PS (control flow, gRPC)")
+    lead.add_argument("--bind", default="127.0.0.1:7000", help="HOST:PORT of the control service")
+    lead.add_argument("--followers", type=int, required=True, help="number of follower PSs")
+    lead.add_argument("--model", required=True, help="model config YAML (LlamaConfig fields)")
+    lead.add_argument("--mode", default="dips", choices=["dips", "sync", "async"],
+                      help="dips: grace time + penalty; sync: DiLoCo; async: async DiLoCo without penalty")
+    lead.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
+    lead.add_argument("--outer-lr", type=float, default=0.7)
+    lead.add_argument("--outer-momentum", type=float, default=0.8)
+    lead.add_argument("--alpha", type=float, default=0.02, help="EMA factor of the norm statistics")
+    lead.add_argument("--beta", type=float, default=3.0, help="outlier threshold scale")
+    lead.add_argument("--clip-norm", type=float, default=1.0, help="clip the averaged pseudo-gradient (<=0: off)")
+    lead.add_argument("--heartbeat", type=float, default=0.5, help="cluster heartbeat interval, seconds")
+    lead.add_argument("--token-budget", type=int, default=None, help="stop after this many consumed tokens")
+    lead.add_argument("--metadata", default="dips-leader.json", help="metadata checkpoint file")
+    lead.add_argument("--no-restart-followers", action="store_true",
+                      help="do not relaunch followers that stop heartbeating")
+    _common(lead)
+    lead.set_defaults(func=run_leader)
+
+    fol = sub.add_parser("follower", help="run a follower PS (data flow, ZeroMQ)")
+    fol.add_argument("--leader", default="127.0.0.1:7000", help="HOST:PORT of the leader")
+    fol.add_argument("--bind", default="127.0.0.1:7100", help="HOST:PORT of the data socket")
+    fol.add_argument("--checkpoint-dir", default=None, help="default: dips-follower-<port>")
+    fol.add_argument("--keep-checkpoints", type=int, default=3)
+    fol.add_argument("--index", type=int, default=None, help="slot to take (set by the leader on restart)")
+    _common(fol)
+    fol.set_defaults(func=run_follower)
+
+
+def register(subparsers) -> None:
+    """Add ``ps`` with its ``leader`` and ``follower`` subcommands to the ``ditorch`` parser."""
+    ps = subparsers.add_parser("ps", help="Di-PS parameter server (leader / follower)")
+    _add_commands(ps.add_subparsers(dest="ps_command", metavar="ROLE", required=True))
+
+
+def _serve(stop_fn) -> int:
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    stop_fn()
+    return 0
+
+
+def run_leader(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .auth import JobToken
+    from .leader import Leader, LeaderConfig
+    from .model import load_config
+
+    cfg = LeaderConfig(model=load_config(args.model), n_followers=args.followers, bind=args.bind, mode=args.mode,
+                       seed=args.seed, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                       alpha=args.alpha, beta=args.beta, clip_norm=args.clip_norm if args.clip_norm > 0 else None,
+                       heartbeat_s=args.heartbeat, token_budget=args.token_budget, metadata=args.metadata,
+                       restart_followers=not args.no_restart_followers)
+    leader = Leader(cfg, JobToken.from_file(args.token_file))
+    logging.getLogger("dips.leader").info("leader (%s) listening on %s for %d followers", args.mode,
+                                          leader.address, args.followers)
+    return _serve(leader.stop)
+
+
+def run_follower(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .auth import JobToken
+    from .follower import Follower
+
+    ckpt = args.checkpoint_dir or f"dips-follower-{args.bind.rsplit(':', 1)[1]}"
+    follower = Follower(args.leader, args.bind, JobToken.from_file(args.token_file), ckpt,
+                        keep_checkpoints=args.keep_checkpoints, index=args.index, token_file=args.token_file)
+    return _serve(follower.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dips.cli", description=__doc__.splitlines()[0])
+    _add_commands(parser.add_subparsers(dest="ps_command", metavar="ROLE", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""How a model's parameters are cut into layer units and spread over followers.
+
+A *unit* is the indivisible communication item of the paper's Appendix A: the parameters under
+one top-level module, or one element of a numbered container (``layers.3``). Units keep the
+order of ``named_parameters()``; followers own contiguous, even runs of units.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+WIRE_DTYPE = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    name: str
+    tensors: tuple[TensorSpec, ...]
+
+
+def unit_name(param_name: str) -> str:
+    parts = param_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if len(parts) > 1 else param_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayout:
+    units: tuple[Unit, ...]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelLayout":
+        groups: dict[str, list[TensorSpec]] = {}
+        for name, p in model.named_parameters():
+            groups.setdefault(unit_name(name), []).append(TensorSpec(name, tuple(p.shape)))
+        return cls(tuple(Unit(n, tuple(t)) for n, t in groups.items()))
+
+    @property
+    def fingerprint(self) -> str:
+        """Short hash of names and shapes: a client and the PS must agree on it."""
+        text = json.dumps([[t.name, list(t.shape)] for u in self.units for t in u.tensors])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def partition(self, n_followers: int) -> list[tuple[int, int]]:
+        """Contiguous even split: follower i owns units [start, stop)."""
+        n = len(self.units)
+        if not 1 <= n_followers <= n:
+            raise ValueError(f"{n_followers} followers for {n} layer units; expected 1..{n}")
+        base, extra = divmod(n, n_followers)
+        bounds, start = [], 0
+        for i in range(n_followers):
+            stop = start + base + (1 if i < extra else 0)
+            bounds.append((start, stop))
+            start = stop
+        return bounds
+
+    def owner_of_units(self, n_followers: int) -> list[int]:
+        dest = []
+        for i, (a, b) in enumerate(self.partition(n_followers)):
+            dest += [i] * (b - a)
+        return dest
+
+
+def pack_unit(tensors: list[torch.Tensor]) -> bytes:
+    """Concatenate tensors as BF16 bytes, the wire format of the data flow."""
+    flat = torch.cat([t.detach().reshape(-1).to(WIRE_DTYPE) for t in tensors])
+    return flat.view(torch.int16).numpy().tobytes()
+
+
+def unpack_unit(unit: Unit, payload: bytes | memoryview) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`pack_unit`; raises ValueError on a payload of the wrong size."""
+    expected = sum(t.numel for t in unit.tensors) * 2
+    if len(payload) != expected:
+        raise ValueError(f"unit {unit.name}: payload of {len(payload)} bytes; expected {expected}")
+    flat = torch.frombuffer(bytearray(payload), dtype=WIRE_DTYPE)
+    out, offset = {}, 0
+    for spec in unit.tensors:
+        out[spec.name] = flat[offset: offset + spec.numel].view(spec.shape)
+        offset += spec.numel
+    return out

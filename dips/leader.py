@@ -1,0 +1,497 @@
+"""Leader PS: the control flow of Di-PS (gRPC).
+
+It registers followers and clusters and watches their heartbeats, answers push requests with a
+per-cluster communication schedule (Appendix A), seals completed pushes with the followers,
+closes rounds after a grace time (Algorithm 1), runs the pseudo-gradient penalty, and tells the
+followers to apply the outer step. Every round's decision is logged in the metadata file (kept
+well under 100 KB), which is the commit point: a follower that restarts from an older checkpoint
+is brought forward by replaying logged decisions, and a restarted leader resumes from it.
+
+Modes share this code: ``dips`` (grace time + penalty), ``sync`` (DiLoCo: a round closes when
+every live cluster has pushed) and ``async`` (asynchronous DiLoCo: every push is applied at once,
+no penalty), so the baselines run under one harness.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .auth import JobToken
+from .grace import GraceEstimator
+from .layout import ModelLayout
+from .model import build_model
+from .penalty import PseudoGradientPenalty, token_weights
+from .rpc import RpcClient, RpcError, RpcServer
+from .schedule import greedy_schedule
+
+log = logging.getLogger("dips.leader")
+
+MODES = ("dips", "sync", "async")
+DECISION_LOG = 64
+PUSH_FATES = 256
+
+
+@dataclasses.dataclass
+class LeaderConfig:
+    model: dict
+    n_followers: int
+    bind: str = "127.0.0.1:7000"
+    mode: str = "dips"
+    seed: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.8
+    alpha: float = 0.02
+    beta: float = 3.0
+    clip_norm: float | None = 1.0
+    warmup_rounds: int = 3
+    initial_grace: float = 0.05
+    max_grace: float = 5.0
+    heartbeat_s: float = 0.5
+    follower_heartbeat_s: float = 0.25
+    push_timeout_s: float = 10.0
+    token_budget: int | None = None
+    metadata: str | None = None
+    restart_followers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}; expected one of {MODES}")
+        if self.n_followers < 1:
+            raise ValueError(f"n_followers={self.n_followers}; expected >= 1")
+
+
+@dataclasses.dataclass
+class FollowerRecord:
+    index: int
+    data: str
+    ctrl: str
+    ckpt_dir: str = ""
+    token_file: str = ""
+    version: int = -1
+    last_hb: float = 0.0
+    restarted_at: float = 0.0
+    client: RpcClient | None = None
+
+
+@dataclasses.dataclass
+class ClusterRecord:
+    id: str
+    base: int
+    tokens: int = 0
+    last_hb: float = 0.0
+
+
+@dataclasses.dataclass
+class PushRecord:
+    id: str
+    cluster: str
+    tokens: int
+    base: int
+    state: str = "requested"  # requested -> sealed -> applied | rejected ; or failed
+    norm: float = 0.0
+    version: int = -1
+    t: float = 0.0
+
+
+class Leader:
+    def __init__(self, config: LeaderConfig, token: JobToken):
+        self.cfg, self.token = config, token
+        self.layout = ModelLayout.of(build_model(config.model, config.seed))
+        self.partition = self.layout.partition(config.n_followers)
+        self.dest = self.layout.owner_of_units(config.n_followers)
+        self.cond = threading.Condition(threading.RLock())
+        self.followers: dict[int, FollowerRecord] = {}
+        self.clusters: dict[str, ClusterRecord] = {}
+        self.pushes: dict[str, PushRecord] = {}
+        self.collecting: list[str] = []
+        self.decisions: dict[int, dict] = {}
+        self.version = 0            # last decided version
+        self.complete = 0           # last version every follower has applied
+        self.tokens_total = 0
+        self.rounds_log: list[dict] = []  # per-round summary for benchmarks (not persisted)
+        self.last_seal = 0.0
+        self.penalty = PseudoGradientPenalty(config.alpha, config.beta, config.clip_norm, config.warmup_rounds)
+        self.grace = GraceEstimator(config.initial_grace, max_grace=config.max_grace)
+        self.children: list[subprocess.Popen] = []
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=max(4, config.n_followers))
+        self._load_metadata()
+        self.rpc = RpcServer("dips.Leader", {
+            "RegisterFollower": self._register_follower, "RegisterCluster": self._register_cluster,
+            "Heartbeat": self._heartbeat, "PushRequest": self._push_request, "PushDone": self._push_done,
+            "WaitPush": self._wait_push, "Status": self._status,
+        }, token, bind=config.bind, threads=16)
+        self.address = self.rpc.address
+        self._threads = [threading.Thread(target=f, daemon=True, name=f"dips-leader-{f.__name__}")
+                         for f in (self._round_loop, self._monitor_loop)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------ metadata
+    def _save_metadata(self) -> None:
+        if not self.cfg.metadata:
+            return
+        fates = [dataclasses.asdict(p) for p in self.pushes.values() if p.state != "requested"][-PUSH_FATES:]
+        meta = {
+            "version": self.version, "complete": self.complete, "tokens_total": self.tokens_total,
+            "decisions": {str(v): d for v, d in self.decisions.items()}, "collecting": self.collecting,
+            "clusters": [dataclasses.asdict(c) for c in self.clusters.values()], "pushes": fates,
+            "followers": [{k: getattr(f, k) for k in ("index", "data", "ctrl", "ckpt_dir", "token_file")}
+                          for f in self.followers.values()],
+            "penalty": self.penalty.state(), "grace": self.grace.state(),
+        }
+        path = Path(self.cfg.metadata)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, separators=(",", ":")))
+        os.replace(tmp, path)
+
+    def _load_metadata(self) -> None:
+        if not self.cfg.metadata or not Path(self.cfg.metadata).exists():
+            return
+        meta = json.loads(Path(self.cfg.metadata).read_text())
+        self.version, self.complete = meta["version"], meta["complete"]
+        self.tokens_total = meta["tokens_total"]
+        self.decisions = {int(v): d for v, d in meta["decisions"].items()}
+        self.collecting = list(meta["collecting"])
+        now = time.monotonic()
+        for c in meta["clusters"]:
+            self.clusters[c["id"]] = ClusterRecord(**{**c, "last_hb": now})
+        for p in meta["pushes"]:
+            self.pushes[p["id"]] = PushRecord(**p)
+        for f in meta["followers"]:
+            rec = FollowerRecord(**f, last_hb=now)
+            rec.client = RpcClient("dips.Follower", rec.ctrl, self.token)
+            self.followers[rec.index] = rec
+        self.penalty.load_state(meta["penalty"])
+        self.grace.load_state(meta["grace"])
+        log.info("leader resumed at version %d with %d clusters, %d pending pushes",
+                 self.version, len(self.clusters), len(self.collecting))
+
+    # ------------------------------------------------------------ handlers
+    def _register_follower(self, msg: dict) -> dict:
+        with self.cond:
+            index = msg.get("index")
+            if index is None:
+                free = [i for i in range(self.cfg.n_followers) if i not in self.followers]
+                if not free:
+                    raise ValueError(f"all {self.cfg.n_followers} follower slots are taken")
+                index = free[0]
+            index = int(index)
+            if not 0 <= index < self.cfg.n_followers:
+                raise ValueError(f"follower index {index}; expected 0..{self.cfg.n_followers - 1}")
+            old = self.followers.get(index)
+            if old is not None and old.client is not None:
+                old.client.close()
+            rec = FollowerRecord(index, msg["data"], msg["ctrl"], msg.get("ckpt_dir", ""),
+                                 msg.get("token_file", ""), int(msg.get("version", -1)), time.monotonic())
+            rec.client = RpcClient("dips.Follower", rec.ctrl, self.token)
+            self.followers[index] = rec
+            log.info("follower %d registered (data %s, version %d)", index, rec.data, rec.version)
+            return {"index": index, "model": self.cfg.model, "seed": self.cfg.seed,
+                    "units": list(self.partition[index]), "lr": self.cfg.outer_lr,
+                    "momentum": self.cfg.outer_momentum}
+
+    def _ready(self) -> bool:
+        return (len(self.followers) == self.cfg.n_followers
+                and all(f.version >= self.complete for f in self.followers.values()))
+
+    def _register_cluster(self, msg: dict) -> dict:
+        if msg.get("fingerprint") != self.layout.fingerprint:
+            raise ValueError(f"model fingerprint {msg.get('fingerprint')!r} does not match the PS model "
+                             f"({self.layout.fingerprint}); check the model config")
+        with self.cond:
+            if not self._ready():
+                return {"status": "not_ready"}
+            cid = str(msg.get("name") or uuid.uuid4().hex[:8])
+            self.clusters[cid] = ClusterRecord(cid, self.complete, last_hb=time.monotonic())
+            log.info("cluster %s joined at version %d", cid, self.complete)
+            self._save_metadata()
+            return {"status": "ok", "id": cid, "version": self.complete, "hb": self.cfg.heartbeat_s,
+                    **self._data_plan()}
+
+    def _data_plan(self) -> dict:
+        return {"followers": [self.followers[i].data for i in range(self.cfg.n_followers)],
+                "units": [list(b) for b in self.partition]}
+
+    def _heartbeat(self, msg: dict) -> dict:
+        now = time.monotonic()
+        with self.cond:
+            if msg["kind"] == "follower":
+                rec = self.followers.get(int(msg["id"]))
+                if rec is None:
+                    return {"known": False}
+                rec.last_hb, rec.version = now, int(msg["version"])
+                return {"known": True}
+            rec = self.clusters.get(str(msg["id"]))
+            if rec is None:
+                return {"known": False}
+            rec.last_hb = now
+            return {"known": True, "version": self.complete, "done": self._budget_done()}
+
+    def _budget_done(self) -> bool:
+        return self.cfg.token_budget is not None and self.tokens_total >= self.cfg.token_budget
+
+    def _push_request(self, msg: dict) -> dict:
+        cid = str(msg["id"])
+        with self.cond:
+            rec = self.clusters.get(cid)
+            if rec is None:
+                return {"status": "unknown"}
+            rec.last_hb = time.monotonic()
+            if self._budget_done():
+                return {"status": "done"}
+            if not self._ready():
+                return {"status": "not_ready"}
+            if "pull_s" in msg:
+                self._pull_s = float(msg["pull_s"])
+            workers = {int(w): [int(u) for u in units] for w, units in msg["workers"].items()}
+            held = sorted(u for units in workers.values() for u in units)
+            if held != list(range(len(self.layout.units))):
+                raise ValueError(f"push of cluster {cid} covers units {held}; expected all "
+                                 f"{len(self.layout.units)} units exactly once")
+            base = int(msg["base"])
+            if base != rec.base:
+                raise ValueError(f"cluster {cid} pushes against version {base}; the PS expects {rec.base}")
+            push = PushRecord(uuid.uuid4().hex[:12], cid, int(msg["tokens"]), base, t=time.monotonic())
+            self.pushes[push.id] = push
+            steps = greedy_schedule(workers, self.dest)
+            return {"status": "ok", "push": push.id, "schedule": steps}
+
+    def _push_done(self, msg: dict) -> dict:
+        with self.cond:
+            push = self.pushes.get(str(msg["push"]))
+            if push is None or push.cluster != str(msg["id"]) or push.state != "requested":
+                raise ValueError(f"push {msg['push']!r} of cluster {msg['id']!r} is not awaiting completion")
+            followers = [self.followers[i] for i in range(self.cfg.n_followers)]
+        replies = list(self._pool.map(lambda f: _try(f.client, "Seal", push=push.id), followers))
+        errors = [r.get("err", "unknown error") for r in replies if not r.get("ok")]
+        with self.cond:
+            if errors or push.state != "requested":
+                push.state = "failed"
+                self._pool.submit(self._discard, [push.id])
+                log.warning("push %s of cluster %s failed: %s", push.id, push.cluster, "; ".join(errors))
+                return {"status": "failed", "err": "; ".join(errors) or "cluster removed"}
+            push.state, push.norm = "sealed", sum(r["norm"] for r in replies)
+            self.collecting.append(push.id)
+            now = time.monotonic()
+            self.last_seal = now
+            self.grace.observe_arrival(now)
+            self.tokens_total += push.tokens
+            self.clusters[push.cluster].tokens += push.tokens
+            self._save_metadata()
+            self.cond.notify_all()
+            return {"status": "sealed"}
+
+    def _discard(self, pushes: list[str]) -> None:
+        for f in list(self.followers.values()):
+            _try(f.client, "Discard", pushes=pushes)
+
+    def _wait_push(self, msg: dict) -> dict:
+        deadline = time.monotonic() + min(float(msg.get("wait", 0)), 30.0)
+        with self.cond:
+            while True:
+                push = self.pushes.get(str(msg["push"]))
+                if push is None:
+                    return {"state": "unknown"}
+                if push.state in ("applied", "rejected") and self.complete >= push.version:
+                    return {"state": push.state, "version": push.version, "done": self._budget_done()}
+                if push.state == "failed":
+                    return {"state": "failed"}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"state": "pending"}
+                self.cond.wait(left)
+
+    def _status(self, msg: dict) -> dict:
+        with self.cond:
+            return {"version": self.version, "complete": self.complete, "tokens": self.tokens_total,
+                    "clusters": sorted(self.clusters), "followers": {str(i): f.version for i, f in self.followers.items()},
+                    "grace": round(self.grace.grace(), 4), "done": self._budget_done()}
+
+    # --------------------------------------------------------------- rounds
+    def _should_close(self, now: float) -> bool:
+        if not self.collecting or self.complete < self.version:
+            return False
+        if self.cfg.mode == "async":
+            return True
+        if self.cfg.mode == "sync":
+            pushed = {self.pushes[p].cluster for p in self.collecting}
+            return set(self.clusters) <= pushed
+        inflight = any(p.state == "requested" and now - p.t < self.cfg.push_timeout_s for p in self.pushes.values())
+        return not inflight and now - self.last_seal >= self.grace.grace()
+
+    def _round_loop(self) -> None:
+        while not self._stop.is_set():
+            with self.cond:
+                self.cond.wait(0.005)
+                if not self._should_close(time.monotonic()):
+                    continue
+                pushes = [self.pushes[p] for p in self.collecting]
+                self.collecting = []
+            try:
+                self._run_round(pushes)
+            except Exception:  # never let a round kill the leader; the pushes are retried
+                log.exception("round failed; its pushes go back to the next round")
+                with self.cond:
+                    self.collecting = [p.id for p in pushes] + self.collecting
+                time.sleep(0.2)
+
+    def _run_round(self, pushes: list[PushRecord]) -> None:
+        t0 = time.monotonic()
+        tokens = {p.id: p.tokens for p in pushes}
+        penalty_before = json.loads(json.dumps(self.penalty.state()))
+        if self.cfg.mode == "dips":
+            decision = self.penalty.decide({p.id: p.norm for p in pushes}, tokens)
+            accepted, rejected, weights = decision.accepted, decision.rejected, decision.weights
+        else:
+            accepted, rejected, weights = [p.id for p in pushes], [], token_weights(tokens)
+        scale = 1.0
+        if accepted and self.cfg.mode == "dips" and self.cfg.clip_norm is not None:
+            try:
+                sq = list(self._pool.map(lambda f: f.client.call("Prepare", timeout=30, weights=weights),
+                                         [self.followers[i] for i in range(self.cfg.n_followers)]))
+            except RpcError:
+                self.penalty.load_state(penalty_before)  # the round is retried: count its norms once
+                raise
+            scale = self.penalty.clip_scale(sum(r["sqnorm"] for r in sq) ** 0.5)
+        with self.cond:
+            if accepted:
+                self.version += 1
+                self.decisions[self.version] = {"weights": weights, "scale": scale, "drop": rejected}
+                for v in [v for v in self.decisions if v <= self.version - DECISION_LOG]:
+                    del self.decisions[v]
+            version = self.version
+            for p in pushes:
+                p.state, p.version = ("applied" if p.id in accepted else "rejected"), version
+                if p.cluster in self.clusters:
+                    self.clusters[p.cluster].base = version
+            self._save_metadata()  # commit point
+        if rejected:
+            log.warning("round %d rejected pushes %s (outliers)", version, rejected)
+        if accepted:
+            self._sync_followers()
+        else:
+            self._discard(rejected)
+        with self.cond:
+            self.complete = version if accepted else self.complete
+            self._save_metadata()
+            self.cond.notify_all()
+        self.grace.observe_cost(time.monotonic() - t0 + getattr(self, "_pull_s", 0.0))
+        self.rounds_log.append({"version": version, "t": time.time(), "accepted": len(accepted),
+                                "rejected": len(rejected), "clusters": [p.cluster for p in pushes],
+                                "grace": self.grace.grace(), "scale": scale})
+
+    def _keep_versions(self) -> list[int]:
+        keep = {self.version, self.complete}
+        keep |= {c.base for c in self.clusters.values()}
+        keep |= {self.pushes[p].base for p in self.collecting}
+        return sorted(keep)
+
+    def _sync_followers(self, deadline_s: float = 120.0) -> None:
+        """Bring every follower to ``self.version`` by applying logged decisions in order."""
+        deadline = time.monotonic() + deadline_s
+        while not self._stop.is_set():
+            with self.cond:
+                target = self.version
+                behind = [f for f in self.followers.values() if f.version < target]
+                keep = self._keep_versions()
+            if len(self.followers) == self.cfg.n_followers and not behind:
+                return
+            list(self._pool.map(lambda f: self._catch_up(f, target, keep), behind))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"followers {[f.index for f in behind]} did not reach version {target}")
+            with self.cond:
+                if any(f.version < target for f in self.followers.values()):
+                    self.cond.wait(0.1)
+
+    def _catch_up(self, f: FollowerRecord, target: int, keep: list[int]) -> None:
+        v = f.version
+        while v < target and v >= 0:
+            d = self.decisions.get(v + 1)
+            if d is None:
+                log.error("follower %d is at version %d but the decision log starts at %s", f.index, v,
+                          min(self.decisions, default=None))
+                return
+            try:
+                reply = f.client.call("Apply", timeout=60, version=v + 1, weights=d["weights"], scale=d["scale"],
+                                      drop=d["drop"], keep=keep)
+            except RpcError as exc:
+                log.warning("apply of version %d on follower %d failed: %s", v + 1, f.index, exc)
+                return
+            v = int(reply["version"])
+            with self.cond:
+                f.version = max(f.version, v)
+
+    # -------------------------------------------------------------- monitor
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(min(self.cfg.heartbeat_s, self.cfg.follower_heartbeat_s) / 2):
+            now = time.monotonic()
+            with self.cond:
+                gone = [c for c in self.clusters.values() if now - c.last_hb > 3 * self.cfg.heartbeat_s]
+                for c in gone:
+                    del self.clusters[c.id]
+                    log.warning("cluster %s removed: no heartbeat for 3 intervals", c.id)
+                    for p in self.pushes.values():
+                        if p.cluster == c.id and p.state == "requested":
+                            p.state = "failed"
+                if gone:
+                    self._save_metadata()
+                    self.cond.notify_all()
+                dead = [f for f in self.followers.values()
+                        if now - f.last_hb > 3 * self.cfg.follower_heartbeat_s and now - f.restarted_at > 10.0]
+                lagging = self.complete < self.version or any(f.version < self.complete for f in self.followers.values())
+            for f in dead:
+                self._restart_follower(f)
+            if lagging and len(self.followers) == self.cfg.n_followers:
+                try:
+                    self._sync_followers(deadline_s=0.5)
+                except TimeoutError:
+                    pass
+
+    def _restart_follower(self, f: FollowerRecord) -> None:
+        f.restarted_at = time.monotonic()
+        if not self.cfg.restart_followers or not f.ckpt_dir or not f.token_file:
+            log.error("follower %d stopped heartbeating; not restarting it (restart disabled or no launch info)",
+                      f.index)
+            return
+        log.warning("follower %d stopped heartbeating; restarting it from its latest checkpoint", f.index)
+        cmd = [sys.executable, "-m", "dips.cli", "follower", "--leader", self.address, "--bind", f.data,
+               "--token-file", f.token_file, "--checkpoint-dir", f.ckpt_dir, "--index", str(f.index)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                                         os.environ.get("PYTHONPATH")])))
+        self.children.append(subprocess.Popen(cmd, env=env))
+
+    def status(self) -> dict:
+        return self._status({})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.rpc.stop()
+        for t in self._threads:
+            t.join(timeout=5)
+        for child in self.children:
+            child.terminate()
+        for child in self.children:
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _try(client: RpcClient | None, name: str, **fields) -> dict:
+    if client is None:
+        return {"ok": False, "err": "follower not connected"}
+    try:
+        return client.call(name, timeout=30, **fields)
+    except RpcError as exc:
+        return {"ok": False, "err": str(exc)}

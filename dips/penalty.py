@@ -1,0 +1,108 @@
+"""Pseudo-gradient penalty of Di-PS (paper, 4.2): outlier filter, token weights, clipping.
+
+The leader keeps an exponentially weighted mean mu and deviation sigma of pseudo-gradient norms
+G (alpha = 0.02) and a bounded stack E of recent accepted scores. A cluster whose score
+E = (G - mu) / sigma exceeds beta * max(E) is an outlier and is left out of the update.
+Accepted pseudo-gradients are averaged with weights proportional to consumed tokens, and the
+average is clipped to norm ``clip_norm``.
+
+Two choices the paper leaves open, made here so the rule never misfires:
+- the threshold is beta * max(max(E), 1): in a healthy run the norms shrink, mu lags above them,
+  every score is negative and a bare beta * max(E) would be negative and reject normal pushes;
+  the floor of 1 makes the rule never stricter than a beta-sigma z-score test;
+- the first ``warmup`` rounds accept everything and seed mu and sigma with the plain mean and
+  standard deviation of the norms seen, since an EMA started from one sample has sigma = 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass
+class PenaltyDecision:
+    accepted: list[str]
+    rejected: list[str]
+    weights: dict[str, float]  # accepted push -> weight, summing to 1
+    scores: dict[str, float]
+
+
+class PseudoGradientPenalty:
+    def __init__(self, alpha: float = 0.02, beta: float = 3.0, clip_norm: float | None = 1.0,
+                 warmup: int = 3, stack_size: int = 32, score_floor: float = 1.0):
+        if not 0 < alpha < 1 or beta <= 0 or warmup < 1 or stack_size < 1:
+            raise ValueError(f"need 0 < alpha ({alpha}) < 1, beta ({beta}) > 0, warmup ({warmup}) >= 1, "
+                             f"stack_size ({stack_size}) >= 1")
+        if clip_norm is not None and clip_norm <= 0:
+            raise ValueError(f"clip_norm must be positive or None, got {clip_norm}")
+        self.alpha, self.beta, self.clip_norm = alpha, beta, clip_norm
+        self.warmup, self.score_floor = warmup, score_floor
+        self.mu: float | None = None
+        self.sigma: float = 0.0
+        self.seen: list[float] = []  # norms of the warm-up rounds
+        self.stack: deque[float] = deque(maxlen=stack_size)
+
+    def score(self, norm: float) -> float:
+        if self.mu is None or self.sigma <= 0:
+            return 0.0
+        return (norm - self.mu) / self.sigma
+
+    def threshold(self) -> float:
+        return self.beta * max(max(self.stack, default=self.score_floor), self.score_floor)
+
+    def decide(self, norms: Mapping[str, float], tokens: Mapping[str, float]) -> PenaltyDecision:
+        """Filter one round's pushes (``norms[p]`` = G of push p) and update the statistics."""
+        for p, g in norms.items():
+            if not math.isfinite(g) or g < 0:
+                raise ValueError(f"pseudo-gradient norm of push {p} is {g}; expected a finite value >= 0")
+        warming = self.mu is None
+        scores = {p: self.score(g) for p, g in norms.items()}
+        if warming:
+            accepted = list(norms)
+        else:
+            limit = self.threshold()
+            accepted = [p for p in norms if scores[p] <= limit]
+        rejected = [p for p in norms if p not in accepted]
+        for p in accepted:
+            self._observe(norms[p])
+            if not warming:
+                self.stack.append(scores[p])
+        return PenaltyDecision(accepted, rejected, token_weights({p: tokens[p] for p in accepted}), scores)
+
+    def _observe(self, g: float) -> None:
+        if self.mu is None:
+            self.seen.append(g)
+            if len(self.seen) >= self.warmup:
+                n = len(self.seen)
+                self.mu = sum(self.seen) / n
+                self.sigma = math.sqrt(sum((x - self.mu) ** 2 for x in self.seen) / max(n - 1, 1))
+            return
+        self.mu = self.alpha * g + (1 - self.alpha) * self.mu
+        self.sigma = math.sqrt((1 - self.alpha) * self.sigma ** 2 + self.alpha * (g - self.mu) ** 2)
+
+    def clip_scale(self, global_norm: float) -> float:
+        """Factor min(1, clip_norm / ||delta||) applied to the averaged pseudo-gradient."""
+        if self.clip_norm is None or global_norm <= self.clip_norm:
+            return 1.0
+        return self.clip_norm / global_norm
+
+    def state(self) -> dict:
+        return {"mu": self.mu, "sigma": self.sigma, "seen": self.seen, "stack": list(self.stack)}
+
+    def load_state(self, state: dict) -> None:
+        self.mu, self.sigma = state["mu"], state["sigma"]
+        self.seen = list(state["seen"])
+        self.stack.clear()
+        self.stack.extend(state["stack"])
+
+
+def token_weights(tokens: Mapping[str, float]) -> dict[str, float]:
+    """Weights T_j / sum T over the given pushes (equal weights when no tokens were reported)."""
+    total = float(sum(tokens.values()))
+    if not tokens:
+        return {}
+    if total <= 0:
+        return {p: 1.0 / len(tokens) for p in tokens}
+    return {p: float(t) / total for p, t in tokens.items()}
