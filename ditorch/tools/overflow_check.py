@@ -111,12 +111,11 @@ class overflow_check(ToolMode):
         self.overflows: list[Overflow] = []
 
     def handle(self, func, args, kwargs, call: OpCall):
-        # In-place ops overwrite their inputs: look at those (and copy them, if asked to save)
-        # before the op runs. Other ops are checked after the fact, which keeps the common
-        # path at one isfinite test per output.
+        # In-place ops overwrite their inputs: copy those before the op runs. Other ops are
+        # checked after the fact, which keeps the common path at one isfinite test per output.
         mutable = func._schema.is_mutable
-        before = _nonfinite_kinds((args, kwargs)) if mutable else None
-        inputs = to_host((args, kwargs)) if (mutable and self.out_dir is not None) else None
+        inputs = to_host((args, kwargs)) if mutable else None
+        before = _nonfinite_kinds(inputs) if mutable else None
         out = func(*args, **kwargs)
         out_nan, out_inf = _nonfinite_kinds(out)
         if not (out_nan or out_inf):
