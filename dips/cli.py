@@ -29,7 +29,7 @@ def _add_commands(sub) -> None:
     lead.add_argument("--alpha", type=float, default=0.02, help="EMA factor of the norm statistics")
     lead.add_argument("--beta", type=float, default=3.0, help="outlier threshold scale")
     lead.add_argument("--clip-norm", type=float, default=1.0, help="clip the averaged pseudo-gradient (<=0: off)")
-    lead.add_argument("--heartbeat", type=float, default=0.5, help="cluster heartbeat interval, seconds")
+    lead.add_argument("--heartbeat", type=float, default=1.0, help="cluster heartbeat interval, seconds")
     lead.add_argument("--token-budget", type=int, default=None, help="stop after this many consumed tokens")
     lead.add_argument("--metadata", default="dips-leader.json", help="metadata checkpoint file")
     lead.add_argument("--no-restart-followers", action="store_true",

@@ -40,7 +40,7 @@ class OuterClient:
     def __init__(self, model: torch.nn.Module, leader: str, inner_steps: int,
                  token_file: str | os.PathLike | None = None, token: JobToken | None = None,
                  name: str | None = None, process_group=None, heartbeat_s: float = 0.5,
-                 round_timeout_s: float = 60.0, transfer_timeout_s: float = 30.0):
+                 round_timeout_s: float = 60.0, transfer_timeout_s: float = 30.0, join: bool = True):
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps}; expected >= 1")
         if (token is None) == (token_file is None):
@@ -72,7 +72,8 @@ class OuterClient:
             self._socks: dict[str, zmq.Socket] = {}
             self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="dips-client-heartbeat")
             self._hb.start()
-        self._collective(self._join if self.rank == 0 else None)
+        if join:
+            self._collective(self._join if self.rank == 0 else None)
 
     # ----------------------------------------------------------- training API
     def step(self, tokens: int = 0) -> bool:
@@ -153,6 +154,7 @@ class OuterClient:
             return None
         self._leader_up.set()
         self.cluster_id, self.plan = reply["id"], reply
+        self.heartbeat_s = min(self.heartbeat_s, float(reply["hb"]))  # the leader's interval rules
         self.pending = None
         self._consumed = True
         new = self._pull(int(reply["version"]))
@@ -244,6 +246,18 @@ class OuterClient:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://{address}")
         return s
+
+    def fetch_global(self) -> int | None:
+        """Load the latest complete global parameters into the model (rank 0, no outer step)."""
+        st = self.leader.call("Plan")
+        self.plan = st
+        new = self._pull(int(st["version"]))
+        if new is None:
+            return None
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(new[n].to(p.dtype))
+        return int(st["version"])
 
     def _header(self, **fields) -> bytes:
         return json.dumps({"tok": self.token.secret, **fields}).encode()

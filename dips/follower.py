@@ -38,7 +38,7 @@ STALE_UNSEALED_S = 120.0
 
 class Follower:
     def __init__(self, leader: str, bind: str, token: JobToken, checkpoint_dir: str | os.PathLike,
-                 keep_checkpoints: int = 3, heartbeat_s: float = 0.25, index: int | None = None,
+                 keep_checkpoints: int = 3, heartbeat_s: float = 1.0, index: int | None = None,
                  token_file: str | os.PathLike | None = None):
         self.leader_addr, self.bind, self.token = leader, bind, token
         # what the leader needs to relaunch this follower from its checkpoint

@@ -55,8 +55,8 @@ class LeaderConfig:
     warmup_rounds: int = 3
     initial_grace: float = 0.05
     max_grace: float = 5.0
-    heartbeat_s: float = 0.5
-    follower_heartbeat_s: float = 0.25
+    heartbeat_s: float = 1.0
+    follower_heartbeat_s: float = 1.0
     push_timeout_s: float = 10.0
     token_budget: int | None = None
     metadata: str | None = None
@@ -119,6 +119,7 @@ class Leader:
         self.tokens_total = 0
         self.rounds_log: list[dict] = []  # per-round summary for benchmarks (not persisted)
         self.last_seal = 0.0
+        self.budget_reached_at: float | None = None
         self.penalty = PseudoGradientPenalty(config.alpha, config.beta, config.clip_norm, config.warmup_rounds)
         self.grace = GraceEstimator(config.initial_grace, max_grace=config.max_grace)
         self.children: list[subprocess.Popen] = []
@@ -128,7 +129,7 @@ class Leader:
         self.rpc = RpcServer("dips.Leader", {
             "RegisterFollower": self._register_follower, "RegisterCluster": self._register_cluster,
             "Heartbeat": self._heartbeat, "PushRequest": self._push_request, "PushDone": self._push_done,
-            "WaitPush": self._wait_push, "Status": self._status,
+            "WaitPush": self._wait_push, "Status": self._status, "Plan": self._plan,
         }, token, bind=config.bind, threads=16)
         self.address = self.rpc.address
         self._threads = [threading.Thread(target=f, daemon=True, name=f"dips-leader-{f.__name__}")
@@ -286,6 +287,8 @@ class Leader:
             self.last_seal = now
             self.grace.observe_arrival(now)
             self.tokens_total += push.tokens
+            if self._budget_done() and self.budget_reached_at is None:
+                self.budget_reached_at = time.time()
             self.clusters[push.cluster].tokens += push.tokens
             self._save_metadata()
             self.cond.notify_all()
@@ -310,6 +313,13 @@ class Leader:
                 if left <= 0:
                     return {"state": "pending"}
                 self.cond.wait(left)
+
+    def _plan(self, msg: dict) -> dict:
+        """Where to read the latest complete parameters from (observers: evaluation, tools)."""
+        with self.cond:
+            if not self._ready():
+                raise ValueError("followers are not ready yet")
+            return {"version": self.complete, **self._data_plan()}
 
     def _status(self, msg: dict) -> dict:
         with self.cond:

@@ -1,0 +1,139 @@
+"""Emulated training clusters on one machine: the shared harness of Di-PS tests and benchmarks.
+
+Each cluster is a process training the tiny LLaMA on a real text corpus (the English text of
+Python's own documentation topics, shipped with the standard library as ``pydoc_data``; bytes are
+tokens, vocabulary 256). Heterogeneity is emulated by pacing: an inner step of cluster ``i``
+takes ``step_s * (1 + delay_i)`` seconds (computation, then a sleep for the rest), so cluster
+speeds do not depend on how the machine's few cores happen to be shared.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def text_corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) byte tokens of the pydoc topics text (last 10% held out)."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode()
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(len(data) * 0.9)
+    return data[:cut], data[cut:]
+
+
+def sample_batch(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    idx = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+    return torch.stack([data[i: i + seq + 1] for i in idx.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: torch.Tensor, batches: int = 16, batch: int = 16, seq: int = 32) -> float:
+    """Mean next-byte loss on fixed held-out windows (same windows for every caller)."""
+    gen = torch.Generator().manual_seed(1234)
+    model.eval()
+    losses = [model.loss(sample_batch(data, batch, seq, gen)).item() for _ in range(batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@dataclasses.dataclass
+class ClusterSpec:
+    name: str
+    leader: str
+    token_file: str
+    model: dict
+    log: str
+    inner_steps: int = 16
+    batch: int = 8
+    seq: int = 32
+    inner_lr: float = 3e-3
+    step_s: float = 0.0          # paced duration of an inner step at delay 0 (0: unpaced)
+    delay: float = 0.0           # extra fraction of step_s (eta = 100 spreads these over 0..1)
+    max_steps: int = 10_000
+    seed: int = 0
+    poison_scale: float = 1.0    # != 1: push parameters scaled by this (a faulty cluster) ...
+    poison_from_step: int = 0    # ... from this inner step on
+    heartbeat_s: float = 1.0
+
+
+def run_cluster(spec: ClusterSpec) -> None:
+    """Train until the leader's token budget is spent (or ``max_steps``); log JSON lines."""
+    torch.set_num_threads(1)
+    from .auth import JobToken
+    from .client import OuterClient
+    from .model import build_model
+
+    train, _ = text_corpus()
+    model = build_model(spec.model, seed=1000 + spec.seed)  # replaced by the global parameters on join
+    client = OuterClient(model, spec.leader, spec.inner_steps, token=JobToken.from_file(spec.token_file),
+                         name=spec.name, heartbeat_s=spec.heartbeat_s)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.inner_lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(spec.seed)
+    with open(spec.log, "w") as log:
+        log.write(json.dumps({"event": "start", "t": time.time(), "base": client.base}) + "\n")
+        for step in range(spec.max_steps):
+            t0 = time.monotonic()
+            x = sample_batch(train, spec.batch, spec.seq, gen)
+            loss = model.loss(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if spec.step_s > 0:
+                time.sleep(max(0.0, spec.step_s * (1 + spec.delay) - (time.monotonic() - t0)))
+            if spec.poison_scale != 1.0 and step >= spec.poison_from_step and (step + 1) % spec.inner_steps == 0:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(spec.poison_scale)
+            updated = client.step(tokens=x[:, 1:].numel())
+            log.write(json.dumps({"t": time.time(), "step": step, "loss": round(loss.item(), 4),
+                                  "tokens": client.tokens_total, "updated": updated,
+                                  "base": client.base}) + "\n")
+            if client.done:
+                break
+        log.write(json.dumps({"event": "end", "t": time.time(), "stats": client.stats}) + "\n")
+    client.close()
+
+
+def start_cluster(spec: ClusterSpec):
+    """Run :func:`run_cluster` in a fresh process."""
+    import multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=run_cluster, args=(spec,), name=f"cluster-{spec.name}")
+    proc.start()
+    return proc
+
+
+def read_log(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def python_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+
+
+def start_follower(leader: str, bind: str, token_file: str, ckpt_dir: str, log_path: str | None = None) -> subprocess.Popen:
+    """A follower PS as its own process, started with the CLI."""
+    out = open(log_path, "a") if log_path else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "dips.cli", "follower", "--leader", leader, "--bind", bind,
+                             "--token-file", token_file, "--checkpoint-dir", ckpt_dir, "--log-level", "WARNING"],
+                            env=python_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
