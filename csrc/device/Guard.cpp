@@ -1,0 +1,81 @@
+#include "device/Guard.h"
+
+#include "device/Event.h"
+#include "device/Stream.h"
+#include "device/vendor/Vendor.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+namespace ditorch {
+namespace {
+
+thread_local int t_device = 0;
+
+class DipuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+ public:
+  static constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old = getDevice();
+    if (d.index() != old.index()) setCurrentDevice(d.index());
+    return old;
+  }
+  c10::Device getDevice() const override { return c10::Device(kType, static_cast<c10::DeviceIndex>(currentDevice())); }
+  void setDevice(c10::Device d) const override { setCurrentDevice(d.index()); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { t_device = d.index(); }
+  c10::Stream getStream(c10::Device d) const override { return currentStream(d.index()); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return defaultStream(d.index()); }
+  c10::Stream getNewStream(c10::Device d, int priority) const override { return newStream(d.index(), priority); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return newStream(d.index(), 0); }
+  c10::Stream exchangeStream(c10::Stream s) const override { return ditorch::exchangeStream(s); }
+  c10::DeviceIndex deviceCount() const noexcept override { return static_cast<c10::DeviceIndex>(ditorch::deviceCount()); }
+
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override { delete static_cast<Event*>(event); }
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag flag) const override {
+    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "event device index ", int(device_index),
+                " does not match the stream's dipu:", int(stream.device_index()));
+    if (!*event) *event = new Event();
+    recordEvent(*static_cast<Event*>(*event), stream, flag == c10::EventFlag::BACKEND_DEFAULT);
+  }
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event) blockStream(*static_cast<Event*>(event), stream);
+  }
+  bool queryEvent(void* event) const override { return !event || ditorch::queryEvent(*static_cast<Event*>(event)); }
+  void synchronizeEvent(void* event) const override {
+    if (event) ditorch::synchronizeEvent(*static_cast<Event*>(event));
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    TORCH_CHECK(start && end, "elapsed_time: both events must be recorded before measuring");
+    return elapsedMs(*static_cast<Event*>(start), *static_cast<Event*>(end));
+  }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream& stream) const override { vendor().synchronize(stream.device_index()); }
+  void synchronizeDevice(const c10::DeviceIndex device_index) const override { vendor().synchronize(device_index); }
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, DipuGuardImpl);
+
+}  // namespace
+
+int deviceCount() {
+  static int n = vendor().deviceCount();
+  return n;
+}
+
+int currentDevice() { return t_device; }
+
+void checkDevice(int device) {
+  TORCH_CHECK_INDEX(device >= 0 && device < deviceCount(), "dipu device index ", device,
+                    " is out of range; this process has ", deviceCount(), " dipu device(s) (valid: 0..",
+                    deviceCount() - 1, ")");
+}
+
+void setCurrentDevice(int device) {
+  checkDevice(device);
+  t_device = device;
+}
+
+}  // namespace ditorch

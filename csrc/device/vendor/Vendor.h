@@ -1,0 +1,41 @@
+#pragma once
+// The vendor interface: what a chip's runtime must provide for ditorch to run PyTorch on it.
+// In the spirit of DIPU's device APIs: raw memory, copies, streams/events, synchronisation and
+// the native device type whose ATen kernels the operator shim re-dispatches to.
+#include <c10/core/DeviceType.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace ditorch {
+
+enum class CopyKind { HostToDevice, DeviceToHost, DeviceToDevice };
+
+class Vendor {
+ public:
+  virtual ~Vendor() = default;
+  virtual const char* name() const = 0;
+  // ATen kernels of this backend run on the vendor's memory (zero-copy re-dispatch).
+  virtual c10::DeviceType kernelDeviceType() const = 0;
+  // Whether the host can dereference device pointers (then transports need no staging).
+  virtual bool hostAddressable() const = 0;
+  virtual int deviceCount() const = 0;
+
+  // Raw device memory; nullptr when the device is out of memory.
+  virtual void* malloc(std::size_t bytes, int device) = 0;
+  virtual void free(void* ptr, int device) = 0;
+  virtual void memcpy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int device) = 0;
+  virtual void synchronize(int device) = 0;
+
+  // Page-locked host memory for fast staging.
+  virtual void* mallocHost(std::size_t bytes) = 0;
+  virtual void freeHost(void* ptr) = 0;
+};
+
+// The process's vendor, chosen once (DITORCH_VENDOR, default "emu").
+Vendor& vendor();
+// Name -> vendor; throws with the known names when `name` is not built in.
+Vendor& selectVendor(const std::string& name);
+
+}  // namespace ditorch

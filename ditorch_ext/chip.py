@@ -1,0 +1,37 @@
+"""Which chip this process emulates: chosen by ``DITORCH_CHIP`` at import or ``set_chip()``."""
+from __future__ import annotations
+
+import os
+
+from ditorch_ext import _C
+from ditorch_ext.profiles import HOST, ChipProfile, memory_scale_from_env, resolve
+
+_current: tuple[ChipProfile, float] = (HOST, 1.0)
+
+
+def set_chip(chip: str | ChipProfile, memory_scale: float | None = None) -> ChipProfile:
+    """Make this process behave as ``chip`` (a profile name or a ChipProfile).
+
+    ``memory_scale`` multiplies the chip's memory (default: ``$DITORCH_MEMORY_SCALE`` or 1), so
+    a 96 GB chip can be emulated as 96 MB with ``memory_scale=0.001``.
+    """
+    global _current
+    profile = resolve(chip)
+    scale = memory_scale_from_env() if memory_scale is None else float(memory_scale)
+    if not scale > 0:
+        raise ValueError(f"memory_scale={memory_scale!r} is invalid; expected a positive number")
+    capacity = 0 if profile is HOST else profile.capacity_bytes(scale)
+    _C.set_chip_profile(profile.name, capacity, profile.slowdown, profile.matmul_mantissa_bits, profile.flush_denormals)
+    _current = (profile, scale)
+    return profile
+
+
+def current() -> tuple[ChipProfile, float]:
+    """The active profile and memory scale."""
+    return _current
+
+
+def configure_from_env() -> None:
+    """Apply ``DITORCH_CHIP`` / ``DITORCH_MEMORY_SCALE`` / ``DITORCH_EMU_UNSUPPORTED_OPS``."""
+    set_chip(os.environ.get("DITORCH_CHIP") or "host")
+    _C.set_unsupported_ops(os.environ.get("DITORCH_EMU_UNSUPPORTED_OPS", ""))

@@ -1,0 +1,242 @@
+"""``torch.dipu``: the dipu device's module, in the shape of ``torch.cuda``."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from ditorch_ext import _C, chip as _chip
+
+Device = Union[int, str, torch.device, None]
+_PRIVATE_USE1 = 20  # c10::DeviceType::PrivateUse1, as torch.Stream wants it
+
+
+def _index(device: Device = None) -> int:
+    """Resolve a device argument to an index, with clear errors for the wrong device."""
+    if device is None:
+        return _C.current_device()
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "dipu":
+            raise ValueError(f"expected a dipu device, got {device}")
+        return _C.current_device() if device.index is None else device.index
+    if isinstance(device, int) and not isinstance(device, bool):
+        if not 0 <= device < _C.device_count():
+            raise IndexError(
+                f"dipu device index {device} is out of range; this process has {_C.device_count()} dipu device(s)"
+            )
+        return device
+    raise TypeError(f"expected a dipu device (int, str or torch.device), got {device!r}")
+
+
+def is_available() -> bool:
+    return _C.device_count() > 0
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def _lazy_init() -> None:
+    """Nothing to do: the runtime is ready once ``import ditorch`` returns."""
+
+
+def device_count() -> int:
+    return _C.device_count()
+
+
+def current_device() -> int:
+    return _C.current_device()
+
+
+def set_device(device: Device) -> None:
+    _C.set_device(_index(device))
+
+
+def is_host_addressable() -> bool:
+    """Whether a dipu tensor's ``data_ptr()`` is a host pointer (true for the emu vendor)."""
+    return _C.host_addressable()
+
+
+@contextlib.contextmanager
+def device(device: Device) -> Iterator[None]:
+    """Make ``device`` current inside the block."""
+    previous = _C.current_device()
+    _C.set_device(_index(device))
+    try:
+        yield
+    finally:
+        _C.set_device(previous)
+
+
+def synchronize(device: Device = None) -> None:
+    """Wait for all work queued on ``device``."""
+    _C.synchronize(_index(device))
+
+
+def Stream(device: Device = None, priority: int = 0) -> torch.Stream:  # noqa: N802 (mirrors torch.cuda.Stream)
+    """A new dipu stream. A plain ``torch.Stream``: PyTorch's stream APIs accept only that type."""
+    return torch.Stream(device=torch.device("dipu", _index(device)), priority=priority)
+
+
+def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:  # noqa: N802
+    """A new dipu event. A plain ``torch.Event``: ``elapsed_time`` accepts only that type."""
+    return torch.Event(device=torch.device("dipu", _C.current_device()), enable_timing=enable_timing,
+                       blocking=blocking, interprocess=interprocess)
+
+
+def current_stream(device: Device = None) -> torch.Stream:
+    return torch.accelerator.current_stream(_index(device))
+
+
+def default_stream(device: Device = None) -> torch.Stream:
+    return torch.Stream(stream_id=0, device_index=_index(device), device_type=_PRIVATE_USE1)
+
+
+def set_stream(stream: torch.Stream) -> None:
+    torch.accelerator.set_stream(stream)
+
+
+@contextlib.contextmanager
+def stream(stream: Optional[torch.Stream]) -> Iterator[None]:
+    """Make ``stream`` current (on its device) inside the block; ``None`` is a no-op."""
+    if stream is None:
+        yield
+        return
+    previous = torch.accelerator.current_stream(stream.device_index)
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
+
+
+# -- memory -------------------------------------------------------------------------------
+
+
+def memory_stats(device: Device = None) -> dict[str, int]:
+    return dict(_C.memory_stats(_index(device)))
+
+
+def memory_allocated(device: Device = None) -> int:
+    return _C.memory_stats(_index(device))["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: Device = None) -> int:
+    return _C.memory_stats(_index(device))["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: Device = None) -> int:
+    return _C.memory_stats(_index(device))["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: Device = None) -> int:
+    return _C.memory_stats(_index(device))["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: Device = None) -> None:
+    _C.reset_peak_memory_stats(_index(device))
+
+
+def empty_cache() -> None:
+    """Return cached, unused device memory to the vendor."""
+    _C.empty_cache()
+
+
+def mem_get_info(device: Device = None) -> tuple[int, int]:
+    """(free, total) bytes of the emulated chip's capacity."""
+    total = get_device_properties(device).total_memory
+    return total - memory_reserved(device), total
+
+
+# -- random numbers -------------------------------------------------------------------------
+
+
+def manual_seed(seed: int) -> None:
+    _C.manual_seed(_C.current_device(), int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    for d in range(_C.device_count()):
+        _C.manual_seed(d, int(seed))
+
+
+def seed() -> None:
+    _C.seed(_C.current_device())
+
+
+def seed_all() -> None:
+    for d in range(_C.device_count()):
+        _C.seed(d)
+
+
+def initial_seed() -> int:
+    return _C.initial_seed(_C.current_device())
+
+
+def get_rng_state(device: Device = "dipu") -> torch.Tensor:
+    return _C.get_rng_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device: Device = "dipu") -> None:
+    _C.set_rng_state(_index(device), new_state.contiguous())
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [_C.get_rng_state(d) for d in range(_C.device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for d, state in enumerate(new_states):
+        set_rng_state(state, d)
+
+
+# -- properties -----------------------------------------------------------------------------
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.float16, torch.bfloat16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    vendor: str
+    chip: str
+    total_memory: int
+    relative_speed: float
+    chips_per_node: int
+    nics_per_node: int
+    matmul_mantissa_bits: int
+    flush_denormals: bool
+
+
+def get_device_properties(device: Device = None) -> DeviceProperties:
+    _index(device)
+    profile, scale = _chip.current()
+    return DeviceProperties(
+        name=f"{_C.vendor_name()} chip {profile.name}",
+        vendor=_C.vendor_name(),
+        chip=profile.name,
+        total_memory=profile.capacity_bytes(scale),
+        relative_speed=profile.relative_speed,
+        chips_per_node=profile.chips_per_node,
+        nics_per_node=profile.nics_per_node,
+        matmul_mantissa_bits=profile.matmul_mantissa_bits,
+        flush_denormals=profile.flush_denormals,
+    )
+
+
+def get_device_name(device: Device = None) -> str:
+    return get_device_properties(device).name
