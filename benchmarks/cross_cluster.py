@@ -62,8 +62,14 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path) -> dic
     delays = [args.eta / 100 * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
     specs = [ClusterSpec(name=f"c{i}", leader=leader.address, token_file=token_file, model=model_cfg,
                          log=str(work / f"c{i}.jsonl"), inner_steps=args.inner_steps, batch=args.batch, seq=args.seq,
-                         inner_lr=args.inner_lr, step_s=step_s, delay=d, seed=i) for i, d in enumerate(delays)]
+                         inner_lr=args.inner_lr, step_s=step_s, delay=d, seed=i, go_file=str(work / "go"))
+             for i, d in enumerate(delays)]
     procs = [start_cluster(s) for s in specs]
+    while not all(Path(s.log).exists() and Path(s.log).read_text().strip() for s in specs):
+        if not all(p.is_alive() for p in procs):
+            raise RuntimeError(f"a cluster process died during start-up; see {work}")
+        time.sleep(0.2)
+    (work / "go").touch()  # all clusters joined: start the clock together
     t_start = time.time()
     deadline = t_start + args.timeout
     last = 0.0
@@ -79,8 +85,7 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path) -> dic
         if p.is_alive():
             p.terminate()
     logs = {s.name: read_log(s.log) for s in specs}
-    starts = [l[0]["t"] for l in logs.values() if l and l[0].get("event") == "start"]
-    t0 = max(starts)  # every cluster has joined and holds theta_0
+    t0 = t_start
     t_end = leader.budget_reached_at or time.time()
     tokens = leader.tokens_total
     observer = build_model(model_cfg, 0)

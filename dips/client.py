@@ -94,6 +94,21 @@ class OuterClient:
             self._cluster_tokens = self.tokens_pending
         return self._collective(self._outer_step if self.rank == 0 else None)
 
+    def join(self, timeout_s: float = 30.0) -> bool:
+        """(Re)join the PS, retrying until ``timeout_s``; collective over the cluster's ranks.
+
+        Returns True once the model holds the global parameters of its base version.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            joined = self._collective(self._join if self.rank == 0 else None)
+            flag = torch.tensor([joined or time.monotonic() > deadline], dtype=torch.int64)
+            if self.distributed and dist.get_world_size(self.group) > 1:
+                dist.broadcast(flag, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            if flag[0]:
+                return joined
+            time.sleep(0.2)
+
     def close(self) -> None:
         self._stop.set()
         if self.rank == 0:

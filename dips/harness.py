@@ -64,28 +64,50 @@ class ClusterSpec:
     poison_scale: float = 1.0    # != 1: push parameters scaled by this (a faulty cluster) ...
     poison_from_step: int = 0    # ... from this inner step on
     heartbeat_s: float = 1.0
+    go_file: str | None = None   # wait for this file to exist before training (a common start)
+    dp: int = 1                  # data-parallel ranks inside the cluster (processes)
+    backend: str = "gloo"        # torch.distributed backend inside the cluster ("dicomm" once built)
+    dist_port: int = 0
 
 
-def run_cluster(spec: ClusterSpec) -> None:
-    """Train until the leader's token budget is spent (or ``max_steps``); log JSON lines."""
+def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
+    """Train until the leader's token budget is spent (or ``max_steps``); rank 0 logs JSON lines.
+
+    With ``spec.dp > 1`` this is one data-parallel rank: gradients are all-reduced with
+    ``spec.backend`` and the OuterClient's rank 0 speaks for the cluster.
+    """
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     from .auth import JobToken
     from .client import OuterClient
     from .model import build_model
 
+    if spec.dp > 1:
+        dist.init_process_group(spec.backend, init_method=f"tcp://127.0.0.1:{spec.dist_port}", rank=rank,
+                                world_size=spec.dp)
     train, _ = text_corpus()
     model = build_model(spec.model, seed=1000 + spec.seed)  # replaced by the global parameters on join
     client = OuterClient(model, spec.leader, spec.inner_steps, token=JobToken.from_file(spec.token_file),
-                         name=spec.name, heartbeat_s=spec.heartbeat_s)
+                         name=spec.name, heartbeat_s=spec.heartbeat_s, join=False)
+    if not client.join(timeout_s=120.0):
+        raise RuntimeError(f"cluster {spec.name} could not join the PS at {spec.leader}")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.inner_lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(spec.seed)
-    with open(spec.log, "w") as log:
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
+    with open(spec.log if rank == 0 else os.devnull, "w", buffering=1) as log:
+        log.write(json.dumps({"event": "ready", "t": time.time(), "base": client.base}) + "\n")
+        while spec.go_file and not os.path.exists(spec.go_file):
+            time.sleep(0.05)
         log.write(json.dumps({"event": "start", "t": time.time(), "base": client.base}) + "\n")
         for step in range(spec.max_steps):
             t0 = time.monotonic()
             x = sample_batch(train, spec.batch, spec.seq, gen)
             loss = model.loss(x)
             loss.backward()
+            if spec.dp > 1:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(spec.dp)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if spec.step_s > 0:
@@ -100,17 +122,25 @@ def run_cluster(spec: ClusterSpec) -> None:
                                   "base": client.base}) + "\n")
             if client.done:
                 break
-        log.write(json.dumps({"event": "end", "t": time.time(), "stats": client.stats}) + "\n")
+        log.write(json.dumps({"event": "end", "t": time.time(), "stats": client.stats,
+                              "checksum": [float(p.detach().double().sum()) for p in model.parameters()]}) + "\n")
     client.close()
+    if spec.dp > 1:
+        dist.destroy_process_group()
 
 
 def start_cluster(spec: ClusterSpec):
-    """Run :func:`run_cluster` in a fresh process."""
+    """Run :func:`run_cluster` in fresh processes (one per data-parallel rank); returns rank 0's."""
     import multiprocessing as mp
 
-    proc = mp.get_context("spawn").Process(target=run_cluster, args=(spec,), name=f"cluster-{spec.name}")
-    proc.start()
-    return proc
+    if spec.dp > 1 and not spec.dist_port:
+        spec = dataclasses.replace(spec, dist_port=free_port())
+    procs = [mp.get_context("spawn").Process(target=run_cluster, args=(spec, r), name=f"cluster-{spec.name}-{r}")
+             for r in range(spec.dp)]
+    for p in procs:
+        p.start()
+    procs[0].ranks = procs
+    return procs[0]
 
 
 def read_log(path: str | os.PathLike) -> list[dict]:

@@ -1,0 +1,51 @@
+"""An in-process Di-PS (leader + followers as threads) for protocol tests."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from dips.auth import JobToken
+from dips.follower import Follower
+from dips.harness import free_port
+from dips.leader import Leader, LeaderConfig
+from dips.model import build_model, load_config
+
+from conftest import ROOT
+
+MODEL = load_config(ROOT / "examples/configs/llama-tiny.yaml")
+
+
+@contextlib.contextmanager
+def in_process_ps(tmp_path, n_followers: int = 2, **leader_kw):
+    token = JobToken.create(tmp_path / "job.key")
+    cfg = LeaderConfig(model=MODEL, n_followers=n_followers, bind="127.0.0.1:0",
+                       metadata=str(tmp_path / "leader.json"), restart_followers=False, **leader_kw)
+    leader = Leader(cfg, token)
+    followers = [Follower(leader.address, f"127.0.0.1:{free_port()}", token, tmp_path / f"f{i}")
+                 for i in range(n_followers)]
+    try:
+        yield leader, followers, token
+    finally:
+        for f in followers:
+            f.stop()
+        leader.stop()
+
+
+def global_params(leader, token) -> dict[str, torch.Tensor]:
+    from dips.client import OuterClient
+
+    model = build_model(MODEL, 0)
+    reader = OuterClient(model, leader.address, 1, token=token, join=False)
+    reader.fetch_global()
+    reader.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)

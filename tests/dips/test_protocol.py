@@ -1,0 +1,202 @@
+"""The PS end to end in one process: outer step against a hand-computed reference, joins,
+heartbeats, and the safety rules (token, validation, message sizes)."""
+import json
+import logging
+import os
+import time
+
+import pytest
+import torch
+import zmq
+
+from dips.auth import JobToken
+from dips.client import OuterClient
+from dips.layout import ModelLayout, pack_unit
+from dips.model import build_model
+from dips.rpc import RpcClient, RpcError
+
+from pscluster import MODEL, global_params, in_process_ps, wait_for
+
+
+def perturb(model, seed, scale=0.01):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def test_outer_steps_match_reference(tmp_path):
+    """Two outer rounds of one cluster reproduce: pseudo-gradient on BF16 values, clip to norm 1,
+    torch.optim.SGD(nesterov) with lr 0.7, momentum 0.8, BF16 on the wire, local residue kept."""
+    theta = {n: p.detach().clone() for n, p in build_model(MODEL, 0).named_parameters()}
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in theta.items()}
+    sgd = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.8, nesterov=True)
+    with in_process_ps(tmp_path) as (leader, _, token):
+        model = build_model(MODEL, 99)
+        client = OuterClient(model, leader.address, inner_steps=1, token=token, name="c")
+        for n, p in model.named_parameters():  # joined: holds BF16 of theta_0
+            torch.testing.assert_close(p.detach(), theta[n].bfloat16().float(), rtol=0, atol=0)
+        for rnd in range(2):
+            base = {n: r.detach().bfloat16().float() for n, r in ref.items()}
+            perturb(model, rnd)
+            local = {n: p.detach().clone() for n, p in model.named_parameters()}
+            delta = {n: base[n] - local[n].bfloat16().float() for n in base}
+            norm = torch.sqrt(sum((d.double() ** 2).sum() for d in delta.values())).item()
+            scale = min(1.0, 1.0 / norm)
+            for n, r in ref.items():
+                r.grad = delta[n] * scale
+            sgd.step()
+            assert client.step(tokens=100)
+            for n, p in model.named_parameters():
+                expected = ref[n].detach().bfloat16().float() + (local[n] - local[n].bfloat16().float())
+                torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+        assert leader.status()["version"] == 2
+        client.close()
+
+
+def test_new_cluster_starts_from_latest_global(tmp_path):
+    with in_process_ps(tmp_path) as (leader, _, token):
+        a = build_model(MODEL, 1)
+        ca = OuterClient(a, leader.address, inner_steps=1, token=token, name="a")
+        for i in range(3):
+            perturb(a, i)
+            ca.step(tokens=10)
+        b = build_model(MODEL, 2)
+        cb = OuterClient(b, leader.address, inner_steps=1, token=token, name="b")
+        assert cb.base == 3
+        latest = global_params(leader, token)
+        for n, p in b.named_parameters():
+            assert torch.equal(p.detach(), latest[n])
+        ca.close()
+        cb.close()
+
+
+def test_silent_cluster_removed_after_three_intervals(tmp_path):
+    with in_process_ps(tmp_path, heartbeat_s=0.3) as (leader, _, token):
+        c = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="quiet")
+        time.sleep(1.2)  # heartbeats keep it registered well past 3 intervals
+        assert "quiet" in leader.status()["clusters"]
+        c.close()        # stops heartbeating
+        t0 = time.monotonic()
+        wait_for(lambda: "quiet" not in leader.status()["clusters"], 5, "removal")
+        gone = time.monotonic() - t0
+        assert 0.6 <= gone <= 0.9 + 1.0, gone  # > 3 intervals since the last beat (<= 1 interval before close)
+
+
+def test_sync_round_waits_for_all_then_for_removal(tmp_path):
+    """Sync DiLoCo closes a round only when every live cluster pushed; a dead one is dropped."""
+    with in_process_ps(tmp_path, mode="sync", heartbeat_s=0.3) as (leader, _, token):
+        a = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="a",
+                        round_timeout_s=0.5)
+        b = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="b")
+        assert not a.step(tokens=1)       # b has not pushed: the round stays open
+        assert leader.status()["version"] == 0 and a.pending is not None
+        b.close()                          # b dies; after 3 intervals it is removed and the round closes
+        wait_for(lambda: leader.status()["complete"] == 1, 5, "round to close")
+        perturb(a.model, 0)
+        assert a.step(tokens=1)            # resolves the pending push (pulls version 1) ...
+        assert a.base == 1
+        a.close()
+
+
+def test_wrong_token_refused_and_logged(tmp_path, caplog):
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        with caplog.at_level(logging.WARNING, logger="dips.auth"):
+            bad = RpcClient("dips.Leader", leader.address, JobToken("x" * 32))
+            with pytest.raises(RpcError, match="PERMISSION_DENIED"):
+                bad.call("Status")
+            with pytest.raises(RpcError, match="PERMISSION_DENIED"):
+                RpcClient("dips.Follower", followers[0].rpc.address, JobToken("y" * 32)).call("Status")
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.connect(f"tcp://{followers[0].bind}")
+            sock.send_multipart([json.dumps({"tok": "z" * 32, "op": "pull", "version": 0, "units": [0],
+                                             "req": "r"}).encode()])
+            assert sock.poll(5000)
+            reply = json.loads(sock.recv_multipart()[0])
+            sock.close(0)
+        assert reply["ok"] is False and "token" in reply["err"]
+        assert sum("refused" in r.message for r in caplog.records) >= 3
+        with pytest.raises(ValueError, match="at least 16"):
+            JobToken("short")
+
+
+def _raw_push(client, leader_version_check, units_to_send, mutate=None):
+    """Request a push and send ``units_to_send`` by hand (possibly mutated); return PushDone's reply."""
+    reply = client.leader.call("PushRequest", id=client.cluster_id, tokens=1, base=client.base,
+                               workers={"0": list(range(len(client.layout.units)))})
+    push = reply["push"]
+    acks = []
+    for unit in units_to_send:
+        spec = client.layout.units[unit]
+        names = [t.name for t in spec.tensors]
+        shapes = [list(t.shape) for t in spec.tensors]
+        tensors = [client.params[n].detach() for n in names]
+        header = dict(op="push", push=push, cluster=client.cluster_id, base=client.base, unit=unit, names=names,
+                      shapes=shapes, dtype="bfloat16", req=f"{push}:{unit}")
+        payload = pack_unit(tensors)
+        if mutate:
+            header, payload = mutate(header, payload)
+        addr = client.plan["followers"][0 if unit < client.plan["units"][0][1] else 1]
+        client._sock(addr).send_multipart([client._header(**header), payload])
+        acks += [h for h, _ in client._replies(addr, {header["req"]})]
+    return acks, client.leader.call("PushDone", id=client.cluster_id, push=push)
+
+
+@pytest.mark.parametrize("case", ["partial", "shape", "names", "nan", "size"])
+def test_malformed_push_rejected_state_unchanged(tmp_path, case):
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        model = build_model(MODEL, 3)
+        c = OuterClient(model, leader.address, inner_steps=1, token=token, name="c")
+        before = global_params(leader, token)
+        units = list(range(len(c.layout.units)))
+        mutate = None
+        if case == "partial":
+            units = units[:-1]
+        elif case == "shape":
+            mutate = lambda h, p: ({**h, "shapes": [[s[0] + 1, *s[1:]] for s in h["shapes"]]}, p)  # noqa: E731
+        elif case == "names":
+            mutate = lambda h, p: ({**h, "names": list(reversed(h["names"]))}, p)  # noqa: E731
+        elif case == "size":
+            mutate = lambda h, p: (h, p[:-2])  # noqa: E731
+        elif case == "nan":
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        acks, done = _raw_push(c, None, units, mutate)
+        assert done["status"] == "failed", done
+        if case != "partial":
+            assert any(not a["ok"] for a in acks)
+        else:
+            assert "partial" in done["err"]
+        time.sleep(0.1)
+        assert leader.status()["version"] == 0
+        after = global_params(leader, token)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert all(not f.sealed for f in followers)
+        c.close()
+
+
+def test_control_messages_small_and_metadata_under_100kb(tmp_path):
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        model = build_model(MODEL, 4)
+        c = OuterClient(model, leader.address, inner_steps=1, token=token, name="c")
+        for i in range(4):
+            perturb(model, i)
+            assert c.step(tokens=1000)
+        assert leader.rpc.stats.count > 10
+        assert leader.rpc.stats.max_bytes < 1024
+        assert max(f.rpc.stats.max_bytes for f in followers) < 1024
+        assert os.path.getsize(tmp_path / "leader.json") < 100_000
+        c.close()
+
+
+def test_servers_bind_loopback_by_default():
+    import inspect
+
+    from dips.cli import main  # noqa: F401
+    from dips.leader import LeaderConfig
+
+    assert LeaderConfig(model=MODEL, n_followers=1).bind.startswith("127.0.0.1:")
+    from dips import cli
+
+    src = inspect.getsource(cli)
+    assert 'default="127.0.0.1:7000"' in src and 'default="127.0.0.1:7100"' in src
