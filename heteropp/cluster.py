@@ -1,0 +1,283 @@
+"""Chip types, links and a cluster description (``cluster.yaml``).
+
+A cluster names chip types; each has a count, memory, chips per node, a TP limit, its
+intra-node (TP collective) and HBM bandwidth, its affinity-NIC bandwidth, and either
+measured per-TP-size layer timings or a spec to derive them (sustained TFLOPS, or a measured
+homogeneous throughput to calibrate against). ``links`` gives the bandwidth and latency
+between nodes of one cluster and between clusters (each chip type sits in its own cluster).
+
+Units in YAML: memory in GB (1e9 bytes), bandwidth in GB/s, latency in microseconds, times
+in milliseconds. Inside the code everything is bytes, bytes/s and seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSpec:
+    """An alpha-beta link: a message of n bytes takes ``latency + n / bandwidth`` seconds."""
+
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"link latency must be >= 0 s, got {self.latency!r}")
+
+    def transfer_time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "LinkSpec":
+        _check_keys(d, {"bandwidth_gbps", "latency_us"}, {"bandwidth_gbps"}, where)
+        return cls(bandwidth=float(d["bandwidth_gbps"]) * GB, latency=float(d.get("latency_us", 0.0)) * 1e-6)
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_gbps": self.bandwidth / GB, "latency_us": self.latency * 1e6}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A measured homogeneous run the chip's sustained speed is derived from (Table 6)."""
+
+    tgs: float  # tokens per chip per second
+    pp: int
+    dp: int
+    tp: int
+    recompute: bool
+    gbs_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """One chip type of the cluster."""
+
+    name: str
+    count: int
+    memory: float  # bytes per chip
+    chips_per_node: int
+    tp_max: int
+    intra_node_bandwidth: float  # bytes/s per chip for TP collectives
+    hbm_bandwidth: float  # bytes/s
+    nic_bandwidth: float  # bytes/s of the chip's affinity NIC
+    usable_memory_fraction: float = 0.9
+    effective_tflops: float | None = None
+    calibration: Calibration | None = None
+    measured_ms: dict | None = None  # {tp: {"fwd":..,"bwd":..,"recompute":..,"update":..}}
+    peak_tflops: float | None = None  # nominal, for reporting MFU only
+
+    def __post_init__(self) -> None:
+        def positive(field: str, value: Any, integer: bool = False) -> None:
+            ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+            if not ok or isinstance(value, bool) or value <= 0:
+                kind = "a positive integer" if integer else "a positive number"
+                raise ValueError(f"chip {self.name!r}: {field} must be {kind}, got {value!r}")
+
+        positive("count", self.count, integer=True)
+        positive("memory", self.memory)
+        positive("chips_per_node", self.chips_per_node, integer=True)
+        positive("tp_max", self.tp_max, integer=True)
+        if self.tp_max & (self.tp_max - 1):
+            raise ValueError(f"chip {self.name!r}: tp_max must be a power of two, got {self.tp_max}")
+        for f in ("intra_node_bandwidth", "hbm_bandwidth", "nic_bandwidth"):
+            positive(f, getattr(self, f))
+        if not 0 < self.usable_memory_fraction <= 1:
+            raise ValueError(
+                f"chip {self.name!r}: usable_memory_fraction must be in (0, 1], got {self.usable_memory_fraction!r}"
+            )
+        sources = [s for s in ("effective_tflops", "calibration", "measured_ms") if getattr(self, s) is not None]
+        if len(sources) != 1:
+            raise ValueError(
+                f"chip {self.name!r}: give exactly one of effective_tflops, calibrate, layer_times_ms "
+                f"(got {sources or 'none'})"
+            )
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory * self.usable_memory_fraction
+
+    def tp_sizes(self) -> list[int]:
+        """Allowed TP sizes: powers of two up to TP_MAX (and no wider than a node)."""
+        limit = min(self.tp_max, self.chips_per_node)
+        return [1 << k for k in range(limit.bit_length()) if (1 << k) <= limit]
+
+    def with_count(self, count: int) -> "ChipSpec":
+        return dataclasses.replace(self, count=count)
+
+    def to_dict(self) -> dict:
+        """The YAML form (GB, GB/s, ms) that ``from_dict`` reads back."""
+        d = {
+            "count": self.count, "memory_gb": self.memory / GB, "chips_per_node": self.chips_per_node,
+            "tp_max": self.tp_max, "intra_node_gbps": self.intra_node_bandwidth / GB,
+            "hbm_gbps": self.hbm_bandwidth / GB, "nic_gbps": self.nic_bandwidth / GB,
+            "usable_memory_fraction": self.usable_memory_fraction,
+        }
+        if self.effective_tflops is not None:
+            d["effective_tflops"] = self.effective_tflops
+        if self.calibration is not None:
+            d["calibrate"] = dataclasses.asdict(self.calibration)
+        if self.measured_ms is not None:
+            d["layer_times_ms"] = {tp: dict(t) for tp, t in self.measured_ms.items()}
+        if self.peak_tflops is not None:
+            d["peak_tflops"] = self.peak_tflops
+        return d
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> "ChipSpec":
+        where = f"chip {name!r}"
+        _check_keys(
+            d,
+            {
+                "count", "memory_gb", "chips_per_node", "tp_max", "intra_node_gbps", "hbm_gbps", "nic_gbps",
+                "usable_memory_fraction", "effective_tflops", "calibrate", "layer_times_ms", "peak_tflops",
+            },
+            {"count", "memory_gb", "chips_per_node", "intra_node_gbps", "hbm_gbps", "nic_gbps"},
+            where,
+        )
+        calibration = None
+        if "calibrate" in d:
+            c = d["calibrate"]
+            _check_keys(c, {"tgs", "pp", "dp", "tp", "recompute", "gbs_tokens"},
+                        {"tgs", "pp", "dp", "tp", "gbs_tokens"}, f"{where} calibrate")
+            calibration = Calibration(
+                tgs=float(c["tgs"]), pp=int(c["pp"]), dp=int(c["dp"]), tp=int(c["tp"]),
+                recompute=bool(c.get("recompute", False)), gbs_tokens=parse_tokens(c["gbs_tokens"]),
+            )
+        measured = None
+        if "layer_times_ms" in d:
+            measured = {}
+            for tp, times in d["layer_times_ms"].items():
+                _check_keys(times, {"fwd", "bwd", "recompute", "update"}, {"fwd", "bwd"}, f"{where} layer_times_ms[{tp}]")
+                measured[int(tp)] = {k: float(v) for k, v in times.items()}
+        return cls(
+            name=name,
+            count=d["count"],
+            memory=float(d["memory_gb"]) * GB,
+            chips_per_node=d["chips_per_node"],
+            tp_max=d.get("tp_max", d["chips_per_node"]),
+            intra_node_bandwidth=float(d["intra_node_gbps"]) * GB,
+            hbm_bandwidth=float(d["hbm_gbps"]) * GB,
+            nic_bandwidth=float(d["nic_gbps"]) * GB,
+            usable_memory_fraction=float(d.get("usable_memory_fraction", 0.9)),
+            effective_tflops=None if "effective_tflops" not in d else float(d["effective_tflops"]),
+            calibration=calibration,
+            measured_ms=measured,
+            peak_tflops=None if "peak_tflops" not in d else float(d["peak_tflops"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Chip types (in the order given) and the links between nodes and between clusters."""
+
+    chips: tuple[ChipSpec, ...]
+    inter_node: LinkSpec
+    inter_cluster: LinkSpec
+    name: str = "cluster"
+
+    def __post_init__(self) -> None:
+        if not self.chips:
+            raise ValueError("cluster: no chip types given")
+        names = [c.name for c in self.chips]
+        if len(set(names)) != len(names):
+            raise ValueError(f"cluster: duplicate chip type names in {names}")
+
+    def chip(self, name: str) -> ChipSpec:
+        for c in self.chips:
+            if c.name == name:
+                return c
+        raise KeyError(f"unknown chip type {name!r}; this cluster has {[c.name for c in self.chips]}")
+
+    @property
+    def total_chips(self) -> int:
+        return sum(c.count for c in self.chips)
+
+    def link_between(self, a: str, b: str) -> LinkSpec:
+        """Stages of one chip type talk over the node network, others cross clusters."""
+        return self.inter_node if a == b else self.inter_cluster
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "chips": {c.name: c.to_dict() for c in self.chips},
+            "links": {"inter_node": self.inter_node.to_dict(), "inter_cluster": self.inter_cluster.to_dict()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "cluster") -> "ClusterSpec":
+        _check_keys(d, {"name", "chips", "links"}, {"chips", "links"}, where)
+        chips, links = d["chips"], d["links"]
+        if not isinstance(chips, dict):
+            raise ValueError(f"{where}: 'chips' must map chip type names to their specs")
+        _check_keys(links, {"inter_node", "inter_cluster"}, {"inter_node", "inter_cluster"}, f"{where} links")
+        return cls(
+            chips=tuple(ChipSpec.from_dict(str(n), c) for n, c in chips.items()),
+            inter_node=LinkSpec.from_dict(links["inter_node"], f"{where} links.inter_node"),
+            inter_cluster=LinkSpec.from_dict(links["inter_cluster"], f"{where} links.inter_cluster"),
+            name=str(d.get("name", "cluster")),
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ClusterSpec":
+        import yaml
+
+        path = Path(path)
+        with open(path) as f:
+            d = yaml.safe_load(f)
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a mapping with 'chips' and 'links'")
+        # a cluster may take its chip types from a shared library file and only set counts
+        if "chip_library" in d:
+            with open(path.parent / d["chip_library"]) as f:
+                library = yaml.safe_load(f)
+            counts = d.get("counts") or {}
+            if not isinstance(counts, dict) or not counts:
+                raise ValueError(f"{path}: 'chip_library' needs 'counts' mapping chip type -> number of chips")
+            lib_chips = library.get("chips", {})
+            unknown = sorted(set(counts) - set(lib_chips))
+            if unknown:
+                raise ValueError(f"{path}: counts name unknown chip type(s) {unknown}; library has {sorted(lib_chips)}")
+            d = {
+                "name": d.get("name", path.stem),
+                "chips": {n: dict(lib_chips[n], count=counts[n]) for n in counts},
+                "links": d.get("links", library.get("links")),
+            }
+        d.setdefault("name", path.stem)
+        return cls.from_dict(d, where=str(path))
+
+
+def parse_tokens(value: Any) -> int:
+    """'2M' -> 2 * 2**20 tokens (binary multipliers, so 2M / 4096 = 512 sequences)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a token count like 2097152 or '2M', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = str(value).strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        try:
+            n = int(float(digits) * mult)
+        except ValueError:
+            raise ValueError(f"expected a token count like 2097152 or '2M', got {value!r}") from None
+    if n <= 0:
+        raise ValueError(f"token count must be positive, got {value!r}")
+    return n
+
+
+def _check_keys(d: Any, allowed: set, required: set, where: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(allowed)}")
+    missing = sorted(required - set(d))
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}")

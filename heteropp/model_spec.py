@@ -1,0 +1,197 @@
+"""Transformer shape and the parameter, FLOP, activation and memory formulas the planner uses.
+
+The model is the LLaMA-style decoder of ``ditorch.models.llama`` (RMSNorm, GQA attention,
+SwiGLU MLP, untied embedding and head); a model YAML uses the same keys as ``LlamaConfig``.
+Training is mixed precision: bf16 weights and activations, fp32 gradients and Adam states,
+with the fp32 master weights and Adam moments sharded over data parallelism (ZeRO-1).
+Tensor parallelism is Megatron-style with sequence parallelism, so every stored activation
+of a layer is split over the TP ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+BF16 = 2
+FP32 = 4
+# bytes per parameter that are not sharded by ZeRO-1: bf16 weight + fp32 gradient buffer
+_UNSHARDED_BYTES_PER_PARAM = BF16 + FP32
+# bytes per parameter sharded over DP by ZeRO-1: fp32 master weight + Adam m + Adam v
+_ZERO1_BYTES_PER_PARAM = 3 * FP32
+
+_YAML_KEYS = {
+    "n_layers": "n_layers",
+    "dim": "hidden",
+    "n_heads": "heads",
+    "n_kv_heads": "kv_heads",
+    "ffn_dim": "ffn",
+    "vocab_size": "vocab",
+    "max_seq_len": "seq",
+}
+_IGNORED_YAML_KEYS = {"rope_theta", "norm_eps", "name"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer trained with sequences of ``seq`` tokens."""
+
+    n_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for field in ("n_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelSpec.{field} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelSpec: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+
+    # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict, seq: int | None = None, name: str | None = None) -> "ModelSpec":
+        """Build from LlamaConfig-style keys (``dim``, ``n_heads``, ...); ``seq`` overrides."""
+        unknown = sorted(set(values) - set(_YAML_KEYS) - _IGNORED_YAML_KEYS)
+        if unknown:
+            raise ValueError(f"model spec: unknown key(s) {unknown}; expected some of {sorted(_YAML_KEYS)}")
+        missing = sorted(k for k in _YAML_KEYS if k not in values and not (k == "max_seq_len" and seq))
+        if missing:
+            raise ValueError(f"model spec: missing key(s) {missing}")
+        kwargs = {ours: values[theirs] for theirs, ours in _YAML_KEYS.items() if theirs in values}
+        if seq is not None:
+            kwargs["seq"] = seq
+        return cls(**kwargs, name=name or str(values.get("name", "model")))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, seq: int | None = None) -> "ModelSpec":
+        import yaml
+
+        path = Path(path)
+        with open(path) as f:
+            values = yaml.safe_load(f)
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of model fields, got {type(values).__name__}")
+        return cls.from_dict(values, seq=seq, name=values.get("name", path.stem))
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        """Weights of the matmuls of one layer: q and o (h x h), k and v (h x kv), 3 SwiGLU."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn
+
+    @property
+    def params_per_layer(self) -> int:
+        return self.matmul_params_per_layer + 2 * self.hidden  # + two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab * self.hidden + self.hidden  # output projection + final norm
+
+    @property
+    def total_params(self) -> int:
+        return self.n_layers * self.params_per_layer + self.embedding_params + self.head_params
+
+    # -- compute ---------------------------------------------------------------------------
+    def layer_forward_flops(self) -> float:
+        """FLOPs of one layer's forward pass over one sequence (micro-batch size 1).
+
+        2 FLOPs per weight per token for the matmuls plus QK^T and AV (4 s^2 h, counted
+        without the causal saving, as Megatron's accounting does).
+        """
+        s = self.seq
+        return 2.0 * self.matmul_params_per_layer * s + 4.0 * s * s * self.hidden
+
+    def layer_backward_flops(self) -> float:
+        """Backward = input gradients + weight gradients, each as costly as the forward."""
+        return 2.0 * self.layer_forward_flops()
+
+    def training_flops_per_token(self, recompute: bool = False) -> float:
+        """Layer FLOPs per token of one training step (the embedding/head are not counted)."""
+        per_seq = self.layer_forward_flops() * (4.0 if recompute else 3.0)
+        return self.n_layers * per_seq / self.seq
+
+    # -- memory ----------------------------------------------------------------------------
+    def activation_bytes_per_token(self) -> int:
+        """bf16 tensors one layer keeps for its backward, per token, before TP sharding.
+
+        Inputs of both norms, both norm outputs (matmul inputs), q/k/v, the attention output
+        (flash attention keeps no s x s scores), SwiGLU gate and up outputs, silu(gate) and
+        the product that feeds the down projection.
+        """
+        h, f = self.hidden, self.ffn
+        return BF16 * (2 * h + 2 * h + (h + 2 * self.kv_dim) + h + 4 * f)
+
+    def activation_bytes(self, layers: int, tp: int, recompute: bool) -> float:
+        """Activations one micro-batch leaves on one chip of a stage with ``layers`` layers.
+
+        With recompute only each layer's input survives the forward pass.
+        """
+        per_token = BF16 * self.hidden if recompute else self.activation_bytes_per_token()
+        return layers * self.seq * per_token / tp
+
+    def working_bytes(self, tp: int, recompute: bool, last_stage: bool) -> float:
+        """Transient memory on top of the stored activations.
+
+        Recompute re-materialises one layer at a time; the last stage holds fp32 logits.
+        """
+        extra = self.seq * self.activation_bytes_per_token() / tp if recompute else 0.0
+        if last_stage:
+            extra += self.seq * self.vocab * FP32 / tp
+        return extra
+
+    def state_bytes(self, layers: int, tp: int, dp: int, first_stage: bool, last_stage: bool) -> float:
+        """Weights, gradients and ZeRO-1 optimizer states of one chip of a stage."""
+        params = layers * self.params_per_layer
+        if first_stage:
+            params += self.embedding_params
+        if last_stage:
+            params += self.head_params
+        return params / tp * (_UNSHARDED_BYTES_PER_PARAM + _ZERO1_BYTES_PER_PARAM / dp)
+
+    def stage_memory_bytes(
+        self,
+        layers: int,
+        tp: int,
+        dp: int,
+        recompute: bool,
+        inflight_microbatches: int,
+        first_stage: bool,
+        last_stage: bool,
+    ) -> float:
+        """Peak memory of one chip of a pipeline stage.
+
+        ``inflight_microbatches`` is how many micro-batches' activations the stage holds at
+        once: under 1F1B stage k of p holds min(p - k, b) (the warm-up micro-batches).
+        """
+        return (
+            self.state_bytes(layers, tp, dp, first_stage, last_stage)
+            + inflight_microbatches * self.activation_bytes(layers, tp, recompute)
+            + self.working_bytes(tp, recompute, last_stage)
+        )
+
+    def p2p_bytes(self, tp: int) -> float:
+        """Bytes one TP rank sends across a stage boundary per micro-batch (its shard)."""
+        return BF16 * self.seq * self.hidden / tp
+
+    def to_dict(self) -> dict:
+        return {theirs: getattr(self, ours) for theirs, ours in _YAML_KEYS.items()} | {"name": self.name}
