@@ -1,7 +1,8 @@
 """What the precision tools cost when they are off, on a training step of the small LLaMA.
 
-Peers, each in its own process (a module cannot be un-imported), run alternately so machine
-load hits them alike:
+Each peer runs in its own process (a module cannot be un-imported), single-threaded, side by
+side with a baseline process started at the same instant (a barrier after setup), so load
+from the rest of the machine hits both alike; the ratio is taken within each pair.
   baseline      ``ditorch.tools`` never imported
   tools off     ``ditorch.tools`` imported, every tool entered and exited once, then timed
 and, for scale, the cost with a tool on:
@@ -61,6 +62,8 @@ def worker(peer: str, steps: int) -> None:
         context = {"time_ops on": tools.time_ops, "overflow on": tools.overflow_check}.get(peer)
     for _ in range(3):
         step()
+    print("ready", flush=True)
+    sys.stdin.readline()  # barrier: the pair starts timing together
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -73,6 +76,27 @@ def worker(peer: str, steps: int) -> None:
     print(json.dumps({"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}))
 
 
+def run_pair(peer: str, steps: int) -> tuple[dict, dict]:
+    """Run ``peer`` and a baseline side by side; returns their timings."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", name, "--steps", str(steps)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for name in ("baseline", peer)]
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"worker failed before timing (exit {proc.wait()})")
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outs = [proc.communicate(timeout=600)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    base, other = (json.loads(out.strip().splitlines()[-1]) for out in outs)
+    return base, other
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -82,23 +106,26 @@ def main() -> int:
     if args.worker:
         worker(args.worker, args.steps)
         return 0
-    results: dict[str, list[dict]] = {peer: [] for peer in PEERS}
+    peers = PEERS[1:]
+    ratios: dict[str, list[float]] = {peer: [] for peer in peers}
+    times: dict[str, list[float]] = {peer: [] for peer in PEERS}
     for r in range(args.rounds):
-        for peer in PEERS:
-            out = subprocess.run([sys.executable, __file__, "--worker", peer, "--steps", str(args.steps)],
-                                 capture_output=True, text=True, timeout=600, check=True)
-            results[peer].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    base = statistics.median(x["median_ms"] for x in results["baseline"])
-    base_min = min(x["min_ms"] for x in results["baseline"])
-    print(f"training step of the small LLaMA (2 layers, dim 64, batch 8x64), 1 thread; "
-          f"{args.rounds} processes x {args.steps} steps per peer")
-    print(f"{'peer':<13} {'median ms':>10} {'best ms':>9} {'ratio (median)':>15} {'ratio (best)':>13}")
-    for peer in PEERS:
-        med = statistics.median(x["median_ms"] for x in results[peer])
-        best = min(x["min_ms"] for x in results[peer])
-        print(f"{peer:<13} {med:>10.2f} {best:>9.2f} {med / base:>15.3f} {best / base_min:>13.3f}")
-    off = statistics.median(x["median_ms"] for x in results["tools off"]) / base
+        for peer in peers:
+            base, other = run_pair(peer, args.steps)
+            ratios[peer].append(other["median_ms"] / base["median_ms"])
+            times["baseline"].append(base["median_ms"])
+            times[peer].append(other["median_ms"])
+        print(f"round {r + 1}/{args.rounds}: tools off / baseline = {ratios['tools off'][-1]:.3f}",
+              file=sys.stderr, flush=True)
+    print(f"training step of the small LLaMA (2 layers, dim 64, batch 8x64), 1 thread per process; "
+          f"{args.rounds} rounds x {args.steps} steps; each peer timed beside a baseline process")
+    print(f"{'peer':<13} {'median ms':>10} {'ratio to its baseline (median of rounds)':>42} {'min':>7} {'max':>7}")
+    print(f"{'baseline':<13} {statistics.median(times['baseline']):>10.2f} {1.0:>42.3f}")
+    for peer in peers:
+        rs = ratios[peer]
+        print(f"{peer:<13} {statistics.median(times[peer]):>10.2f} {statistics.median(rs):>42.3f} "
+              f"{min(rs):>7.3f} {max(rs):>7.3f}")
+    off = statistics.median(ratios["tools off"])
     verdict = "PASS" if off < 1.05 else "FAIL"
     print(f"{verdict}: tools off / baseline = {off:.3f} (target < 1.05)")
     return 0 if off < 1.05 else 1
