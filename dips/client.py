@@ -163,7 +163,7 @@ class OuterClient:
         except RpcError as exc:
             if not exc.unavailable:
                 raise
-            log.warning("leader unreachable; training on without it for now")
+            log.info("leader unreachable; training on without it for now")
             return None
         if reply["status"] != "ok":
             return None

@@ -89,6 +89,7 @@ class Follower:
                     raise
                 time.sleep(self.heartbeat_s)
         self.index = reply["index"]
+        self.heartbeat_s = min(self.heartbeat_s, float(reply.get("hb", self.heartbeat_s)))  # the leader's rules
         (self.dir / "follower.json").write_text(json.dumps({"index": self.index}))
         self.opt = NesterovOuter(reply["lr"], reply["momentum"])
         model = build_model(reply["model"], reply["seed"])

@@ -94,7 +94,7 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
         raise RuntimeError(f"cluster {spec.name} could not join the PS at {spec.leader}")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.inner_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
-    with open(spec.log if rank == 0 else os.devnull, "w", buffering=1) as log:
+    with open(spec.log if rank == 0 else f"{spec.log}.rank{rank}", "w", buffering=1) as log:
         log.write(json.dumps({"event": "ready", "t": time.time(), "base": client.base}) + "\n")
         while spec.go_file and not os.path.exists(spec.go_file):
             time.sleep(0.05)

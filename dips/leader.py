@@ -163,13 +163,13 @@ class Leader:
         self.tokens_total = meta["tokens_total"]
         self.decisions = {int(v): d for v, d in meta["decisions"].items()}
         self.collecting = list(meta["collecting"])
-        now = time.monotonic()
+        now = time.monotonic() + 3.0  # peers get a few seconds to find the restarted leader
         for c in meta["clusters"]:
             self.clusters[c["id"]] = ClusterRecord(**{**c, "last_hb": now})
         for p in meta["pushes"]:
             self.pushes[p["id"]] = PushRecord(**p)
         for f in meta["followers"]:
-            rec = FollowerRecord(**f, last_hb=now)
+            rec = FollowerRecord(**f, last_hb=now, restarted_at=now)
             rec.client = RpcClient("dips.Follower", rec.ctrl, self.token)
             self.followers[rec.index] = rec
         self.penalty.load_state(meta["penalty"])
@@ -199,7 +199,7 @@ class Leader:
             log.info("follower %d registered (data %s, version %d)", index, rec.data, rec.version)
             return {"index": index, "model": self.cfg.model, "seed": self.cfg.seed,
                     "units": list(self.partition[index]), "lr": self.cfg.outer_lr,
-                    "momentum": self.cfg.outer_momentum}
+                    "momentum": self.cfg.outer_momentum, "hb": self.cfg.follower_heartbeat_s}
 
     def _ready(self) -> bool:
         return (len(self.followers) == self.cfg.n_followers
@@ -469,6 +469,12 @@ class Leader:
 
     def _restart_follower(self, f: FollowerRecord) -> None:
         f.restarted_at = time.monotonic()
+        try:  # heartbeats lost but the follower answers: it is alive, do not start a second one
+            f.client.call("Status", timeout=1.0)
+            f.last_hb = time.monotonic()
+            return
+        except RpcError:
+            pass
         if not self.cfg.restart_followers or not f.ckpt_dir or not f.token_file:
             log.error("follower %d stopped heartbeating; not restarting it (restart disabled or no launch info)",
                       f.index)

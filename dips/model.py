@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ def _llama_module():
         path = Path(__file__).resolve().parent.parent / "ditorch" / "models" / "llama.py"
         spec = importlib.util.spec_from_file_location("_dips_llama", path)
         llama = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = llama  # dataclasses look their module up while the class is built
         spec.loader.exec_module(llama)
     return llama
 

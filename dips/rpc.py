@@ -96,7 +96,10 @@ class RpcError(RuntimeError):
 class RpcClient:
     def __init__(self, service: str, address: str, token: JobToken):
         self.service, self.address, self.token = service, address, token
-        self._channel = grpc.insecure_channel(address)
+        # short reconnect backoff: a restarted peer must be reachable again within a heartbeat
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500)])
         self._calls: dict[str, Callable] = {}
 
     def call(self, method: str, /, timeout: float = 5.0, **fields) -> dict:

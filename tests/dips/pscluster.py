@@ -19,6 +19,7 @@ MODEL = load_config(ROOT / "examples/configs/llama-tiny.yaml")
 
 @contextlib.contextmanager
 def in_process_ps(tmp_path, n_followers: int = 2, **leader_kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     token = JobToken.create(tmp_path / "job.key")
     cfg = LeaderConfig(model=MODEL, n_followers=n_followers, bind="127.0.0.1:0",
                        metadata=str(tmp_path / "leader.json"), restart_followers=False, **leader_kw)

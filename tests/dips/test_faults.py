@@ -1,0 +1,122 @@
+"""Fault injection with real processes: the leader killed and restarted while clusters keep
+doing inner steps, then a follower killed and restarted by the leader from its checkpoint; and a
+data-parallel cluster (gloo) whose rank 0 speaks for it."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dips.auth import JobToken
+from dips.harness import ClusterSpec, free_port, python_env, read_log, start_cluster, start_follower
+from dips.rpc import RpcClient, RpcError
+
+from conftest import ROOT
+from pscluster import MODEL, in_process_ps, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def leader_cmd(addr, tmp_path):
+    return [sys.executable, "-m", "dips.cli", "leader", "--bind", addr, "--followers", "2",
+            "--model", str(ROOT / "examples/configs/llama-tiny.yaml"), "--token-file", str(tmp_path / "job.key"),
+            "--metadata", str(tmp_path / "leader.json"), "--heartbeat", "0.5", "--follower-heartbeat", "0.3",
+            "--log-level", "INFO"]
+
+
+def status(rpc):
+    try:
+        return rpc.call("Status", timeout=1.0)
+    except RpcError:
+        return None
+
+
+def version_reaches(rpc, v):
+    return lambda: (status(rpc) or {}).get("complete", -1) >= v
+
+
+def test_leader_and_follower_failures(tmp_path):
+    token = JobToken.create(tmp_path / "job.key")
+    addr = f"127.0.0.1:{free_port()}"
+    log = open(tmp_path / "leader.log", "ab")
+    leader = subprocess.Popen(leader_cmd(addr, tmp_path), env=python_env(), stdout=log, stderr=subprocess.STDOUT)
+    follower_addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    followers = [start_follower(addr, a, str(tmp_path / "job.key"), str(tmp_path / f"f{i}"), str(tmp_path / f"f{i}.log"))
+                 for i, a in enumerate(follower_addrs)]
+    specs = [ClusterSpec(name=f"c{i}", leader=addr, token_file=str(tmp_path / "job.key"), model=MODEL,
+                         log=str(tmp_path / f"c{i}.jsonl"), inner_steps=4, step_s=0.05, delay=0.5 * i, seed=i,
+                         heartbeat_s=0.5) for i in range(2)]
+    clusters = [start_cluster(s) for s in specs]
+    rpc = RpcClient("dips.Leader", addr, token)
+    try:
+        wait_for(version_reaches(rpc, 2), 90, "two outer rounds")
+
+        # --- the leader dies; clusters keep training; it restarts from its metadata
+        before = status(rpc)["complete"]
+        leader.send_signal(signal.SIGKILL)
+        leader.wait()
+        t_kill = time.time()
+        time.sleep(3.0)
+        during = [r for s in specs for r in read_log(s.log) if "loss" in r and t_kill + 0.5 < r["t"] < t_kill + 3]
+        assert len(during) >= 10, "inner training stopped while the leader was down"
+        leader = subprocess.Popen(leader_cmd(addr, tmp_path), env=python_env(), stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: status(rpc) is not None, 30, "leader restart")
+        assert status(rpc)["version"] >= before          # resumed, not reset
+        wait_for(version_reaches(rpc, before + 3), 60, "rounds after the leader restart")
+
+        # --- a follower dies mid-training; the leader relaunches it from its latest checkpoint
+        before = status(rpc)["complete"]
+        followers[0].send_signal(signal.SIGKILL)
+        followers[0].wait()
+        wait_for(version_reaches(rpc, before + 3), 90, "rounds after the follower restart")
+        assert b"restarting it from its latest checkpoint" in (tmp_path / "leader.log").read_bytes()
+        assert status(rpc)["followers"]["0"] >= before + 3
+        for p in clusters:
+            for r in p.ranks:
+                r.terminate()
+        for p in clusters:
+            for r in p.ranks:
+                r.join(10)
+        # no accepted push is lost: once the last rounds settle, every sealed push was applied or rejected
+        def settled():
+            st = status(rpc)
+            return st is not None and st["complete"] == st["version"] and not json.loads(
+                (tmp_path / "leader.json").read_text())["collecting"]
+        wait_for(settled, 30, "last rounds to settle")
+        pushes = json.loads((tmp_path / "leader.json").read_text())["pushes"]
+        states = [p["state"] for p in pushes]
+        assert "sealed" not in states and states.count("applied") >= 6
+    finally:
+        for p in clusters:
+            for r in p.ranks:
+                if r.is_alive():
+                    r.terminate()
+                    r.join(5)
+        rpc.close()
+        leader.send_signal(signal.SIGTERM)  # stops the followers it relaunched
+        try:
+            leader.wait(10)
+        except subprocess.TimeoutExpired:
+            leader.kill()
+        for f in followers:
+            if f.poll() is None:
+                f.terminate()
+                f.wait(10)
+        log.close()
+
+
+def test_data_parallel_cluster_with_gloo(tmp_path):
+    with in_process_ps(tmp_path) as (leader, _, token):
+        spec = ClusterSpec(name="dp", leader=leader.address, token_file=str(tmp_path / "job.key"), model=MODEL,
+                           log=str(tmp_path / "dp.jsonl"), inner_steps=4, max_steps=12, dp=2, backend="gloo")
+        proc = start_cluster(spec)
+        for r in proc.ranks:
+            r.join(120)
+        assert [r.exitcode for r in proc.ranks] == [0, 0]
+        rank0, rank1 = read_log(spec.log)[-1], read_log(spec.log + ".rank1")[-1]
+        assert rank0["checksum"] == rank1["checksum"]      # rank 0's pull was broadcast
+        st = leader.status()
+        assert st["version"] == 3
+        assert st["tokens"] == 3 * 4 * 2 * 8 * 32           # tokens of both ranks, 3 pushes
