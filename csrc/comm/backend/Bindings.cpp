@@ -1,0 +1,47 @@
+// Python bindings of dicomm._C (the only file that includes torch/python.h: it is slow to compile).
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+
+#include "comm/backend/ProcessGroupDicomm.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "DiComm: the dicomm torch.distributed backend (C++ core)";
+  // Registers c10d::Backend / Store with pybind before our subclass refers to them.
+  py::module_::import("torch.distributed");
+
+  py::class_<dicomm::ProcessGroupDicomm, c10d::Backend,
+             c10::intrusive_ptr<dicomm::ProcessGroupDicomm>>(m, "ProcessGroupDicomm")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       double timeoutSeconds, const std::string& transport,
+                       const std::string& listenHost, size_t chunkBytes,
+                       bool dipuHostAddressable, bool forceStaging, const std::string& groupName) {
+             dicomm::DicommOptions o;
+             o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
+             o.transport = transport;
+             o.listenHost = listenHost;
+             o.chunkBytes = chunkBytes;
+             o.staging.privateUse1HostAddressable = dipuHostAddressable;
+             o.staging.forceStaging = forceStaging;
+             o.groupName = groupName;
+             return c10::make_intrusive<dicomm::ProcessGroupDicomm>(store, rank, size, o);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
+           py::arg("transport") = "auto", py::arg("listen_host") = "127.0.0.1",
+           py::arg("chunk_bytes") = 4 << 20, py::arg("dipu_host_addressable") = false,
+           py::arg("force_staging") = false, py::arg("group_name") = "",
+           py::call_guard<py::gil_scoped_release>())
+      .def("transport_of", &dicomm::ProcessGroupDicomm::transportOf, py::arg("peer"),
+           "Name of the transport that serves `peer` ('self' for this rank).")
+      .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
+      .def_property_readonly("abort_cause", &dicomm::ProcessGroupDicomm::abortCause);
+
+  m.def("transports_built", &dicomm::transportsBuilt,
+        "Transports compiled into this module, most preferred first.");
+  m.def("transports_usable", &dicomm::transportsUsable,
+        "Transports that can run on this machine, most preferred first.");
+  m.def("local_host_id", &dicomm::localHostId,
+        "What identifies this host for the intra-host (shm) transport.");
+}

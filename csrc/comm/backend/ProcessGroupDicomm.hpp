@@ -1,0 +1,161 @@
+// The `dicomm` c10d backend.
+//
+// Point-to-point ops go straight to the communicator from the calling thread. Collectives run in
+// issue order on one collective thread per group, composed from point-to-point transfers
+// (csrc/comm/core/Collectives.h). A watchdog thread enforces every op's deadline and turns a
+// broken pair into an abort: the communicator closes and every pending op fails with an error
+// that names the op, the peer and the cause. After an abort, new ops fail immediately.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "comm/backend/Staging.h"
+#include "comm/backend/WorkDicomm.hpp"
+#include "comm/core/Collectives.h"
+#include "comm/core/Communicator.h"
+
+namespace dicomm {
+
+struct DicommOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::string transport = "auto";
+  std::string listenHost = "127.0.0.1";
+  size_t chunkBytes = 4 << 20;
+  StagingPolicy staging;
+  std::string groupName;
+};
+
+class ProcessGroupDicomm : public c10d::Backend {
+ public:
+  ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                     DicommOptions options);
+  ~ProcessGroupDicomm() override;
+
+  const std::string getBackendName() const override { return "dicomm"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  bool supportsCoalescing() const override { return true; }
+  bool supportsSplitting() const override { return true; }
+  void setTimeout(std::chrono::milliseconds timeout) override { options_.timeout = timeout; }
+
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+
+  void abort() override;
+  void shutdown() override;
+
+  // Abort with `cause` (idempotent; safe from any thread except a transport thread).
+  void abortWith(const std::string& cause);
+  bool aborted() const { return aborted_.load(); }
+  std::string abortCause() const;
+  std::string transportOf(int peer) const { return comm_->transportOf(peer); }
+  const DicommOptions& options() const { return options_; }
+
+ private:
+  using Task = std::function<void(CollectiveContext&)>;
+  struct Queued {
+    c10::intrusive_ptr<WorkDicomm> work;
+    Task task;
+    std::chrono::milliseconds timeout;
+  };
+
+  std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
+  c10::intrusive_ptr<WorkDicomm> makeWork(c10d::OpType type, std::string description,
+                                          std::vector<at::Tensor> outputs,
+                                          std::chrono::milliseconds timeout);
+  // Queue a collective; `task` runs on the collective thread.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::string description,
+                                         std::vector<at::Tensor> outputs,
+                                         std::chrono::milliseconds timeout, Task task);
+  c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, std::vector<at::Tensor>& tensors,
+                                              int peer, int tag);
+  void collectiveLoop();
+  void watchdogLoop();
+  void track(const c10::intrusive_ptr<WorkDicomm>& work);
+  void failInflight();
+
+  DicommOptions options_;
+  std::unique_ptr<Communicator> comm_;
+
+  std::mutex queueMu_;
+  std::condition_variable queueCv_;
+  std::deque<Queued> queue_;
+  bool stopping_ = false;
+  uint64_t collectiveSeq_ = 0;  // collective thread only
+  std::thread collectiveThread_;
+
+  std::mutex watchMu_;
+  std::condition_variable watchCv_;
+  std::vector<c10::weak_intrusive_ptr<WorkDicomm>> inflight_;
+  std::string pendingAbort_;  // set by transport threads, executed by the watchdog
+  bool watchStop_ = false;
+  std::thread watchdog_;
+
+  mutable std::mutex abortMu_;
+  std::atomic<bool> aborted_{false};
+  std::string abortCause_;
+
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<WorkDicomm>> coalesced_;
+};
+
+}  // namespace dicomm

@@ -1,0 +1,105 @@
+#include "comm/backend/WorkDicomm.hpp"
+
+#include <thread>
+
+#include "comm/backend/ProcessGroupDicomm.hpp"
+
+namespace dicomm {
+
+WorkDicomm::WorkDicomm(ProcessGroupDicomm* backend, int rank, c10d::OpType type,
+                       std::string description, std::vector<at::Tensor> outputs,
+                       std::chrono::milliseconds timeout)
+    : Work(rank, type),
+      backend_(backend),
+      description_(std::move(description)),
+      outputs_(std::move(outputs)),
+      timeout_(timeout),
+      deadline_(std::chrono::steady_clock::now() + timeout),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+int WorkDicomm::sourceRank() const {
+  int s = source_.load();
+  TORCH_CHECK(s >= 0, "dicomm: sourceRank() is only defined for a completed receive from any "
+                      "source (", description_, ")");
+  return s;
+}
+
+std::exception_ptr WorkDicomm::error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return exception_;
+}
+
+void WorkDicomm::markDone(std::exception_ptr error, int source) {
+  std::vector<std::function<void(WorkDicomm&)>> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_) return;
+    if (error) {
+      std::string cause;
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        cause = e.what();
+      } catch (...) {
+        cause = "unknown error";
+      }
+      // After an abort, the abort's cause explains every failure better than "pair closed".
+      if (backend_->aborted()) cause = "communicator aborted: " + backend_->abortCause();
+      if (cause.rfind("dicomm " + description_, 0) != 0) {
+        cause = "dicomm " + description_ + " failed: " + cause;
+      }
+      error = std::make_exception_ptr(std::runtime_error(cause));
+    }
+    if (source >= 0) source_.store(source);
+    completed_ = true;
+    exception_ = error;
+    done_.store(true, std::memory_order_release);
+    callbacks.swap(callbacks_);
+  }
+  cv_.notify_all();
+  if (error) {
+    future_->setErrorIfNeeded(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  for (auto& cb : callbacks) cb(*this);
+}
+
+void WorkDicomm::onDone(std::function<void(WorkDicomm&)> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!completed_) {
+      callbacks_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn(*this);
+}
+
+bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
+  // Spin briefly: small messages complete within microseconds of being posted.
+  for (int i = 0; i < 400 && !done_.load(std::memory_order_acquire); ++i) {
+    if (i > 20) std::this_thread::yield();
+  }
+  auto until = deadline_;
+  if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait_until(lock, until, [&] { return completed_; });
+  }
+  if (!done_.load()) {
+    auto ms = timeout != kNoTimeout ? std::min(timeout, timeout_) : timeout_;
+    backend_->abortWith("dicomm " + description_ + " timed out after " +
+                        std::to_string(ms.count()) + " ms");
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return completed_; });  // abort fails every pending work
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+void WorkDicomm::abort() { backend_->abortWith("dicomm " + description_ + ": Work.abort() called"); }
+
+}  // namespace dicomm

@@ -1,0 +1,374 @@
+#include "comm/core/Collectives.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "comm/core/Tags.h"
+
+namespace dicomm {
+
+namespace {
+
+using CompletionPtr = std::shared_ptr<Completion>;
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Wait for one transfer; on timeout or error close the communicator first, then throw.
+void await(CollectiveContext& ctx, const CompletionPtr& c, int peer, const char* what) {
+  if (!c->waitUntil(ctx.deadline)) {
+    std::string cause = "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) +
+                        ") timed out after " + std::to_string(ctx.timeout.count()) +
+                        " ms waiting to " + what + " rank " + std::to_string(peer);
+    ctx.abort(cause);
+    throw std::runtime_error(cause);
+  }
+  if (auto e = c->error()) {
+    std::string cause;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      cause = ex.what();
+    }
+    std::string msg = "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) +
+                      ") failed to " + what + " rank " + std::to_string(peer) + ": " + cause;
+    ctx.abort(msg);
+    throw std::runtime_error(msg);
+  }
+}
+
+struct Pending {
+  CompletionPtr c;
+  int peer;
+  const char* what;
+};
+
+void awaitAll(CollectiveContext& ctx, std::vector<Pending>& ps) {
+  for (auto& p : ps) await(ctx, p.c, p.peer, p.what);
+  ps.clear();
+}
+
+// Byte ranges of the chunks of one segment; identical on sender and receiver.
+std::vector<std::pair<size_t, size_t>> chunksOf(const Segment& s, size_t elem, size_t chunkBytes) {
+  std::vector<std::pair<size_t, size_t>> out;
+  size_t bytes = s.count * elem;
+  if (bytes == 0) return out;
+  size_t per = std::max<size_t>(elem, chunkBytes / elem * elem);
+  for (size_t off = 0; off < bytes; off += per) out.emplace_back(off, std::min(per, bytes - off));
+  if (out.size() > 65536) throw std::invalid_argument("dicomm: too many chunks; raise DICOMM_CHUNK_BYTES");
+  return out;
+}
+
+int32_t dt(c10::ScalarType t) { return static_cast<int32_t>(t); }
+
+}  // namespace
+
+std::vector<Segment> splitEven(size_t numel, int n) {
+  std::vector<Segment> segs(n);
+  size_t base = numel / n, extra = numel % n, off = 0;
+  for (int i = 0; i < n; ++i) {
+    segs[i].offset = off;
+    segs[i].count = base + (static_cast<size_t>(i) < extra ? 1 : 0);
+    off += segs[i].count;
+  }
+  return segs;
+}
+
+void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
+                       c10::ScalarType dtype, ReduceKind op, unsigned phase) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  if (n == 1) return;
+  const size_t elem = c10::elementSize(dtype);
+  const int right = mod(r + 1, n), left = mod(r - 1, n);
+  char* base = static_cast<char*>(buf);
+  size_t maxSeg = 0;
+  for (auto& s : segs) maxSeg = std::max(maxSeg, s.count * elem);
+  std::unique_ptr<char[]> temp[2] = {std::unique_ptr<char[]>(new char[maxSeg + 1]),
+                                     std::unique_ptr<char[]>(new char[maxSeg + 1])};
+  std::vector<Pending> sends;
+  std::vector<std::vector<CompletionPtr>> recvs(n);
+
+  // Step k: send segment r-k-1 to the right, receive segment r-k-2 from the left and reduce it.
+  auto postRecvs = [&](int k) {
+    const Segment& s = segs[mod(r - k - 2, n)];
+    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
+      unsigned j = static_cast<unsigned>(recvs[k].size());
+      recvs[k].push_back(comm.irecv(left, collectiveTag(ctx.seq, phase, k, j),
+                                    temp[k % 2].get() + off, len, dt(dtype)));
+    }
+  };
+  auto postSend = [&](int k, unsigned j, size_t off, size_t len) {
+    const Segment& s = segs[mod(r - k - 1, n)];
+    sends.push_back({comm.isend(right, collectiveTag(ctx.seq, phase, k, j),
+                                base + s.offset * elem + off, len, dt(dtype)),
+                     right, "send to"});
+  };
+  {
+    unsigned j = 0;
+    for (auto& [off, len] : chunksOf(segs[mod(r - 1, n)], elem, ctx.chunkBytes)) postSend(0, j++, off, len);
+  }
+  postRecvs(0);
+  for (int k = 0; k < n - 1; ++k) {
+    if (k + 1 < n - 1) postRecvs(k + 1);
+    const Segment& s = segs[mod(r - k - 2, n)];
+    unsigned j = 0;
+    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
+      await(ctx, recvs[k][j], left, "receive from");
+      reduceInto(base + s.offset * elem + off, temp[k % 2].get() + off, len / elem, dtype, op);
+      if (k + 1 < n - 1) postSend(k + 1, j, off, len);  // forward as soon as it is reduced
+      ++j;
+    }
+  }
+  awaitAll(ctx, sends);
+}
+
+void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
+                   c10::ScalarType dtype, unsigned phase) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  if (n == 1) return;
+  const size_t elem = c10::elementSize(dtype);
+  const int right = mod(r + 1, n), left = mod(r - 1, n);
+  char* base = static_cast<char*>(buf);
+  std::vector<Pending> sends;
+  // Step k: send segment r-k to the right, receive segment r-k-1 from the left (into place).
+  std::vector<std::vector<CompletionPtr>> recvs(n);
+  for (int k = 0; k < n - 1; ++k) {
+    const Segment& s = segs[mod(r - k - 1, n)];
+    unsigned j = 0;
+    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
+      recvs[k].push_back(comm.irecv(left, collectiveTag(ctx.seq, phase, k, j++),
+                                    base + s.offset * elem + off, len, dt(dtype)));
+    }
+  }
+  {
+    const Segment& s = segs[r];
+    unsigned j = 0;
+    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
+      sends.push_back({comm.isend(right, collectiveTag(ctx.seq, phase, 0, j++),
+                                  base + s.offset * elem + off, len, dt(dtype)),
+                       right, "send to"});
+    }
+  }
+  for (int k = 0; k < n - 1; ++k) {
+    const Segment& s = segs[mod(r - k - 1, n)];
+    unsigned j = 0;
+    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
+      await(ctx, recvs[k][j], left, "receive from");
+      if (k + 1 < n - 1) {
+        sends.push_back({comm.isend(right, collectiveTag(ctx.seq, phase, k + 1, j),
+                                    base + s.offset * elem + off, len, dt(dtype)),
+                         right, "send to"});
+      }
+      ++j;
+    }
+  }
+  awaitAll(ctx, sends);
+}
+
+void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
+               ReduceKind op) {
+  const int n = ctx.comm->size(), r = ctx.comm->rank();
+  if (n == 1) return;
+  auto segs = splitEven(numel, n);
+  ringReduceScatter(ctx, buf, segs, dtype, op, 0);
+  if (op == ReduceKind::kAvg) {
+    finishAvg(static_cast<char*>(buf) + segs[r].offset * c10::elementSize(dtype), segs[r].count,
+              dtype, n);
+  }
+  ringAllgather(ctx, buf, segs, dtype, 1);
+}
+
+namespace {
+// Binomial tree over ranks relative to the root: parent and children of `vr`.
+int treeParent(int vr) {
+  if (vr == 0) return -1;
+  int mask = 1;
+  while (!(vr & mask)) mask <<= 1;
+  return vr - mask;
+}
+std::vector<int> treeChildren(int vr, int n) {
+  std::vector<int> kids;
+  int limit = 1;
+  if (vr == 0) {
+    while (limit < n) limit <<= 1;
+  } else {
+    while (!(vr & limit)) limit <<= 1;
+  }
+  for (int m = limit >> 1; m >= 1; m >>= 1) {
+    if (vr + m < n) kids.push_back(vr + m);
+  }
+  return kids;
+}
+}  // namespace
+
+void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, int root) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  if (n == 1) return;
+  const size_t elem = c10::elementSize(dtype);
+  const int vr = mod(r - root, n);
+  const int vparent = treeParent(vr);
+  const int parent = vparent < 0 ? -1 : mod(vparent + root, n);
+  std::vector<int> kids;
+  for (int v : treeChildren(vr, n)) kids.push_back(mod(v + root, n));
+  char* base = static_cast<char*>(buf);
+  auto chunks = chunksOf(Segment{0, numel}, elem, ctx.chunkBytes);
+  std::vector<CompletionPtr> recvs;
+  if (parent >= 0) {
+    for (unsigned j = 0; j < chunks.size(); ++j) {
+      recvs.push_back(comm.irecv(parent, collectiveTag(ctx.seq, 0, 0, j), base + chunks[j].first,
+                                 chunks[j].second, dt(dtype)));
+    }
+  }
+  std::vector<Pending> sends;
+  for (unsigned j = 0; j < chunks.size(); ++j) {
+    if (parent >= 0) await(ctx, recvs[j], parent, "receive from");
+    for (int kid : kids) {
+      sends.push_back({comm.isend(kid, collectiveTag(ctx.seq, 0, 0, j), base + chunks[j].first,
+                                  chunks[j].second, dt(dtype)),
+                       kid, "send to"});
+    }
+  }
+  awaitAll(ctx, sends);
+}
+
+void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, ReduceKind op,
+            int root) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  const size_t elem = c10::elementSize(dtype), bytes = numel * elem;
+  if (n == 1) return;
+  const int vr = mod(r - root, n);
+  const int vparent = treeParent(vr);
+  const int parent = vparent < 0 ? -1 : mod(vparent + root, n);
+  std::vector<int> kids;
+  for (int v : treeChildren(vr, n)) kids.push_back(mod(v + root, n));
+  // Accumulate in place on the root; elsewhere in a copy so the caller's input stays intact.
+  std::unique_ptr<char[]> copy;
+  char* acc = static_cast<char*>(buf);
+  if (parent >= 0 && !kids.empty()) {
+    copy.reset(new char[bytes + 1]);
+    std::memcpy(copy.get(), buf, bytes);
+    acc = copy.get();
+  }
+  auto chunks = chunksOf(Segment{0, numel}, elem, ctx.chunkBytes);
+  std::vector<std::unique_ptr<char[]>> temps;
+  std::vector<std::vector<CompletionPtr>> recvs(kids.size());
+  for (size_t i = 0; i < kids.size(); ++i) {
+    temps.emplace_back(new char[bytes + 1]);
+    for (unsigned j = 0; j < chunks.size(); ++j) {
+      recvs[i].push_back(comm.irecv(kids[i], collectiveTag(ctx.seq, 0, 0, j),
+                                    temps[i].get() + chunks[j].first, chunks[j].second, dt(dtype)));
+    }
+  }
+  std::vector<Pending> sends;
+  for (unsigned j = 0; j < chunks.size(); ++j) {
+    auto [off, len] = chunks[j];
+    for (size_t i = 0; i < kids.size(); ++i) {
+      await(ctx, recvs[i][j], kids[i], "receive from");
+      reduceInto(acc + off, temps[i].get() + off, len / elem, dtype, op);
+    }
+    if (parent >= 0) {
+      sends.push_back({comm.isend(parent, collectiveTag(ctx.seq, 0, 0, j), acc + off, len,
+                                  dt(dtype)),
+                       parent, "send to"});
+    }
+  }
+  awaitAll(ctx, sends);
+  if (parent < 0 && op == ReduceKind::kAvg) finishAvg(buf, numel, dtype, n);
+}
+
+void gather(CollectiveContext& ctx, const void* in, size_t numel, c10::ScalarType dtype, void* out,
+            int root) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  const size_t bytes = numel * c10::elementSize(dtype);
+  std::vector<Pending> ps;
+  if (r == root) {
+    char* o = static_cast<char*>(out);
+    for (int p = 0; p < n; ++p) {
+      if (p == r) {
+        if (bytes && o + p * bytes != in) std::memcpy(o + p * bytes, in, bytes);
+      } else {
+        ps.push_back({comm.irecv(p, collectiveTag(ctx.seq, 0, 0, 0), o + p * bytes, bytes, dt(dtype)),
+                      p, "receive from"});
+      }
+    }
+  } else {
+    ps.push_back({comm.isend(root, collectiveTag(ctx.seq, 0, 0, 0), in, bytes, dt(dtype)), root,
+                  "send to"});
+  }
+  awaitAll(ctx, ps);
+}
+
+void scatter(CollectiveContext& ctx, const void* in, void* out, size_t numel,
+             c10::ScalarType dtype, int root) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  const size_t bytes = numel * c10::elementSize(dtype);
+  std::vector<Pending> ps;
+  if (r == root) {
+    const char* i = static_cast<const char*>(in);
+    for (int p = 0; p < n; ++p) {
+      if (p == r) {
+        if (bytes && out != i + p * bytes) std::memcpy(out, i + p * bytes, bytes);
+      } else {
+        ps.push_back({comm.isend(p, collectiveTag(ctx.seq, 0, 0, 0), i + p * bytes, bytes, dt(dtype)),
+                      p, "send to"});
+      }
+    }
+  } else {
+    ps.push_back({comm.irecv(root, collectiveTag(ctx.seq, 0, 0, 0), out, bytes, dt(dtype)), root,
+                  "receive from"});
+  }
+  awaitAll(ctx, ps);
+}
+
+void alltoall(CollectiveContext& ctx, const void* in, const std::vector<size_t>& sendOffsets,
+              const std::vector<size_t>& sendCounts, void* out,
+              const std::vector<size_t>& recvOffsets, const std::vector<size_t>& recvCounts,
+              c10::ScalarType dtype) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  const size_t elem = c10::elementSize(dtype);
+  const char* i = static_cast<const char*>(in);
+  char* o = static_cast<char*>(out);
+  if (sendCounts[r] != recvCounts[r]) {
+    throw std::invalid_argument("dicomm alltoall: rank " + std::to_string(r) + " sends itself " +
+                                std::to_string(sendCounts[r]) + " elements but expects " +
+                                std::to_string(recvCounts[r]));
+  }
+  std::vector<Pending> ps;
+  for (int k = 1; k < n; ++k) {
+    // Stagger peers so every rank starts with a different partner.
+    int to = mod(r + k, n), from = mod(r - k, n);
+    ps.push_back({comm.irecv(from, collectiveTag(ctx.seq, 0, 0, 0), o + recvOffsets[from] * elem,
+                             recvCounts[from] * elem, dt(dtype)),
+                  from, "receive from"});
+    ps.push_back({comm.isend(to, collectiveTag(ctx.seq, 0, 0, 0), i + sendOffsets[to] * elem,
+                             sendCounts[to] * elem, dt(dtype)),
+                  to, "send to"});
+  }
+  if (sendCounts[r]) std::memmove(o + recvOffsets[r] * elem, i + sendOffsets[r] * elem, sendCounts[r] * elem);
+  awaitAll(ctx, ps);
+}
+
+void barrier(CollectiveContext& ctx) {
+  // Dissemination barrier: ceil(log2 n) rounds of empty messages.
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  unsigned round = 0;
+  for (int d = 1; d < n; d <<= 1, ++round) {
+    std::vector<Pending> ps;
+    int to = mod(r + d, n), from = mod(r - d, n);
+    ps.push_back({comm.irecv(from, collectiveTag(ctx.seq, 0, round, 0), nullptr, 0, -1), from,
+                  "receive from"});
+    ps.push_back({comm.isend(to, collectiveTag(ctx.seq, 0, round, 0), nullptr, 0, -1), to,
+                  "send to"});
+    awaitAll(ctx, ps);
+  }
+}
+
+}  // namespace dicomm

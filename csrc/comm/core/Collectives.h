@@ -1,0 +1,68 @@
+// Collectives composed from point-to-point transfers on host buffers.
+//
+// Ring reduce-scatter / allgather (and allreduce = both) move each segment in chunks so that
+// the transfer of chunk j+1 overlaps the reduction of chunk j and a rank forwards chunk j as
+// soon as it has it. Broadcast and reduce use a binomial tree, also chunked. Every wait honours
+// the op's deadline; on any failure the communicator is closed *before* the error unwinds,
+// so no transport thread can still be writing into a buffer that is being freed.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "comm/core/Communicator.h"
+#include "comm/core/Reduce.h"
+
+namespace dicomm {
+
+struct CollectiveContext {
+  Communicator* comm = nullptr;
+  uint64_t seq = 0;  // the group's collective sequence number: tags messages
+  std::chrono::steady_clock::time_point deadline;
+  std::chrono::milliseconds timeout{0};
+  std::string op;  // e.g. "allreduce", for error messages
+  size_t chunkBytes = 4 << 20;
+  // Closes the communicator with `cause` (must be synchronous, see above).
+  std::function<void(const std::string& cause)> abort;
+};
+
+struct Segment {
+  size_t offset = 0;  // elements
+  size_t count = 0;   // elements
+};
+
+// `n` segments of as equal size as possible covering `numel` elements.
+std::vector<Segment> splitEven(size_t numel, int n);
+
+// After return, segment `rank` of `buf` holds the reduction over ranks (others: partial sums).
+void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
+                       c10::ScalarType dtype, ReduceKind op, unsigned phase = 0);
+// Before: segment `rank` of `buf` is this rank's; after: every segment is everyone's.
+void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
+                   c10::ScalarType dtype, unsigned phase = 1);
+void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
+               ReduceKind op);
+void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, int root);
+// Root: `buf` becomes the reduction. Others: `buf` is only read.
+void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, ReduceKind op,
+            int root);
+// Root receives every rank's `nbytes` at out + rank * nbytes (its own included).
+void gather(CollectiveContext& ctx, const void* in, size_t numel, c10::ScalarType dtype, void* out,
+            int root);
+// Root sends in + rank * nbytes to each rank; every rank's `out` gets its piece.
+void scatter(CollectiveContext& ctx, const void* in, void* out, size_t numel,
+             c10::ScalarType dtype, int root);
+// Rank r sends sendCounts[p] elements from in + sendOffsets[p] to p and receives
+// recvCounts[p] elements into out + recvOffsets[p] from p.
+void alltoall(CollectiveContext& ctx, const void* in, const std::vector<size_t>& sendOffsets,
+              const std::vector<size_t>& sendCounts, void* out,
+              const std::vector<size_t>& recvOffsets, const std::vector<size_t>& recvCounts,
+              c10::ScalarType dtype);
+void barrier(CollectiveContext& ctx);
+
+}  // namespace dicomm

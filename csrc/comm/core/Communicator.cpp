@@ -1,0 +1,256 @@
+#include "comm/core/Communicator.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+namespace dicomm {
+
+namespace {
+
+std::vector<std::pair<std::string, const TransportFactory*>> byPreference() {
+  std::vector<std::pair<std::string, const TransportFactory*>> all;
+  for (auto& kv : transportRegistry()) all.emplace_back(kv.first, &kv.second);
+  std::sort(all.begin(), all.end(), [](auto& a, auto& b) {
+    return a.second->preference < b.second->preference;
+  });
+  return all;
+}
+
+bool usableCached(const std::string& name) {
+  static std::mutex mu;
+  static std::map<std::string, bool> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(name);
+  if (it != cache.end()) return it->second;
+  bool ok = false;
+  try {
+    ok = transportRegistry().at(name).usable();
+  } catch (...) {
+    ok = false;
+  }
+  cache[name] = ok;
+  return ok;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (auto& x : v) s += (s.empty() ? "" : ",") + x;
+  return s;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::string bytesToString(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
+std::vector<uint8_t> stringToBytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+}  // namespace
+
+std::vector<std::string> transportsBuilt() {
+  std::vector<std::string> names;
+  for (auto& kv : byPreference()) names.push_back(kv.first);
+  return names;
+}
+
+std::vector<std::string> transportsUsable() {
+  std::vector<std::string> names;
+  for (auto& kv : byPreference()) {
+    if (usableCached(kv.first)) names.push_back(kv.first);
+  }
+  return names;
+}
+
+std::string localHostId() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  return std::string(host) + "/" + boot + "/" + (n > 0 ? std::string(ns, n) : "");
+}
+
+Communicator::Communicator(CommunicatorOptions options)
+    : options_(std::move(options)), mailbox_(options_.rank) {
+  const int rank = options_.rank, size = options_.size;
+  auto& store = options_.store;
+  const std::string prefix = "dicomm/";
+  const auto& registry = transportRegistry();
+
+  const std::string& forced = options_.transport;
+  if (forced != "auto") {
+    if (!registry.count(forced)) {
+      throw std::invalid_argument("dicomm: DICOMM_TRANSPORT='" + forced +
+                                  "' is not built in; built: " + join(transportsBuilt()) +
+                                  " (or 'auto')");
+    }
+    if (!usableCached(forced)) {
+      throw std::runtime_error("dicomm: DICOMM_TRANSPORT='" + forced +
+                               "' is built but not usable on this machine; usable: " +
+                               join(transportsUsable()));
+    }
+  }
+
+  // Shared secret that every connection proves; rank 0 creates it.
+  std::vector<uint8_t> authKey(32);
+  const std::string authKeyName = prefix + "auth";
+  const std::string myInfoKey = prefix + "info/" + std::to_string(rank);
+  if (rank == 0) {
+    std::random_device rd;
+    for (auto& b : authKey) b = static_cast<uint8_t>(rd());
+    store->set(authKeyName, authKey);
+  }
+  const std::string myHost = localHostId();
+  std::vector<std::string> myUsable =
+      forced == "auto" ? transportsUsable() : std::vector<std::string>{forced};
+  store->set(myInfoKey, stringToBytes(myHost + "\n" + join(myUsable)));
+
+  auto waitKey = [&](const std::string& key, int who) {
+    try {
+      store->wait({key}, options_.timeout);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("dicomm: rank " + std::to_string(who) + " of " +
+                               std::to_string(size) + " did not join the process group within " +
+                               std::to_string(options_.timeout.count()) +
+                               " ms (rank " + std::to_string(rank) + " waited for store key '" +
+                               key + "')");
+    }
+  };
+  if (rank != 0) {
+    waitKey(authKeyName, 0);
+    authKey = store->get(authKeyName);
+  }
+
+  // Choose a transport per peer: the most preferred one both ranks can use and that reaches.
+  pairTransport_.assign(size, "self");
+  std::map<std::string, bool> needed;
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    const std::string key = prefix + "info/" + std::to_string(p);
+    waitKey(key, p);
+    std::string info = bytesToString(store->get(key));
+    size_t nl = info.find('\n');
+    std::string peerHost = info.substr(0, nl);
+    std::vector<std::string> peerUsable = split(info.substr(nl + 1));
+    std::string chosen;
+    for (auto& [name, factory] : byPreference()) {
+      bool mine = std::count(myUsable.begin(), myUsable.end(), name) > 0;
+      bool theirs = std::count(peerUsable.begin(), peerUsable.end(), name) > 0;
+      if (mine && theirs && factory->reaches(myHost, peerHost)) {
+        chosen = name;
+        break;
+      }
+    }
+    if (chosen.empty()) {
+      throw std::runtime_error("dicomm: no transport connects rank " + std::to_string(rank) +
+                               " (host " + myHost + ", usable " + join(myUsable) + ") to rank " +
+                               std::to_string(p) + " (host " + peerHost + ", usable " +
+                               join(peerUsable) + ")");
+    }
+    pairTransport_[p] = chosen;
+    needed[chosen] = true;
+  }
+
+  TransportContext ctx;
+  ctx.store = store;
+  ctx.keyPrefix = prefix;
+  ctx.rank = rank;
+  ctx.size = size;
+  ctx.timeout = options_.timeout;
+  ctx.inbox = &mailbox_;
+  ctx.listenHost = options_.listenHost;
+  ctx.authKey = authKey;
+  std::map<std::string, Transport*> started;
+  for (auto& kv : needed) {
+    transports_.push_back(registry.at(kv.first).create());
+    transports_.back()->start(ctx);
+    started[kv.first] = transports_.back().get();
+  }
+  mailbox_.setPeerFailedHandler([this](int peer, const std::string& cause) {
+    if (onFailure_) onFailure_(peer, cause);
+  });
+  pairs_.resize(size);
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    pairs_[p] = started.at(pairTransport_[p])->connect(p);
+  }
+}
+
+Communicator::~Communicator() {
+  close(std::make_exception_ptr(std::runtime_error("dicomm: communicator destroyed")));
+}
+
+std::string Communicator::transportOf(int peer) const { return pairTransport_.at(peer); }
+
+void Communicator::setFailureHandler(std::function<void(int, const std::string&)> handler) {
+  onFailure_ = std::move(handler);
+}
+
+std::shared_ptr<Completion> Communicator::isend(int peer, uint64_t tag, const void* data,
+                                                size_t nbytes, int32_t dtype,
+                                                Completion::Callback cb) {
+  auto c = std::make_shared<Completion>(std::move(cb));
+  if (peer < 0 || peer >= size() || peer == rank()) {
+    c->complete(std::make_exception_ptr(std::invalid_argument(
+        "dicomm: send to rank " + std::to_string(peer) + ": expected a peer rank in [0, " +
+        std::to_string(size()) + ") other than this rank " + std::to_string(rank()))));
+    return c;
+  }
+  Envelope env;
+  env.tag = tag;
+  env.nbytes = nbytes;
+  env.dtype = dtype;
+  if (closed_) {
+    c->complete(std::make_exception_ptr(std::runtime_error("dicomm: communicator is closed")));
+    return c;
+  }
+  pairs_[peer]->send(env, data, MemoryKind::kHost,
+                     [c, peer](std::exception_ptr e) { c->complete(e, peer); });
+  return c;
+}
+
+std::shared_ptr<Completion> Communicator::irecv(int peer, uint64_t tag, void* data, size_t nbytes,
+                                                int32_t dtype, Completion::Callback cb) {
+  auto c = std::make_shared<Completion>(std::move(cb));
+  if (peer < -1 || peer >= size() || peer == rank()) {
+    c->complete(std::make_exception_ptr(std::invalid_argument(
+        "dicomm: recv from rank " + std::to_string(peer) + ": expected a peer rank in [0, " +
+        std::to_string(size()) + ") other than this rank " + std::to_string(rank()))));
+    return c;
+  }
+  if (closed_) {
+    c->complete(std::make_exception_ptr(std::runtime_error("dicomm: communicator is closed")));
+    return c;
+  }
+  RecvRequest r;
+  r.peer = peer;
+  r.tag = tag;
+  r.data = data;
+  r.nbytes = nbytes;
+  r.dtype = dtype;
+  r.completion = c;
+  mailbox_.post(std::move(r));
+  return c;
+}
+
+void Communicator::close(const std::exception_ptr& error) {
+  std::lock_guard<std::mutex> lock(closeMu_);
+  if (closed_.exchange(true)) return;
+  for (auto& p : pairs_) {
+    if (p) p->close();
+  }
+  mailbox_.failAll(error);
+}
+
+}  // namespace dicomm

@@ -1,0 +1,70 @@
+// The ranks of one process group, connected: one Pair per peer (transport chosen per peer),
+// the Mailbox that matches arrivals, and asynchronous send/receive of host byte ranges.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/core/Mailbox.h"
+#include "comm/transport/Transport.h"
+
+namespace dicomm {
+
+struct CommunicatorOptions {
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::string transport = "auto";  // DICOMM_TRANSPORT: auto | tcp | shm | rdma
+  std::string listenHost = "127.0.0.1";
+};
+
+// Transports compiled in / usable on this machine, in preference order.
+std::vector<std::string> transportsBuilt();
+std::vector<std::string> transportsUsable();
+// What identifies "this host" for the shm transport: hostname, boot id and pid namespace.
+std::string localHostId();
+
+class Communicator {
+ public:
+  // Connects to every peer (blocking, up to options.timeout). Throws naming a missing rank.
+  explicit Communicator(CommunicatorOptions options);
+  ~Communicator();
+
+  int rank() const { return options_.rank; }
+  int size() const { return options_.size; }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  // The transport serving `peer` ("tcp", "shm", "rdma"; "self" for this rank).
+  std::string transportOf(int peer) const;
+
+  // Called once, on a transport thread, when a pair breaks. The owner decides what to abort.
+  void setFailureHandler(std::function<void(int peer, const std::string& cause)> handler);
+
+  std::shared_ptr<Completion> isend(int peer, uint64_t tag, const void* data, size_t nbytes,
+                                    int32_t dtype, Completion::Callback cb = nullptr);
+  // peer == -1: any source.
+  std::shared_ptr<Completion> irecv(int peer, uint64_t tag, void* data, size_t nbytes,
+                                    int32_t dtype, Completion::Callback cb = nullptr);
+
+  // Stop every transport thread, then fail all pending receives with `error`. Not callable from
+  // a transport thread. Idempotent.
+  void close(const std::exception_ptr& error);
+  bool closed() const { return closed_.load(); }
+
+ private:
+  CommunicatorOptions options_;
+  Mailbox mailbox_;
+  std::vector<std::unique_ptr<Transport>> transports_;
+  std::vector<std::unique_ptr<Pair>> pairs_;  // indexed by rank; null for self
+  std::vector<std::string> pairTransport_;
+  std::function<void(int, const std::string&)> onFailure_;
+  std::mutex closeMu_;
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace dicomm

@@ -1,0 +1,178 @@
+#include "comm/core/Mailbox.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstring>
+#include <thread>
+
+#include "comm/core/Tags.h"
+
+namespace dicomm {
+
+void Completion::complete(std::exception_ptr error, int source) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_.load(std::memory_order_relaxed)) return;
+    error_ = std::move(error);
+    source_ = source;
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+  if (callback_) {
+    Callback cb = std::move(callback_);
+    cb(*this);
+  }
+}
+
+bool Completion::waitUntil(std::chrono::steady_clock::time_point until) {
+  // ~30 us of polling, yielding so a peer thread on the same core can run.
+  for (int i = 0; i < 300; ++i) {
+    if (done()) return true;
+    if (i > 20) std::this_thread::yield();
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_until(lock, until, [&] { return done(); });
+}
+
+static std::string dtypeName(int32_t dtype) {
+  if (dtype < 0) return "untyped";
+  return c10::toString(static_cast<c10::ScalarType>(dtype));
+}
+
+std::exception_ptr Mailbox::mismatch(const RecvRequest& r, int peer, const Envelope& env) const {
+  const bool sizeBad = env.nbytes != r.nbytes;
+  const bool typeBad = env.dtype >= 0 && r.dtype >= 0 && env.dtype != r.dtype;
+  if (!sizeBad && !typeBad) return nullptr;
+  return std::make_exception_ptr(TransportError(
+      peer, std::string("dicomm: ") + (typeBad ? "dtype" : "size") + " mismatch on " +
+                describeTag(env.tag) + ": rank " + std::to_string(peer) + " sent " +
+                std::to_string(env.nbytes) + " bytes of " + dtypeName(env.dtype) + ", rank " +
+                std::to_string(rank_) + " expects " + std::to_string(r.nbytes) + " bytes of " +
+                dtypeName(r.dtype) + " (message dropped)"));
+}
+
+void Mailbox::deliver(Unexpected& m, RecvRequest& r) {
+  if (m.error) {
+    r.completion->complete(m.error, m.peer);
+    return;
+  }
+  if (m.envelope.nbytes) std::memcpy(r.data, m.data.get(), m.envelope.nbytes);
+  r.completion->complete(nullptr, m.peer);
+}
+
+void Mailbox::post(RecvRequest request) {
+  auto r = std::make_shared<RecvRequest>(std::move(request));
+  std::shared_ptr<Unexpected> found;
+  std::exception_ptr bad;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    r->order = nextOrder_++;
+    // Oldest unexpected message this receive can take.
+    std::deque<std::shared_ptr<Unexpected>>* queue = nullptr;
+    if (r->peer >= 0) {
+      auto it = unexpected_.find({r->peer, r->tag});
+      if (it != unexpected_.end() && !it->second.empty()) queue = &it->second;
+    } else {
+      for (auto& kv : unexpected_) {
+        if (kv.first.second != r->tag || kv.second.empty()) continue;
+        if (!queue || kv.second.front()->order < queue->front()->order) queue = &kv.second;
+      }
+    }
+    if (!queue) {
+      if (r->peer >= 0) {
+        posted_[{r->peer, r->tag}].push_back(r);
+      } else {
+        postedAny_[r->tag].push_back(r);
+      }
+      return;
+    }
+    found = queue->front();
+    queue->pop_front();
+    bad = mismatch(*r, found->peer, found->envelope);
+    if (!bad && !found->complete) {
+      found->claimedBy = r;  // its landing completes this receive
+      return;
+    }
+  }
+  if (bad) {
+    r->completion->complete(bad, found->peer);
+  } else {
+    deliver(*found, *r);
+  }
+}
+
+Landing Mailbox::arrive(int peer, const Envelope& env) {
+  std::shared_ptr<RecvRequest> r;
+  std::exception_ptr bad;
+  Landing landing;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto p = posted_.find({peer, env.tag});
+    auto a = postedAny_.find(env.tag);
+    bool haveP = p != posted_.end() && !p->second.empty();
+    bool haveA = a != postedAny_.end() && !a->second.empty();
+    if (haveP && (!haveA || p->second.front()->order < a->second.front()->order)) {
+      r = p->second.front();
+      p->second.pop_front();
+      if (p->second.empty()) posted_.erase(p);
+    } else if (haveA) {
+      r = a->second.front();
+      a->second.pop_front();
+      if (a->second.empty()) postedAny_.erase(a);
+    } else {
+      auto m = std::make_shared<Unexpected>();
+      m->peer = peer;
+      m->envelope = env;
+      m->data.reset(new char[env.nbytes ? env.nbytes : 1]);
+      m->order = nextOrder_++;
+      unexpected_[{peer, env.tag}].push_back(m);
+      landing.data = m->data.get();
+      landing.capacity = env.nbytes;
+      landing.done = [this, m](std::exception_ptr error) {
+        std::shared_ptr<RecvRequest> claimant;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          m->complete = true;
+          m->error = error;
+          claimant = m->claimedBy;
+        }
+        if (claimant) deliver(*m, *claimant);
+      };
+      return landing;
+    }
+    bad = mismatch(*r, peer, env);
+  }
+  if (bad) {
+    r->completion->complete(bad, peer);
+    landing.done = [](std::exception_ptr) {};
+    return landing;  // data == nullptr: the transport drops the payload
+  }
+  landing.data = r->data;
+  landing.capacity = r->nbytes;
+  landing.done = [r, peer](std::exception_ptr error) { r->completion->complete(error, peer); };
+  return landing;
+}
+
+void Mailbox::peerFailed(int peer, const std::string& cause) {
+  if (onPeerFailed_) onPeerFailed_(peer, cause);
+}
+
+void Mailbox::failAll(const std::exception_ptr& error) {
+  std::vector<std::shared_ptr<RecvRequest>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : posted_)
+      for (auto& r : kv.second) victims.push_back(r);
+    for (auto& kv : postedAny_)
+      for (auto& r : kv.second) victims.push_back(r);
+    for (auto& kv : unexpected_)
+      for (auto& m : kv.second)
+        if (m->claimedBy) victims.push_back(m->claimedBy);
+    posted_.clear();
+    postedAny_.clear();
+    unexpected_.clear();
+  }
+  for (auto& r : victims) r->completion->complete(error, r->peer);
+}
+
+}  // namespace dicomm

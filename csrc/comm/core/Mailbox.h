@@ -1,0 +1,94 @@
+// Matching of arriving messages to posted receives (the core's side of transport::Inbox).
+//
+// A message matches the oldest posted receive with the same (source, tag), or an any-source
+// receive with the same tag, whichever was posted first. A message that arrives before its
+// receive is posted lands in a buffer of its own and is copied out when the receive arrives.
+// Size and dtype are checked against the envelope before a byte is written: a mismatch fails
+// the receive with both sides' view, and the payload is dropped.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/transport/Transport.h"
+
+namespace dicomm {
+
+// One outstanding send or receive; completes once, with an error or not.
+class Completion {
+ public:
+  using Callback = std::function<void(Completion&)>;
+  explicit Completion(Callback cb = nullptr) : callback_(std::move(cb)) {}
+  void complete(std::exception_ptr error, int source = -1);
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  std::exception_ptr error() const { return error_; }
+  int source() const { return source_; }
+  // Wait until done or `until`; returns done(). Spins briefly first: most small messages
+  // complete within microseconds and a futex sleep/wake costs more than that.
+  bool waitUntil(std::chrono::steady_clock::time_point until);
+
+ private:
+  std::atomic<bool> done_{false};
+  std::exception_ptr error_;
+  int source_ = -1;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  Callback callback_;
+};
+
+struct RecvRequest {
+  int peer = -1;  // -1: any source
+  uint64_t tag = 0;
+  void* data = nullptr;
+  size_t nbytes = 0;
+  int32_t dtype = -1;
+  std::shared_ptr<Completion> completion;
+  uint64_t order = 0;  // post order, to pick between a (peer, tag) and an any-source receive
+};
+
+class Mailbox : public Inbox {
+ public:
+  explicit Mailbox(int rank) : rank_(rank) {}
+  // `onPeerFailed` runs on the transport thread that saw the failure.
+  void setPeerFailedHandler(std::function<void(int, const std::string&)> handler) {
+    onPeerFailed_ = std::move(handler);
+  }
+  void post(RecvRequest request);
+  // Fail every posted receive (the communicator was aborted). Transports must be stopped first.
+  void failAll(const std::exception_ptr& error);
+
+  Landing arrive(int peer, const Envelope& envelope) override;
+  void peerFailed(int peer, const std::string& cause) override;
+
+ private:
+  struct Unexpected {
+    int peer;
+    Envelope envelope;
+    std::unique_ptr<char[]> data;
+    bool complete = false;
+    std::exception_ptr error;
+    std::shared_ptr<RecvRequest> claimedBy;
+    uint64_t order;
+  };
+  using Key = std::pair<int, uint64_t>;
+
+  std::exception_ptr mismatch(const RecvRequest& request, int peer, const Envelope& env) const;
+  static void deliver(Unexpected& message, RecvRequest& request);
+
+  const int rank_;
+  std::mutex mu_;
+  uint64_t nextOrder_ = 0;
+  std::map<Key, std::deque<std::shared_ptr<RecvRequest>>> posted_;
+  std::map<uint64_t, std::deque<std::shared_ptr<RecvRequest>>> postedAny_;
+  std::map<Key, std::deque<std::shared_ptr<Unexpected>>> unexpected_;
+  std::function<void(int, const std::string&)> onPeerFailed_;
+};
+
+}  // namespace dicomm

@@ -1,0 +1,17 @@
+// Element-wise reduction of one host buffer into another (the arithmetic of allreduce & co).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+
+namespace dicomm {
+
+enum class ReduceKind { kSum, kAvg, kProduct, kMin, kMax, kBand, kBor, kBxor };
+
+// dst[i] = dst[i] (op) src[i] for numel elements of `dtype`. kAvg sums (divide with finishAvg).
+void reduceInto(void* dst, const void* src, size_t numel, c10::ScalarType dtype, ReduceKind op);
+// dst[i] /= divisor (integer types: truncating division). Used once on the final sum for kAvg.
+void finishAvg(void* dst, size_t numel, c10::ScalarType dtype, int divisor);
+
+}  // namespace dicomm

@@ -1,0 +1,261 @@
+#include "comm/transport/Socket.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "comm/transport/Transport.h"
+
+namespace dicomm {
+
+Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) {
+    reset();
+    fd_ = o.release();
+  }
+  return *this;
+}
+
+void Fd::reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+std::string errnoString(int err) {
+  char buf[128];
+  // GNU strerror_r returns the message pointer.
+  const char* msg = strerror_r(err, buf, sizeof(buf));
+  return std::string(msg) + " (errno " + std::to_string(err) + ")";
+}
+
+static void fail(int peer, const char* transport, const std::string& what) {
+  throw TransportError(peer, std::string(transport) + ": " + what);
+}
+
+Listener listenTcp(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), "0", &hints, &res);
+  if (rc != 0) {
+    throw std::runtime_error("dicomm tcp: cannot resolve listen host '" + host +
+                             "': " + gai_strerror(rc));
+  }
+  Listener l;
+  std::string lastError = "no address";
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, 0));
+    if (!fd) continue;
+    int one = 1;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), 128) != 0) {
+      lastError = errnoString(errno);
+      continue;
+    }
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+    char ip[INET6_ADDRSTRLEN] = {0};
+    int port = 0;
+    if (ss.ss_family == AF_INET) {
+      auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+      inet_ntop(AF_INET, &a->sin_addr, ip, sizeof(ip));
+      port = ntohs(a->sin_port);
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+      inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof(ip));
+      port = ntohs(a->sin6_port);
+    }
+    l.fd = std::move(fd);
+    l.address = std::string("tcp:") + ip + ":" + std::to_string(port);
+    break;
+  }
+  freeaddrinfo(res);
+  if (!l.fd) {
+    throw std::runtime_error("dicomm tcp: cannot listen on '" + host + "': " + lastError);
+  }
+  return l;
+}
+
+Listener listenUnix(const std::string& name) {
+  Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) throw std::runtime_error("dicomm shm: socket(AF_UNIX): " + errnoString(errno));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  // Abstract namespace: nothing on disk to clean up; name is unique per rank and group.
+  if (name.size() + 1 >= sizeof(addr.sun_path)) {
+    throw std::runtime_error("dicomm shm: socket name too long: " + name);
+  }
+  memcpy(addr.sun_path + 1, name.data(), name.size());
+  socklen_t len = offsetof(sockaddr_un, sun_path) + 1 + name.size();
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+      ::listen(fd.get(), 128) != 0) {
+    throw std::runtime_error("dicomm shm: cannot listen on @" + name + ": " + errnoString(errno));
+  }
+  return Listener{std::move(fd), "unix:" + name};
+}
+
+static Fd dialOnce(const std::string& address, int* err) {
+  if (address.rfind("unix:", 0) == 0) {
+    std::string name = address.substr(5);
+    Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    memcpy(addr.sun_path + 1, name.data(), std::min(name.size(), sizeof(addr.sun_path) - 2));
+    socklen_t len = offsetof(sockaddr_un, sun_path) + 1 + name.size();
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      *err = errno;
+      return Fd();
+    }
+    return fd;
+  }
+  if (address.rfind("tcp:", 0) != 0) {
+    throw std::runtime_error("dicomm: bad peer address '" + address + "'");
+  }
+  std::string hostport = address.substr(4);
+  size_t colon = hostport.rfind(':');
+  std::string host = hostport.substr(0, colon), port = hostport.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
+    throw std::runtime_error("dicomm: bad peer address '" + address + "'");
+  }
+  Fd fd(::socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC, 0));
+  int rc = ::connect(fd.get(), res->ai_addr, res->ai_addrlen);
+  *err = errno;
+  freeaddrinfo(res);
+  if (rc != 0) return Fd();
+  return fd;
+}
+
+Fd dial(const std::string& address, Clock::time_point deadline, int peer) {
+  int err = 0;
+  while (true) {
+    Fd fd = dialOnce(address, &err);
+    if (fd) return fd;
+    if (Clock::now() >= deadline) {
+      throw TransportError(peer, "dicomm: cannot connect to rank " + std::to_string(peer) +
+                                     " at " + address + ": " + errnoString(err));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+Fd acceptUntil(int listenFd, Clock::time_point deadline) {
+  while (true) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return Fd();
+    pollfd p{listenFd, POLLIN, 0};
+    int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    if (rc > 0) {
+      int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) return Fd(fd);
+    }
+  }
+}
+
+void tuneSocket(int fd, bool tcp) {
+  int one = 1;
+  if (tcp) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // Large buffers keep a single stream near memory bandwidth on loopback.
+  int buf = 8 << 20;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+}
+
+void writeAll(int fd, const void* data, size_t n, int peer, const char* transport) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      fail(peer, transport,
+           "send to rank " + std::to_string(peer) + " failed: " + errnoString(errno));
+    }
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+}
+
+void writevAll(int fd, struct iovec* iov, int iovcnt, int peer, const char* transport) {
+  while (iovcnt > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = iovcnt;
+    ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      fail(peer, transport,
+           "send to rank " + std::to_string(peer) + " failed: " + errnoString(errno));
+    }
+    size_t left = static_cast<size_t>(k);
+    while (iovcnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --iovcnt;
+    }
+    if (iovcnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+}
+
+bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool eofOk) {
+  char* p = static_cast<char*>(data);
+  size_t got = 0;
+  while (got < n) {
+    ssize_t k = ::recv(fd, p + got, n - got, MSG_WAITALL);
+    if (k == 0) {
+      if (eofOk && got == 0) return false;
+      fail(peer, transport,
+           "connection to rank " + std::to_string(peer) +
+               " closed by the peer (EOF; did that process exit or crash?)");
+    }
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      fail(peer, transport,
+           "connection to rank " + std::to_string(peer) + " broke: " + errnoString(errno));
+    }
+    got += static_cast<size_t>(k);
+  }
+  return true;
+}
+
+void readAllUntil(int fd, void* data, size_t n, Clock::time_point deadline, int peer,
+                  const char* transport) {
+  char* p = static_cast<char*>(data);
+  size_t got = 0;
+  while (got < n) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      fail(peer, transport, "timed out reading the handshake of rank " + std::to_string(peer));
+    }
+    pollfd pf{fd, POLLIN, 0};
+    if (::poll(&pf, 1, static_cast<int>(left.count())) <= 0) continue;
+    ssize_t k = ::recv(fd, p + got, n - got, 0);
+    if (k == 0) fail(peer, transport, "peer closed the connection during the handshake");
+    if (k < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      fail(peer, transport, "handshake read failed: " + errnoString(errno));
+    }
+    got += static_cast<size_t>(k);
+  }
+}
+
+}  // namespace dicomm

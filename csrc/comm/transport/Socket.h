@@ -1,0 +1,79 @@
+// Stream-socket helpers shared by the tcp and shm transports: listen, dial with retry, accept
+// with a deadline, authenticated hello, and exact reads/writes that report the peer on failure.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dicomm {
+
+using Clock = std::chrono::steady_clock;
+
+// First bytes on every new connection: proves the dialer belongs to this process group.
+struct Hello {
+  uint64_t magic = 0;
+  int32_t rank = -1;
+  int32_t pid = 0;
+  uint64_t probe = 0;  // address of kHelloMagic in the sender (cross-memory attach probe)
+  uint8_t key[32] = {0};
+};
+constexpr uint64_t kHelloMagic = 0x316d6d6f4369446cULL;  // "lDiComm1"
+
+// An owned file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset();
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+// Address a listener publishes: "tcp:<ip>:<port>" or "unix:<abstract name>".
+struct Listener {
+  Fd fd;
+  std::string address;
+};
+
+Listener listenTcp(const std::string& host);
+Listener listenUnix(const std::string& name);  // abstract-namespace AF_UNIX socket
+
+// Dial `address` (as published by a Listener), retrying refused connections until `deadline`.
+Fd dial(const std::string& address, Clock::time_point deadline, int peer);
+// Accept one connection, or an invalid Fd when `deadline` passes.
+Fd acceptUntil(int listenFd, Clock::time_point deadline);
+
+// Tune a connected socket for latency and throughput (TCP_NODELAY, big buffers).
+void tuneSocket(int fd, bool tcp);
+
+// Exact I/O. Throw TransportError naming `peer` and the errno / EOF.
+void writeAll(int fd, const void* data, size_t n, int peer, const char* transport);
+void writevAll(int fd, struct iovec* iov, int iovcnt, int peer, const char* transport);
+// Returns false on a clean EOF before the first byte when `eofOk`; throws otherwise.
+bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool eofOk = false);
+
+// Read with a deadline (used only during connection set-up); throws on timeout.
+void readAllUntil(int fd, void* data, size_t n, Clock::time_point deadline, int peer,
+                  const char* transport);
+
+std::string errnoString(int err);
+
+}  // namespace dicomm

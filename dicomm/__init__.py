@@ -1,0 +1,98 @@
+"""DiComm: the ``dicomm`` torch.distributed backend.
+
+Importing this package registers the backend with ``torch.distributed`` for the ``cpu``,
+``dipu`` and ``cuda`` devices (it becomes the default for ``dipu``; cpu stays gloo and cuda stays
+nccl unless you ask for dicomm)::
+
+    import dicomm, torch.distributed as dist
+    dist.init_process_group("dicomm")            # or "cpu:gloo,dipu:dicomm"
+
+Environment:
+    DICOMM_TRANSPORT     auto (default) | tcp | shm | rdma: force one transport for every peer
+    DICOMM_LISTEN_HOST   address the tcp listener binds and publishes (default 127.0.0.1)
+    DICOMM_CHUNK_BYTES   pipeline chunk of the ring/tree collectives (default 4 MiB)
+    DICOMM_FORCE_STAGING 1: stage device tensors through host copies even when the device's
+                         memory is host-addressable (tests the path real vendors take)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from dicomm._C import ProcessGroupDicomm, local_host_id
+from dicomm._C import transports_built as _transports_built
+from dicomm._C import transports_usable as _transports_usable
+
+__all__ = [
+    "ProcessGroupDicomm",
+    "transports_built",
+    "transports_usable",
+    "local_host_id",
+    "BACKEND_NAME",
+]
+
+BACKEND_NAME = "dicomm"
+_TRANSPORTS = ("auto", "tcp", "shm", "rdma")
+
+
+def transports_built() -> list[str]:
+    """Transports compiled into this build, most preferred first (e.g. ``['shm', 'tcp']``)."""
+    return list(_transports_built())
+
+
+def transports_usable() -> list[str]:
+    """Transports that can run on this machine, most preferred first."""
+    return list(_transports_usable())
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer number of bytes") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive number of bytes")
+    return value
+
+
+def _dipu_host_addressable() -> bool:
+    dipu = getattr(torch, "dipu", None)
+    probe = getattr(dipu, "is_host_addressable", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _seconds(timeout) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def _create_backend(dist_backend_opts, backend_options) -> ProcessGroupDicomm:
+    """torch.distributed's creator hook (extended API) for ``dicomm``."""
+    transport = os.environ.get("DICOMM_TRANSPORT", "auto").strip().lower() or "auto"
+    if transport not in _TRANSPORTS:
+        raise ValueError(f"DICOMM_TRANSPORT={transport!r}: expected one of {', '.join(_TRANSPORTS)}")
+    return ProcessGroupDicomm(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        _seconds(dist_backend_opts.timeout),
+        transport=transport,
+        listen_host=os.environ.get("DICOMM_LISTEN_HOST", "127.0.0.1"),
+        chunk_bytes=_env_int("DICOMM_CHUNK_BYTES", 4 << 20),
+        dipu_host_addressable=_dipu_host_addressable(),
+        force_staging=os.environ.get("DICOMM_FORCE_STAGING", "0") == "1",
+        group_name=str(dist_backend_opts.group_id or ""),
+    )
+
+
+if "dicomm" not in dist.Backend.backend_list:
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "dipu", "cuda"]
+    )

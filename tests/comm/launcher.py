@@ -1,0 +1,104 @@
+"""Run a function on N local ranks of a dicomm process group and collect what each returns.
+
+Each rank is a spawned process (importing torch costs ~2 s), so a test runs many checks inside
+one job rather than one job per check.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, env, results, init, timeout_s):
+    os.environ.update(env)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import dicomm  # noqa: F401  (registers the backend)
+        import torch.distributed as dist
+
+        if init:
+            dist.init_process_group(
+                backend=env.get("TEST_BACKEND", "dicomm"),
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        out = fn(rank, world, port)
+        if init and dist.is_initialized():
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[[int, int, int], Any],
+    world: int,
+    env: dict[str, str] | None = None,
+    init: bool = True,
+    op_timeout_s: float = 60.0,
+    wall_timeout_s: float = 150.0,
+    expect_exit: set[int] | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(rank, world, port)`` on ``world`` processes; return {rank: result}.
+
+    Raises AssertionError with every failing rank's traceback. Ranks in ``expect_exit`` may die
+    without reporting (fault tests kill them on purpose).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), results, init, op_timeout_s))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    expect_exit = expect_exit or set()
+    want = world - len(expect_exit)
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + wall_timeout_s
+    try:
+        while len([r for r in got if r not in expect_exit]) < want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within {wall_timeout_s}s")
+            try:
+                rank, ok, out = results.get(timeout=min(left, 1.0))
+                got[rank] = (ok, out)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got and r not in expect_exit]
+                if dead:
+                    time.sleep(0.5)  # a result may still be in the pipe
+                    while not results.empty():
+                        rank, ok, out = results.get()
+                        got[rank] = (ok, out)
+                    dead = [r for r in dead if r not in got]
+                    if dead:
+                        raise AssertionError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: out for r, (ok, out) in got.items() if not ok}
+    if failures:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+    return {r: out for r, (ok, out) in got.items()}
