@@ -147,5 +147,18 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_", TORCH_FN(setEmpty));
 }
 
+// Copies resolve the conjugate and negative bits themselves (the kernel device's copy_ does, on
+// the re-viewed tensors). Without these, the math-bit fallbacks would materialize the source with
+// clone(), whose copy_ comes back here with the bit still set: endless recursion.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
 }  // namespace
 }  // namespace ditorch

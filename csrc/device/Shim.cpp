@@ -36,6 +36,10 @@ using AliasTable = c10::SmallVector<Alias, 8>;
 at::Tensor makeTensor(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like_geometry) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key), like_geometry.dtype());
   impl->set_sizes_and_strides(like_geometry.sizes(), like_geometry.strides(), like_geometry.storage_offset());
+  // The lazy conjugate and negative bits are part of the value: kernels that reach the shim with
+  // them set (mm, copy_, clone, views...) resolve them, so the re-viewed tensor must carry them.
+  impl->_set_conj(like_geometry.is_conj());
+  impl->_set_neg(like_geometry.is_neg());
   return at::Tensor(std::move(impl));
 }
 
