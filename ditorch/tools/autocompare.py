@@ -12,13 +12,14 @@ from torch.utils._pytree import tree_map
 from ditorch.tools.capture import save_op_call
 from ditorch.tools.comparison import ToleranceSpec, Tolerances, compare
 from ditorch.tools.op_selection import OpPatterns
-from ditorch.tools.tensors import tensors_of, to_host
+from ditorch.tools.tensors import op_results, to_host
 from ditorch.tools.tool_mode import OpCall, ToolMode, logger, write_records
 
 
 @dataclasses.dataclass
 class OpComparison:
-    """One tensor output of one op call against its reference."""
+    """One result of one op call against its reference: ``output`` indexes the returned
+    tensors, followed by tensors written in place and not returned (see ``op_results``)."""
 
     index: int
     op: str
@@ -104,7 +105,8 @@ class autocompare(ToolMode):
                                              float("nan"), float("nan"), float("nan"), 0.0, 0.0, True,
                                              f"reference failed: {type(exc).__name__}: {exc}"))
             return out
-        actual, expected = tensors_of(out), tensors_of(ref_out)
+        actual = op_results(func, args, kwargs, out)
+        expected = op_results(func, ref_args, ref_kwargs, ref_out)
         new = []
         for i, (a, r) in enumerate(zip(actual, expected)):
             rtol, atol = self.tolerances.lookup(func, a.dtype)
@@ -118,7 +120,7 @@ class autocompare(ToolMode):
             saved = ""
             if self.out_dir is not None and self._saved < self.max_saved:
                 self._saved += 1
-                saved = str(save_op_call(self.out_dir / "mismatches" / call.label, func, call, inputs, out,
+                saved = str(save_op_call(self.out_dir / "mismatches" / call.label, func, call, inputs, actual,
                                          {"reference": str(self.reference), "reference_dtype": str(self.dtype)}))
             for r in bad:
                 r.inputs_saved = saved

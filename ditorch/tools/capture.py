@@ -2,7 +2,8 @@
 
 A capture is a directory ``<op>_<index>/`` holding ``meta.json`` (op overload, phase,
 autograd node, device, chip), ``inputs.pt`` (``{"args", "kwargs"}`` with tensors on CPU in
-the layout the op saw: same sizes and strides) and ``outputs.pt``. Gradients are captured
+the layout the op saw: same sizes and strides) and ``outputs.pt`` (the list of tensors the
+call returned, then those it wrote in place without returning them). Gradients are captured
 through the backward ops that compute them (phase ``backward``).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from ditorch.tools.comparison import Difference, compare
 from ditorch.tools.op_selection import OpPatterns
-from ditorch.tools.tensors import bitwise_equal, copy_with_layout, tensors_of, to_host
+from ditorch.tools.tensors import bitwise_equal, copy_with_layout, op_results, tensors_of, to_host
 from ditorch.tools.tool_mode import OpCall, ToolMode, logger
 
 _LOAD_GLOBALS = [torch.memory_format, torch.layout]
@@ -29,9 +30,9 @@ def _devices_of(tree: Any) -> list[str]:
 
 
 def save_op_call(directory: Path, func: torch._ops.OpOverload, call: OpCall, inputs_host: Any,
-                 outputs: Any, extra: Optional[dict] = None) -> Path:
+                 outputs: list, extra: Optional[dict] = None) -> Path:
     """Write one capture. ``inputs_host`` must already be a CPU copy taken before the op ran
-    (in-place ops overwrite their inputs)."""
+    (in-place ops overwrite their inputs); ``outputs`` is the call's ``op_results``."""
     directory.mkdir(parents=True, exist_ok=True)
     args, kwargs = inputs_host
     torch.save({"args": args, "kwargs": kwargs}, directory / "inputs.pt")
@@ -76,7 +77,8 @@ class capture(ToolMode):
         self._per_op[call.op] = count + 1
         inputs = to_host((args, kwargs))
         out = func(*args, **kwargs)
-        self.saved.append(save_op_call(self.path / call.label, func, call, inputs, out))
+        self.saved.append(save_op_call(self.path / call.label, func, call, inputs,
+                                       op_results(func, args, kwargs, out)))
         return out
 
     def finish(self) -> None:
@@ -138,7 +140,7 @@ def replay(directory: str | os.PathLike, device: str | torch.device = "cpu") -> 
 
     args, kwargs = tree_map(move, (args, kwargs))
     out = func(*args, **kwargs)
-    got, want = tensors_of(out), tensors_of(expected)
+    got, want = op_results(func, args, kwargs, out), tensors_of(expected)
     note = "random op: outputs depend on the generator state" if meta.get("random") else ""
     if len(got) != len(want):
         return ReplayResult(str(directory), func.name(), str(device), False, [],

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from ditorch.tools.capture import save_op_call
 from ditorch.tools.op_selection import OpPatterns
-from ditorch.tools.tensors import tensors_of, to_host
+from ditorch.tools.tensors import op_results, tensors_of, to_host
 from ditorch.tools.tool_mode import OpCall, ToolMode, logger
 
 
@@ -117,17 +117,18 @@ class overflow_check(ToolMode):
         inputs = to_host((args, kwargs)) if mutable else None
         before = _nonfinite_kinds(inputs) if mutable else None
         out = func(*args, **kwargs)
-        out_nan, out_inf = _nonfinite_kinds(out)
+        results = op_results(func, args, kwargs, out) if mutable else out
+        out_nan, out_inf = _nonfinite_kinds(results)
         if not (out_nan or out_inf):
             return out
         in_nan, in_inf = before if before is not None else _nonfinite_kinds((args, kwargs))
         if (out_nan and not in_nan) or (out_inf and not in_inf):
             found = Overflow(call.index, call.op, call.phase, call.node,
                              [TensorStats.of(t) for t in tensors_of(inputs if inputs is not None else (args, kwargs))],
-                             [TensorStats.of(t) for t in tensors_of(out)])
+                             [TensorStats.of(t) for t in tensors_of(results)])
             if self.out_dir is not None:
                 found.inputs_saved = str(save_op_call(self.out_dir / "overflows" / call.label, func, call,
-                                                      inputs if inputs is not None else to_host((args, kwargs)), out))
+                                                      inputs if inputs is not None else to_host((args, kwargs)), tensors_of(results)))
             self.overflows.append(found)
             logger.warning("%s", found)
             if self.on_overflow == "raise":

@@ -58,17 +58,32 @@ def bitwise_equal(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _mutated_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[Any, Tensor]:
-    """alias set -> tensor argument that ``func`` writes to (in-place and out= ops)."""
-    written: dict[Any, Tensor] = {}
+def _mutated_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[Any, Any]:
+    """alias set -> argument (a tensor or a list of tensors) that ``func`` writes to
+    (in-place, ``out=`` and ``_foreach_*_`` ops)."""
+    written: dict[Any, Any] = {}
     for position, arg in enumerate(func._schema.arguments):
         info = arg.alias_info
         if info is None or not info.is_write:
             continue
         value = args[position] if position < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        if isinstance(value, Tensor):
+        if isinstance(value, Tensor) or (isinstance(value, (list, tuple)) and value
+                                         and all(isinstance(v, Tensor) for v in value)):
             written[frozenset(info.before_set)] = value
     return written
+
+
+def op_results(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> list[Tensor]:
+    """What a call produced: its returned tensors, then the tensors it wrote in place that it
+    did not return (``_foreach_add_`` returns nothing). Call after the op ran."""
+    results = tensors_of(out)
+    seen = {id(t) for t in results}
+    for value in _mutated_arguments(func, args, kwargs).values():
+        for t in ([value] if isinstance(value, Tensor) else value):
+            if id(t) not in seen:
+                seen.add(id(t))
+                results.append(t)
+    return results
 
 
 def run_converted(
@@ -99,8 +114,10 @@ def run_converted(
         return tree_map(lambda x: restore(x) if isinstance(x, Tensor) else x, out)
     converted = _mutated_arguments(func, new_args, new_kwargs)
     for alias, original in originals.items():
-        if converted[alias] is not original:
-            original.copy_(converted[alias])
+        pairs = zip([original], [converted[alias]]) if isinstance(original, Tensor) else zip(original, converted[alias])
+        for dst, src in pairs:
+            if dst is not src:
+                dst.copy_(src)
     flat, spec = tree_flatten(out)
     returns = func._schema.returns
     fixed = []

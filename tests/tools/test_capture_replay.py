@@ -28,10 +28,10 @@ def test_captures_forward_and_gradient_ops_and_replays_bit_for_bit(tmp_path):
     # the forward capture holds the real output; its layout (the weight is used transposed)
     # is the layout the kernel saw
     meta, args, kwargs, outputs = load_capture(tmp_path / f"addmm_{metas[0]['index']}")
-    assert torch.equal(outputs, out.detach())
+    assert torch.equal(outputs[0], out.detach())
     assert args[2].stride() == lin.weight.t().stride()
     # gradients: one of the backward mm outputs is x.grad
-    grads = [load_capture(d)[3] for d in cap.saved[1:]]
+    grads = [load_capture(d)[3][0] for d in cap.saved[1:]]
     assert any(torch.equal(g, x.grad) for g in grads)
     for d in find_captures(tmp_path):
         assert replay(d).identical
@@ -42,7 +42,7 @@ def test_replay_reports_a_different_output(tmp_path, capsys):
     cap, *_ = _train_step(tmp_path, ops="addmm")
     [d] = cap.saved
     outputs = torch.load(d / "outputs.pt")
-    outputs[0, 0] = torch.nextafter(outputs[0, 0], torch.tensor(float("inf")))  # one ulp
+    outputs[0][0, 0] = torch.nextafter(outputs[0][0, 0], torch.tensor(float("inf")))  # one ulp
     torch.save(outputs, d / "outputs.pt")
     result = replay(d)
     assert not result.identical and result.differences[0].max_abs_err > 0
@@ -55,6 +55,23 @@ def test_replay_errors_are_clear(tmp_path, capsys):
     assert "no such capture directory" in capsys.readouterr().err
     assert ditorch_main(["replay", str(tmp_path)]) == 2
     assert "contains no captures" in capsys.readouterr().err
+
+
+def test_optimizer_step_in_place_ops_replay_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1, foreach=True)
+    lin(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    lin(torch.randn(4, 8)).sum().backward()
+    before = lin.weight.detach().clone()
+    with capture(path=tmp_path, ops="_foreach_.*") as cap:
+        opt.step()
+    assert len(cap.saved) >= 5
+    # an in-place update's captured result is the parameter after the step
+    assert not torch.equal(before, lin.weight)
+    for d in cap.saved:
+        assert replay(d).identical, d
 
 
 def test_max_calls_bounds_captures(tmp_path):
