@@ -34,10 +34,12 @@ struct Alias {
 using AliasTable = c10::SmallVector<Alias, 8>;
 
 at::Tensor makeTensor(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like_geometry) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key), like_geometry.dtype());
+  c10::DispatchKeySet keys(key);
+  if (like_geometry._is_zerotensor()) keys = keys.add(c10::DispatchKey::ZeroTensor);  // (settable only at birth)
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), keys, like_geometry.dtype());
   impl->set_sizes_and_strides(like_geometry.sizes(), like_geometry.strides(), like_geometry.storage_offset());
-  // The lazy conjugate and negative bits are part of the value: kernels that reach the shim with
-  // them set (mm, copy_, clone, views...) resolve them, so the re-viewed tensor must carry them.
+  // The lazy conjugate, negative and zero bits are part of the value: kernels that reach the shim
+  // with them set (mm, copy_, clone, views...) resolve them, so the re-viewed tensor must carry them.
   impl->_set_conj(like_geometry.is_conj());
   impl->_set_neg(like_geometry.is_neg());
   return at::Tensor(std::move(impl));
@@ -91,7 +93,11 @@ at::Tensor fromKernel(const at::Tensor& k, const AliasTable& table, int device,
     if (kernel_storage == ks) return makeTensor(storage, c10::DispatchKey::PrivateUse1, k);
   c10::Storage storage;
   void* data = ks->mutable_data();
-  if (deviceAllocator().owns(data) && ks->data_ptr().get_context() == data) {
+  if (data == nullptr) {
+    // A ZeroTensor (its storage has a size but no bytes) or an empty result: nothing to move.
+    storage = c10::Storage(c10::Storage::use_byte_size_t(), ks->nbytes(), c10::DataPtr(nullptr, dipuDevice(device)),
+                           &deviceAllocator(), true);
+  } else if (deviceAllocator().owns(data) && ks->data_ptr().get_context() == data) {
     // Born in device memory inside the kernel scope: adopt the block, no copy.
     c10::DataPtr block = ks->set_data_ptr(c10::DataPtr(nullptr, ks->device()));
     block.unsafe_set_device(dipuDevice(device));
