@@ -6,15 +6,16 @@
 """
 from __future__ import annotations
 
-import importlib.util
-
 import ditorch_ext
-from ditorch_ext import ChipProfile, current as current_chip, set_chip, vendor_name
+from ditorch_ext import ChipProfile, cpu_fallback_counts, current as current_chip, set_chip, vendor_name
 
-# DiComm is an optional build product only while it is being developed: without its compiled
-# module, ditorch still gives the dipu device, and `ditorch info` says dicomm is unavailable.
-if importlib.util.find_spec("dicomm") is not None and importlib.util.find_spec("dicomm._C") is not None:
-    import dicomm  # noqa: F401  (registers the backend)
+# DiComm registers the backend on import. Only its compiled module may be missing (a build
+# without it): then ditorch still gives the dipu device, and `ditorch info` says why not dicomm.
+try:
+    import dicomm  # noqa: F401
+except ModuleNotFoundError as exc:
+    if exc.name != "dicomm._C":
+        raise
 
 __version__ = "0.1.0"
-__all__ = ["ChipProfile", "current_chip", "set_chip", "vendor_name", "__version__"]
+__all__ = ["ChipProfile", "cpu_fallback_counts", "current_chip", "set_chip", "vendor_name", "__version__"]

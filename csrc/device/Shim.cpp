@@ -24,10 +24,12 @@ constexpr c10::DeviceType kDipu = c10::DeviceType::PrivateUse1;
 c10::Device dipuDevice(int index) { return c10::Device(kDipu, static_cast<c10::DeviceIndex>(index)); }
 
 // One dipu argument re-viewed for the kernel: kept so results can be mapped back to it.
+// The references are owning: an argument the chip rounds is replaced on the stack by a copy, and
+// its alias must outlive the kernel so that results can still be matched against it.
 struct Alias {
-  c10::StorageImpl* kernel_storage;  // the alias storage the kernel saw
-  c10::TensorImpl* kernel_tensor;    // the alias tensor the kernel saw (nullptr for list items)
-  at::Tensor original;               // the caller's dipu tensor
+  c10::Storage kernel_storage;  // the alias storage the kernel saw
+  at::Tensor kernel_tensor;     // the alias tensor the kernel saw (undefined for list items)
+  at::Tensor original;          // the caller's dipu tensor
   void* original_data;
 };
 
@@ -59,14 +61,13 @@ at::Tensor aliasFor(const at::Tensor& t, AliasTable& table, bool keep_identity) 
   for (const Alias& a : table) {
     if (a.original.storage().unsafeGetStorageImpl() == s) {
       // Two views of one storage share one alias storage, so kernels see them overlap.
-      storage = c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(a.kernel_storage));
+      storage = a.kernel_storage;
       break;
     }
   }
   if (!storage) storage = kernelStorageOver(s);
   at::Tensor k = makeTensor(storage, c10::computeDispatchKey(std::nullopt, std::nullopt, vendor().kernelDeviceType()), t);
-  table.push_back(Alias{storage.unsafeGetStorageImpl(), keep_identity ? k.unsafeGetTensorImpl() : nullptr, t,
-                        s->mutable_data()});
+  table.push_back(Alias{storage, keep_identity ? k : at::Tensor(), t, s->mutable_data()});
   return k;
 }
 
@@ -84,9 +85,9 @@ at::Tensor fromKernel(const at::Tensor& k, const AliasTable& table, int device,
   if (!k.defined() || k.device().type() != vendor().kernelDeviceType()) return k;
   c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
   for (const Alias& a : table) {
-    if (a.kernel_storage != ks) continue;
+    if (a.kernel_storage.unsafeGetStorageImpl() != ks) continue;
     // In-place and out= results are the caller's own tensor; views share its storage.
-    if (a.kernel_tensor == k.unsafeGetTensorImpl()) return a.original;
+    if (a.kernel_tensor.unsafeGetTensorImpl() == k.unsafeGetTensorImpl()) return a.original;
     return makeTensor(a.original.storage(), c10::DispatchKey::PrivateUse1, k);
   }
   for (auto& [kernel_storage, storage] : adopted)
@@ -115,22 +116,24 @@ at::Tensor fromKernel(const at::Tensor& k, const AliasTable& table, int device,
 // After the kernel: out= arguments it resized or re-strided carry that back to the dipu tensor.
 void syncWrittenArguments(const AliasTable& table, int device) {
   for (const Alias& a : table) {
-    if (!a.kernel_tensor) continue;
+    if (!a.kernel_tensor.defined()) continue;
+    c10::StorageImpl* ks = a.kernel_storage.unsafeGetStorageImpl();
     c10::StorageImpl* orig = a.original.storage().unsafeGetStorageImpl();
-    if (a.kernel_storage->data() != a.original_data && a.kernel_storage->nbytes() > 0) {
-      c10::DataPtr grown = a.kernel_storage->set_data_ptr(c10::DataPtr(nullptr, a.kernel_storage->device()));
+    // (A storage shared by two arguments is moved once; the second sees it already empty.)
+    if (ks->data() != a.original_data && ks->data() != nullptr && ks->nbytes() > 0) {
+      c10::DataPtr grown = ks->set_data_ptr(c10::DataPtr(nullptr, ks->device()));
       if (deviceAllocator().owns(grown.get()) && grown.get_context() == grown.get()) {
         grown.unsafe_set_device(dipuDevice(device));
         orig->set_data_ptr_noswap(std::move(grown));
       } else {
-        c10::DataPtr block = deviceAllocator().allocateOn(a.kernel_storage->nbytes(), device, dipuDevice(device));
-        vendor().memcpy(block.get(), grown.get(), a.kernel_storage->nbytes(), CopyKind::DeviceToDevice, device);
+        c10::DataPtr block = deviceAllocator().allocateOn(ks->nbytes(), device, dipuDevice(device));
+        vendor().memcpy(block.get(), grown.get(), ks->nbytes(), CopyKind::DeviceToDevice, device);
         orig->set_data_ptr_noswap(std::move(block));
       }
-      orig->set_nbytes(a.kernel_storage->nbytes());
+      orig->set_nbytes(ks->nbytes());
     }
     c10::TensorImpl* ot = a.original.unsafeGetTensorImpl();
-    const c10::TensorImpl* kt = a.kernel_tensor;
+    const c10::TensorImpl* kt = a.kernel_tensor.unsafeGetTensorImpl();
     if (ot->sizes() != kt->sizes() || ot->strides() != kt->strides() || ot->storage_offset() != kt->storage_offset())
       ot->set_sizes_and_strides(kt->sizes(), kt->strides(), kt->storage_offset());
   }

@@ -1,0 +1,234 @@
+"""The dipu device against CPU results: factories, ops, views, memory, streams, RNG, errors."""
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import ditorch
+import ditorch_ext
+
+
+def test_ops_match_cpu_and_stay_on_dipu():
+    a, b = torch.randn(5, 7), torch.randn(5, 7)
+    da, db = a.to("dipu"), b.to("dipu")
+    for got, want in [
+        (da + db, a + b),
+        (da @ db.T, a @ b.T),
+        (torch.softmax(da, -1), torch.softmax(a, -1)),
+        (da.sum(0), a.sum(0)),
+        (torch.cat([da, db]), torch.cat([a, b])),
+        (da[db > 0], a[b > 0]),
+        (torch.where(da > 0, da, db), torch.where(a > 0, a, b)),
+    ]:
+        assert got.device.type == "dipu"
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    assert ditorch.cpu_fallback_counts() == {}
+
+
+def test_views_and_in_place_ops_share_storage():
+    base = torch.zeros(4, 6, device="dipu")
+    view = base.t()[1:3]  # native view ops
+    view.add_(1)
+    window = base.unfold(1, 2, 2)  # a view op served by the generic shim
+    assert window.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    window.mul_(3)
+    expected = torch.zeros(4, 6)
+    expected.t()[1:3].add_(1)
+    expected.unfold(1, 2, 2).mul_(3)
+    torch.testing.assert_close(base.cpu(), expected)
+
+
+def test_out_argument_is_resized_in_place():
+    out = torch.empty(0, device="dipu")
+    result = torch.add(torch.ones(3, 4, device="dipu"), 2, out=out)
+    assert result is out and out.shape == (3, 4)
+    torch.testing.assert_close(out.cpu(), torch.full((3, 4), 3.0))
+
+
+def test_tensor_and_module_methods():
+    x = torch.ones(2).dipu()
+    assert x.is_dipu and x.device == torch.device("dipu", 0)
+    m = torch.nn.Linear(2, 2).dipu()
+    assert next(m.parameters()).is_dipu
+    assert torch.accelerator.current_accelerator().type == "dipu"
+
+
+def test_multiple_devices_and_device_context():
+    with torch.dipu.device(1):
+        x = torch.ones(3, device="dipu")
+        assert torch.dipu.current_device() == 1
+    assert x.device.index == 1 and torch.dipu.current_device() == 0
+    torch.testing.assert_close(x.to("dipu:0").cpu(), torch.ones(3))
+
+
+def test_memory_stats_track_allocations():
+    torch.dipu.empty_cache()
+    before = torch.dipu.memory_allocated()
+    torch.dipu.reset_peak_memory_stats()
+    x = torch.empty(1 << 20, device="dipu")  # 4 MiB
+    assert torch.dipu.memory_allocated() - before >= 4 << 20
+    del x
+    assert torch.dipu.memory_allocated() == before
+    assert torch.dipu.max_memory_allocated() >= before + (4 << 20)
+    assert torch.dipu.memory_reserved() >= 4 << 20  # cached
+    torch.dipu.empty_cache()
+    assert torch.dipu.memory_reserved() == torch.dipu.memory_allocated()
+
+
+def test_capacity_is_enforced_with_an_out_of_memory_error():
+    ditorch.set_chip("C", memory_scale=1e-4)  # 32 GB x 1e-4 = 3.3 MiB
+    assert torch.dipu.get_device_properties().total_memory == int(32 * 2**30 * 1e-4)
+    small = torch.empty(1 << 18, device="dipu")  # 1 MiB fits
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 8\.00 MiB.*chip 'C'"):
+        torch.empty(2 << 20, device="dipu")
+    del small
+
+
+def test_slower_chip_is_slower_in_wall_time():
+    a = torch.randn(128, 128, device="dipu")
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(50):
+            a @ a
+        return time.perf_counter() - start
+
+    run()
+    host = min(run() for _ in range(3))
+    ditorch.set_chip("C")  # 0.25x A100 against a 2x host: kernels take 8x as long
+    chip_c = min(run() for _ in range(3))
+    assert chip_c > 3 * host, (host, chip_c)
+
+
+def test_chip_numerics_round_matmul_inputs_and_flush_denormals():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    exact = a @ b
+    torch.testing.assert_close((a.dipu() @ b.dipu()).cpu(), exact, rtol=0, atol=0)
+    ditorch.set_chip("D")  # 10 mantissa bits, like TF32
+    rounded = (a.dipu() @ b.dipu()).cpu()
+    assert not torch.equal(rounded, exact)
+    # Reference: round the inputs to 10 bits by hand, multiply in fp32.
+    def round10(t):
+        bits = t.view(torch.int32)
+        return ((bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)  # nearest-even
+
+    torch.testing.assert_close(rounded, round10(a) @ round10(b), rtol=1e-6, atol=1e-5)
+    tiny = torch.tensor([1e-39, -2e-39, 1.0]).dipu()
+    assert (tiny * 1.0).cpu().tolist() == [0.0, 0.0, 1.0]
+
+
+def test_streams_and_events():
+    s = torch.dipu.Stream()
+    start, end = torch.dipu.Event(enable_timing=True), torch.dipu.Event(enable_timing=True)
+    with torch.dipu.stream(s):
+        assert torch.dipu.current_stream() == s
+        start.record()
+        x = torch.randn(256, 256, device="dipu")
+        for _ in range(5):
+            x = x @ x.T / 256
+        end.record()
+    assert torch.dipu.current_stream() != s
+    torch.dipu.current_stream().wait_event(end)
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) > 0
+    with pytest.raises((RuntimeError, ValueError), match="enable_timing"):
+        e1, e2 = torch.dipu.Event(), torch.dipu.Event()
+        e1.record(), e2.record()
+        e1.elapsed_time(e2)
+    torch.dipu.synchronize()
+
+
+def test_random_ops_are_reproducible_and_independent_of_cpu():
+    torch.manual_seed(7)
+    a = torch.randn(100, device="dipu")
+    torch.manual_seed(7)
+    torch.randn(1000)  # CPU draws must not move the dipu generator
+    b = torch.randn(100, device="dipu")
+    assert torch.equal(a.cpu(), b.cpu())
+    state = torch.dipu.get_rng_state()
+    c = torch.rand(10, device="dipu")
+    torch.dipu.set_rng_state(state)
+    assert torch.equal(torch.rand(10, device="dipu").cpu(), c.cpu())
+    g = torch.Generator(device="dipu").manual_seed(3)
+    d = torch.randn(5, device="dipu", generator=g)
+    g.manual_seed(3)
+    assert torch.equal(torch.randn(5, device="dipu", generator=g).cpu(), d.cpu())
+    drop = torch.nn.functional.dropout(torch.ones(1000, device="dipu"), 0.5)
+    assert 300 < int((drop == 0).sum()) < 700
+
+
+def test_save_and_load_round_trip(tmp_path):
+    state = {"w": torch.randn(3, 4, device="dipu"), "b": torch.arange(5, device="dipu")}
+    torch.save(state, tmp_path / "m.pt")
+    on_dipu = torch.load(tmp_path / "m.pt", map_location="dipu")
+    on_cpu = torch.load(tmp_path / "m.pt", map_location="cpu")
+    for k in state:
+        assert on_dipu[k].is_dipu and on_cpu[k].device.type == "cpu"
+        assert torch.equal(on_dipu[k].cpu(), state[k].cpu()) and torch.equal(on_cpu[k], state[k].cpu())
+
+
+def test_pinned_host_memory():
+    x = torch.randn(1024).pin_memory()
+    assert x.is_pinned()
+    assert torch.equal(x.to("dipu", non_blocking=True).cpu(), x)
+
+
+def test_unsupported_ops_fall_back_to_cpu_counted_and_warned_once():
+    ditorch_ext.set_unsupported_ops(["aten::mm"])
+    ditorch_ext.reset_cpu_fallback_counts()
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out = a.dipu() @ b.dipu()
+    assert out.is_dipu
+    torch.testing.assert_close(out.cpu(), a @ b)
+    # mm reaches the backend as its out= form; the count names the op that fell back
+    assert ditorch_ext.cpu_fallback_counts() == {"aten::mm.out": 3}
+    assert sum("aten::mm.out is not supported" in str(w.message) for w in caught) == 1
+
+
+def test_autocast_casts_like_cuda():
+    a = torch.randn(8, 8, device="dipu")
+    with torch.autocast("dipu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16  # lower-precision list
+        assert torch.nn.functional.softmax(a @ a, -1).dtype == torch.float32  # fp32 list
+    with torch.autocast("dipu", dtype=torch.float16):
+        assert torch.nn.functional.linear(a, a).dtype == torch.float16
+
+
+def test_bad_input_errors_name_the_value(tmp_path):
+    with pytest.raises(RuntimeError, match="same device.*dipu:0.*cpu"):
+        torch.ones(3, device="dipu") + torch.ones(3)
+    with pytest.raises(ValueError, match="unknown chip 'Z'.*A, B, C, D"):
+        ditorch.set_chip("Z")
+    with pytest.raises((IndexError, RuntimeError), match="dipu device index 99 is out of range"):
+        torch.dipu.set_device(99)
+    with pytest.raises(IndexError, match="dipu device index 42 is out of range"):
+        torch.ones(1, device="dipu:42")
+    bad = tmp_path / "chips.yaml"
+    bad.write_text("chips:\n  X:\n    memory_gb: -4\n    relative_speed: 1\n    chips_per_node: 8\n    nics_per_node: 4\n")
+    with pytest.raises(ValueError, match=r"chip profile 'X': memory_gb=-4 is invalid"):
+        ditorch_ext.load_profile_file(bad)
+    bad.write_text("chips:\n  X:\n    memory_gb: 4\n    speed: 1\n")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['speed'\]"):
+        ditorch_ext.load_profile_file(bad)
+
+
+def test_user_profile_file_and_environment_selection(tmp_path):
+    path = tmp_path / "chips.yaml"
+    path.write_text("chips:\n  E:\n    memory_gb: 8\n    relative_speed: 1.0\n    chips_per_node: 4\n"
+                    "    nics_per_node: 2\n    matmul_mantissa_bits: 12\n")
+    env = dict(os.environ, DITORCH_PROFILE_FILE=str(path), DITORCH_CHIP="E", DITORCH_MEMORY_SCALE="0.5")
+    code = ("import torch, ditorch; p = torch.dipu.get_device_properties();"
+            "print(p.chip, p.total_memory, p.chips_per_node, p.matmul_mantissa_bits)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["E", str(4 << 30), "4", "12"]
+    env["DITORCH_CHIP"] = "nope"
+    out = subprocess.run([sys.executable, "-c", "import ditorch"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "unknown chip 'nope'" in out.stderr
