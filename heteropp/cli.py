@@ -1,0 +1,127 @@
+"""``ditorch plan`` and ``ditorch simulate`` (also ``python -m heteropp.cli``)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cluster import GB, ClusterSpec, parse_tokens
+from .model_spec import ModelSpec
+from .plan import Plan, PlanError
+from .search import HeteroAuto, NoFeasiblePlan
+
+SCHEDULES = ("1f1b", "gpipe", "fine-grained", "comm-aware")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="search a HeteroPP plan (HeteroAuto) for a model on a cluster")
+    p.add_argument("--cluster", required=True, help="cluster.yaml (chip types, counts, links)")
+    p.add_argument("--model", required=True, help="model.yaml (LlamaConfig keys)")
+    p.add_argument("--gbs", required=True, help="global batch in tokens, e.g. 2M (= 2 * 2**20)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq_len)")
+    p.add_argument("--alpha", type=float, default=1.0, help="bubble coefficient (1: 1F1B, 0: zero-bubble)")
+    p.add_argument("--one-stage", action="store_true", help="skip the second (sub-group) search stage")
+    p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.set_defaults(func=plan_command)
+
+    s = subparsers.add_parser("simulate", help="simulate a plan under a pipeline schedule")
+    s.add_argument("plan", help="plan.json written by `ditorch plan`")
+    s.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    s.add_argument("--timeline", default=None, help="write the timeline as a PNG here")
+    s.add_argument("--schedule-out", default=None, help="write the per-stage action lists (JSON) here")
+    s.set_defaults(func=simulate_command)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table: one row per stage."""
+    est = plan.estimate
+    t = est.get("stage_time_s", [None] * plan.num_stages)
+    lines = [
+        f"plan: {plan.model.name} on {plan.cluster.name} ({plan.num_chips} chips), "
+        f"GBS {plan.global_batch_tokens} tokens = {plan.global_batch_tokens // plan.model.seq} x {plan.model.seq}, "
+        f"DP {plan.dp}, {plan.num_microbatches} micro-batches, PP {plan.num_stages}",
+        f"{'stage':>5} {'chip':>4} {'ranks':>11} {'TP':>3} {'DP':>3} {'layers':>7} {'range':>9} {'recomp':>6} "
+        f"{'memory GB':>15} {'time/mb ms':>10}",
+    ]
+    for i, s in enumerate(plan.stages):
+        cap = plan.cluster.chip(s.chip).usable_memory / GB
+        r0, r1 = s.rank_range
+        lines.append(
+            f"{i:>5} {s.chip:>4} {f'{r0}-{r1 - 1}':>11} {s.tp:>3} {s.dp:>3} {s.layers:>7} "
+            f"{f'{s.first_layer}-{s.first_layer + s.layers - 1}':>9} {'yes' if s.recompute else 'no':>6} "
+            f"{f'{plan.stage_memory(i) / GB:.1f}/{cap:.1f}':>15} {(t[i] or 0) * 1e3:>10.1f}"
+        )
+    if "iteration_time_s" in est:
+        lines.append(
+            f"estimated iteration {est['iteration_time_s']:.3f} s, {est['tokens_per_chip_per_s']:.1f} tokens/chip/s; "
+            f"search {est.get('search_seconds', 0):.3f} s ({est.get('search_leaves', 0)} configurations evaluated)"
+        )
+    return "\n".join(lines)
+
+
+def plan_command(args) -> int:
+    try:
+        model = ModelSpec.from_yaml(args.model, seq=args.seq)
+        cluster = ClusterSpec.from_yaml(args.cluster)
+        auto = HeteroAuto(model, cluster, parse_tokens(args.gbs), alpha=args.alpha)
+        plan = auto.to_plan(auto.search(two_stage=not args.one_stage))
+    except (NoFeasiblePlan, PlanError, ValueError, KeyError, OSError) as exc:
+        print(f"ditorch plan: {exc}", file=sys.stderr)
+        return 1
+    print(format_plan(plan))
+    if args.out:
+        plan.to_json(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def simulate_command(args) -> int:
+    import json
+
+    from .schedule import fine_grained, gpipe, one_f_one_b
+    from .simulator import pipeline_from_plan, simulate
+
+    try:
+        plan = Plan.from_json(Path(args.plan))
+    except (PlanError, OSError) as exc:
+        print(f"ditorch simulate: {exc}", file=sys.stderr)
+        return 1
+    S, b = plan.num_stages, plan.num_microbatches
+    rc = [s.recompute for s in plan.stages]
+    schedule = {"1f1b": lambda: one_f_one_b(S, b, rc), "gpipe": lambda: gpipe(S, b, rc),
+                "fine-grained": lambda: fine_grained(S, b, rc), "comm-aware": lambda: "comm-aware"}[args.schedule]()
+    res = simulate(pipeline_from_plan(plan), schedule)
+    print(f"schedule {args.schedule}: iteration {res.iteration_time:.3f} s "
+          f"(cost model {plan.estimate.get('iteration_time_s', float('nan')):.3f} s), "
+          f"bubble {100 * res.bubble_fraction:.1f}%, "
+          f"{plan.global_batch_tokens / (res.iteration_time * plan.num_chips):.1f} tokens/chip/s")
+    print(f"{'stage':>5} {'chip':>4} {'busy s':>8} {'peak GB':>8} {'capacity GB':>11}")
+    for i, s in enumerate(plan.stages):
+        print(f"{i:>5} {s.chip:>4} {res.stage_busy[i]:>8.2f} {res.stage_peak_memory[i] / GB:>8.1f} "
+              f"{plan.cluster.chip(s.chip).usable_memory / GB:>11.1f}")
+    over = [i for i, s in enumerate(plan.stages) if res.stage_peak_memory[i] > plan.cluster.chip(s.chip).usable_memory]
+    if over:
+        print(f"warning: stages {over} exceed their chip's usable memory under {args.schedule}")
+    if args.timeline:
+        from .timeline import plot_timeline
+
+        labels = [f"{i} {s.chip} tp{s.tp}" for i, s in enumerate(plan.stages)]
+        plot_timeline(res, args.timeline, title=f"{plan.cluster.name} {args.schedule}: {res.iteration_time:.2f} s",
+                      stage_labels=labels)
+        print(f"wrote {args.timeline}")
+    if args.schedule_out:
+        sched = res.schedules[0] if res.schedules else schedule
+        Path(args.schedule_out).write_text(json.dumps(sched.to_dict()) + "\n")
+        print(f"wrote {args.schedule_out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m heteropp.cli")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
