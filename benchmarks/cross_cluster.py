@@ -132,6 +132,10 @@ def plot(results: list[dict], path: Path) -> None:
         ys = [p[2] for p in r["curve"]]
         axes[0].plot(xs_k, ys, label=MODES[r["mode"]])
         axes[1].plot(xs_t, ys, label=MODES[r["mode"]])
+    start = max(r["curve"][0][2] for r in results if r["curve"])
+    floor = min(p[2] for r in results for p in r["curve"])
+    for ax in axes:  # a diverging baseline would otherwise flatten the curves that converge
+        ax.set_ylim(floor - 0.2, start + 0.5)
     axes[0].set_xlabel("aggregated tokens")
     axes[1].set_xlabel("wall time (s)")
     for ax in axes:

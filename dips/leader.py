@@ -260,8 +260,9 @@ class Leader:
                 raise ValueError(f"push of cluster {cid} covers units {held}; expected all "
                                  f"{len(self.layout.units)} units exactly once")
             base = int(msg["base"])
-            if base != rec.base:
-                raise ValueError(f"cluster {cid} pushes against version {base}; the PS expects {rec.base}")
+            if base != rec.base:  # e.g. its last pull failed: it must re-join from the latest version
+                log.warning("cluster %s pushes against version %d; the PS expects %d: it re-joins", cid, base, rec.base)
+                return {"status": "unknown"}
             push = PushRecord(uuid.uuid4().hex[:12], cid, int(msg["tokens"]), base, t=time.monotonic())
             self.pushes[push.id] = push
             steps = greedy_schedule(workers, self.dest)
@@ -349,7 +350,7 @@ class Leader:
                 self.collecting = []
             try:
                 self._run_round(pushes)
-            except Exception:  # never let a round kill the leader; the pushes are retried
+            except Exception:  # only fails before its commit point: never let it kill the leader, retry
                 log.exception("round failed; its pushes go back to the next round")
                 with self.cond:
                     self.collecting = [p.id for p in pushes] + self.collecting
@@ -388,7 +389,7 @@ class Leader:
         if rejected:
             log.warning("round %d rejected pushes %s (outliers)", version, rejected)
         if accepted:
-            self._sync_followers()
+            self._sync_followers(deadline_s=None)  # committed: wait for (restarted) followers, never redo
         else:
             self._discard(rejected)
         with self.cond:
@@ -406,9 +407,12 @@ class Leader:
         keep |= {self.pushes[p].base for p in self.collecting}
         return sorted(keep)
 
-    def _sync_followers(self, deadline_s: float = 120.0) -> None:
-        """Bring every follower to ``self.version`` by applying logged decisions in order."""
-        deadline = time.monotonic() + deadline_s
+    def _sync_followers(self, deadline_s: float | None) -> None:
+        """Bring every follower to ``self.version`` by applying logged decisions in order.
+
+        ``deadline_s=None`` waits as long as it takes (a dead follower is being relaunched).
+        """
+        deadline = time.monotonic() + (deadline_s if deadline_s is not None else float("inf"))
         while not self._stop.is_set():
             with self.cond:
                 target = self.version
