@@ -36,7 +36,7 @@ def _add_commands(sub) -> None:
     lead.add_argument("--no-restart-followers", action="store_true",
                       help="do not relaunch followers that stop heartbeating")
     _common(lead)
-    lead.set_defaults(func=run_leader)
+    lead.set_defaults(func=_checked(run_leader))
 
     fol = sub.add_parser("follower", help="run a follower PS (data flow, ZeroMQ)")
     fol.add_argument("--leader", default="127.0.0.1:7000", help="HOST:PORT of the leader")
@@ -45,7 +45,11 @@ def _add_commands(sub) -> None:
     fol.add_argument("--keep-checkpoints", type=int, default=3)
     fol.add_argument("--index", type=int, default=None, help="slot to take (set by the leader on restart)")
     _common(fol)
-    fol.set_defaults(func=run_follower)
+    fol.set_defaults(func=_checked(run_follower))
+
+    tok = sub.add_parser("token", help="write a fresh random job token file (mode 0600)")
+    tok.add_argument("path", help="where to write the token, e.g. job.key")
+    tok.set_defaults(func=_checked(run_token))
 
 
 def register(subparsers) -> None:
@@ -54,12 +58,31 @@ def register(subparsers) -> None:
     _add_commands(ps.add_subparsers(dest="ps_command", metavar="ROLE", required=True))
 
 
+def _checked(handler):
+    """Bad input (a missing file, a wrong value) ends with one clear line, not a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            print(f"ditorch ps {args.ps_command}: error: {exc}", file=sys.stderr)
+            return 2
+    return run
+
+
 def _serve(stop_fn) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     stop_fn()
+    return 0
+
+
+def run_token(args: argparse.Namespace) -> int:
+    from .auth import JobToken
+
+    JobToken.create(args.path)
+    print(f"wrote a new job token to {args.path}")
     return 0
 
 
