@@ -11,6 +11,7 @@
 
 namespace ditorch {
 void registerHooks();
+int registerShimForStructuredOps();
 }
 
 namespace {
@@ -24,6 +25,7 @@ void init() {
   installKernelHostAllocator();
   c10::SetAllocator(c10::DeviceType::PrivateUse1, &deviceAllocator());
   registerHooks();
+  registerShimForStructuredOps();
 }
 
 py::dict memoryStats(int device) {
