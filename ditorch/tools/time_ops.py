@@ -9,7 +9,6 @@ from typing import Optional
 import torch
 
 from ditorch.tools.op_selection import OpPatterns
-from ditorch.tools.tensors import tensors_of
 from ditorch.tools.tool_mode import OpCall, ToolMode, write_records
 
 
@@ -24,6 +23,20 @@ class OpTiming:
     @property
     def mean_us(self) -> float:
         return self.total_us / self.calls if self.calls else 0.0
+
+
+def _device_types(args: tuple, kwargs: dict) -> set[str]:
+    """Non-CPU device types among the tensor arguments (top level and tensor lists): cheaper
+    than a full pytree walk, which would cost more than many of the ops being timed."""
+    found: set[str] = set()
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.add(value.device.type)
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            found.update(v.device.type for v in value if isinstance(v, torch.Tensor))
+    found.discard("cpu")
+    found.discard("meta")
+    return found
 
 
 def _synchronize(devices: set[str]) -> None:
@@ -50,7 +63,7 @@ class time_ops(ToolMode):
         self.timings: dict[tuple[str, str], OpTiming] = {}
 
     def handle(self, func, args, kwargs, call: OpCall):
-        devices = {t.device.type for t in tensors_of((args, kwargs))} - {"cpu", "meta"}
+        devices = _device_types(args, kwargs)
         if devices:
             _synchronize(devices)
         start = time.perf_counter_ns()

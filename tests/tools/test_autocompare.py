@@ -149,3 +149,35 @@ def test_finds_wrong_dipu_kernel_against_cpu():
         assert any(r.op == "aten::mm" and r.allclose for r in ac.results)
     finally:
         lib._destroy()
+
+
+CHIP_SCRIPT = """
+import json, torch, ditorch
+from ditorch import tools
+torch.manual_seed(0)
+a, b = torch.randn(64, 64), torch.randn(64, 64)
+with tools.autocompare(reference="cpu", out_dir=None) as ac:
+    da, db = a.to("dipu"), b.to("dipu")
+    (da @ db).relu()
+    da + db
+print(json.dumps({"ops": sorted({r.op for r in ac.results}), "bad": sorted({r.op for r in ac.mismatches})}))
+"""
+
+
+@needs_dipu
+def test_finds_the_emulated_chips_matmul_numerics():
+    """Chip D rounds matmul inputs (device layer): autocompare against the CPU must flag mm
+    and nothing else."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", CHIP_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, DITORCH_CHIP="D", PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"aten::mm", "aten::relu", "aten::add.Tensor"} <= set(found["ops"])
+    assert found["bad"] == ["aten::mm"]
