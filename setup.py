@@ -27,6 +27,8 @@ class CMakeBuild(build_ext):
     def run(self):
         import torch  # the build links against the installed, pinned torch
 
+        # The venv's cmake/ninja (from requirements.txt) when the system has none.
+        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         build_dir = ROOT / "build" / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / "build.ninja").exists():
@@ -36,11 +38,12 @@ class CMakeBuild(build_ext):
                     "-DCMAKE_BUILD_TYPE=Release",
                     f"-DPython3_EXECUTABLE={sys.executable}",
                     f"-DTORCH_ROOT={os.path.dirname(torch.__file__)}",
-                ]
+                ],
+                env=env,
             )
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
         targets = [ext.target for ext in self.extensions]
-        subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs, "--target", *targets])
+        subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs, "--target", *targets], env=env)
         for ext in self.extensions:
             built = ROOT / Path(*ext.name.split(".")).parent / Path(self.get_ext_filename(ext.name)).name
             dest = Path(self.get_ext_fullpath(ext.name)).resolve()
