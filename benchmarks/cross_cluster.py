@@ -55,7 +55,7 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path) -> dic
     leader = Leader(LeaderConfig(model=model_cfg, n_followers=args.followers, bind="127.0.0.1:0", mode=mode,
                                  token_budget=args.budget, metadata=str(work / "leader.json"),
                                  clip_norm=args.clip_norm if args.clip_norm > 0 else None,
-                                 restart_followers=False), token)
+                                 heartbeat_s=args.heartbeat, restart_followers=False), token)
     followers = [start_follower(leader.address, f"127.0.0.1:{free_port()}", token_file, str(work / f"f{i}"),
                                 str(work / f"f{i}.log")) for i in range(args.followers)]
     n = args.clusters
@@ -100,10 +100,12 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path) -> dic
         f.terminate()
         f.wait(timeout=10)
     stats = {name: l[-1].get("stats", {}) for name, l in logs.items()}
+    steps = [r for l in logs.values() for r in l if "loss" in r]
+    late = sum(1 for r in steps if r.get("late")) / max(len(steps), 1)  # compute overran the emulated pace
     return {"mode": mode, "tokens": tokens, "wall": t_end - t0, "throughput": tokens / (t_end - t0),
             "final_loss": final, "version": version, "rounds": len(rounds),
             "rejected": sum(r["rejected"] for r in rounds), "mean_scale": sum(r["scale"] for r in rounds) / max(len(rounds), 1),
-            "curve": curve(logs, t0), "stats": stats}
+            "curve": curve(logs, t0), "stats": stats, "late": late}
 
 
 def curve(logs: dict, t0: float, window: int = 32) -> list[tuple[float, int, float]]:
@@ -160,13 +162,16 @@ def main() -> int:
     ap.add_argument("--inner-lr", type=float, default=3e-3)
     ap.add_argument("--clip-norm", type=float, default=1.0)
     ap.add_argument("--budget", type=int, default=100_000, help="tokens per mode")
-    ap.add_argument("--step-s", type=float, default=0.0, help="paced inner step at delay 0 (0: 3x measured)")
-    ap.add_argument("--timeout", type=float, default=240.0, help="per-mode limit, seconds")
+    ap.add_argument("--step-s", type=float, default=0.0, help="paced inner step at delay 0 (0: --pace x measured)")
+    ap.add_argument("--pace", type=float, default=2.5, help="paced step / measured single-process step")
+    ap.add_argument("--heartbeat", type=float, default=2.0,
+                    help="cluster heartbeat interval (s); generous because 7 processes share 2 busy cores")
+    ap.add_argument("--timeout", type=float, default=400.0, help="per-mode limit, seconds")
     ap.add_argument("--out", default="out/dips")
     args = ap.parse_args()
     model_cfg = load_config(args.model)
     measured = measure_step(model_cfg, args.batch, args.seq)
-    step_s = args.step_s or round(3 * measured, 3)
+    step_s = args.step_s or round(args.pace * measured, 3)
     print(f"inner step {measured * 1e3:.0f} ms alone on one core; paced to {step_s * 1e3:.0f} ms x (1 + delay), "
           f"{args.clusters} clusters, eta={args.eta:g}, H={args.inner_steps}, budget {args.budget} tokens")
     out = Path(args.out)
@@ -178,10 +183,11 @@ def main() -> int:
             results.append(run_mode(mode, args, model_cfg, step_s, Path(tmp) / mode))
     print()
     print(f"{'mode':28s} {'tokens':>8s} {'wall s':>7s} {'tokens/s':>9s} {'rounds':>6s} {'rejected':>8s} "
-          f"{'clip':>5s} {'final loss':>10s}")
+          f"{'clip':>5s} {'late':>5s} {'final loss':>10s}")
     for r in results:
         print(f"{MODES[r['mode']]:28s} {r['tokens']:8d} {r['wall']:7.1f} {r['throughput']:9.0f} {r['rounds']:6d} "
-              f"{r['rejected']:8d} {r['mean_scale']:5.2f} {r['final_loss']:10.4f}")
+              f"{r['rejected']:8d} {r['mean_scale']:5.2f} {r['late']:5.0%} {r['final_loss']:10.4f}")
+    print("(clip: mean clip scale of the rounds; late: inner steps whose computation overran the emulated pace)")
     by = {r["mode"]: r for r in results}
     if "dips" in by and "sync" in by:
         ratio = by["dips"]["throughput"] / by["sync"]["throughput"]

@@ -47,6 +47,12 @@ def _add_commands(sub) -> None:
     _common(fol)
     fol.set_defaults(func=_checked(run_follower))
 
+    dep = sub.add_parser("deploy", help="choose the cluster to host the PS: argmax_i B[i,:] . p")
+    dep.add_argument("--bandwidth", required=True,
+                     help="rows per candidate cluster, ';'-separated, of bandwidths to each training cluster, e.g. '10,1;5,5'")
+    dep.add_argument("--throughput", required=True, help="training throughput of each training cluster, e.g. '4,1'")
+    dep.set_defaults(func=_checked(run_deploy))
+
     tok = sub.add_parser("token", help="write a fresh random job token file (mode 0600)")
     tok.add_argument("path", help="where to write the token, e.g. job.key")
     tok.set_defaults(func=_checked(run_token))
@@ -75,6 +81,24 @@ def _serve(stop_fn) -> int:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     stop_fn()
+    return 0
+
+
+def run_deploy(args: argparse.Namespace) -> int:
+    from .deployment import choose_deployment
+
+    def numbers(text: str) -> list[float]:
+        try:
+            return [float(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
+
+    bandwidth = [numbers(row) for row in args.bandwidth.split(";")]
+    throughput = numbers(args.throughput)
+    best = choose_deployment(bandwidth, throughput)
+    for i, row in enumerate(bandwidth):
+        score = sum(b * p for b, p in zip(row, throughput))
+        print(f"candidate {i}: B.p = {score:g}{'  <- deploy the PS here' if i == best else ''}")
     return 0
 
 

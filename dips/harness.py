@@ -110,14 +110,16 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
                     p.grad.div_(spec.dp)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            compute_s = time.monotonic() - t0
             if spec.step_s > 0:
-                time.sleep(max(0.0, spec.step_s * (1 + spec.delay) - (time.monotonic() - t0)))
+                time.sleep(max(0.0, spec.step_s * (1 + spec.delay) - compute_s))
             if spec.poison_scale != 1.0 and step >= spec.poison_from_step and (step + 1) % spec.inner_steps == 0:
                 with torch.no_grad():
                     for p in model.parameters():
                         p.mul_(spec.poison_scale)
             updated = client.step(tokens=x[:, 1:].numel())
             log.write(json.dumps({"t": time.time(), "step": step, "loss": round(loss.item(), 4),
+                                  "late": spec.step_s > 0 and compute_s > spec.step_s * (1 + spec.delay),
                                   "tokens": client.tokens_total, "updated": updated,
                                   "base": client.base}) + "\n")
             if client.done:

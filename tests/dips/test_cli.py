@@ -33,3 +33,11 @@ def test_token_file_is_private_and_loads(tmp_path):
     assert tok.verify(tok.secret) and not tok.verify("0" * 64) and not tok.verify(None)
     with pytest.raises(FileNotFoundError, match="missing.key"):
         JobToken.from_file(tmp_path / "missing.key")
+
+
+def test_deploy_prints_choice(capsys):
+    assert cli.main(["deploy", "--bandwidth", "5,5;10,1", "--throughput", "4,1"]) == 0
+    out = capsys.readouterr().out
+    assert "candidate 1: B.p = 41  <- deploy the PS here" in out and "candidate 0: B.p = 25\n" in out
+    assert cli.main(["deploy", "--bandwidth", "5,x", "--throughput", "1,1"]) == 2
+    assert "'5,x'" in capsys.readouterr().err
