@@ -31,6 +31,7 @@ __all__ = [
     "transports_built",
     "transports_usable",
     "local_host_id",
+    "register",
     "BACKEND_NAME",
 ]
 
@@ -92,7 +93,35 @@ def _create_backend(dist_backend_opts, backend_options) -> ProcessGroupDicomm:
     )
 
 
-if "dicomm" not in dist.Backend.backend_list:
-    dist.Backend.register_backend(
-        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "dipu", "cuda"]
-    )
+class DicommOptions(torch._C._distributed_c10d.Backend.Options):
+    """Backend options of a dicomm group (what ``split_group`` copies from its parent)."""
+
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
+        super().__init__(BACKEND_NAME, timeout)
+
+    def __deepcopy__(self, memo) -> "DicommOptions":
+        return DicommOptions(self._timeout)
+
+
+# torch.distributed.split_group deep-copies `parent_backend.options`.
+ProcessGroupDicomm.options = property(
+    lambda self: DicommOptions(datetime.timedelta(seconds=self.timeout_seconds)),
+    doc="This group's backend options (timeout).",
+)
+
+
+def register() -> list[str]:
+    """Register ``dicomm`` with torch.distributed; returns the device types it serves.
+
+    ``dipu`` is included once the device layer has renamed PrivateUse1 to ``dipu`` (``import
+    ditorch`` does that before importing dicomm); call again after a late ``import ditorch``.
+    Registering twice is harmless.
+    """
+    devices = ["cpu", "cuda"]
+    if torch._C._get_privateuse1_backend_name() == "dipu":
+        devices.insert(1, "dipu")
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)
+    return devices
+
+
+register()

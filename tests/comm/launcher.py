@@ -6,6 +6,7 @@ one job rather than one job per check.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -28,6 +29,8 @@ def _entry(fn, rank, world, port, env, results, init, timeout_s):
         import torch
 
         torch.set_num_threads(1)
+        if env.get("TEST_IMPORT_DITORCH") == "1":
+            import ditorch  # noqa: F401  (the dipu device; imports dicomm too)
         import dicomm  # noqa: F401  (registers the backend)
         import torch.distributed as dist
 
@@ -38,11 +41,16 @@ def _entry(fn, rank, world, port, env, results, init, timeout_s):
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=torch.device(env["TEST_DEVICE_ID"]) if env.get("TEST_DEVICE_ID") else None,
             )
         out = fn(rank, world, port)
         if init and dist.is_initialized():
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Tensors through an mp.Queue travel as shared-memory handles that die with this
+        # process: serialize them instead.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -101,4 +109,6 @@ def run_ranks(
     failures = {r: out for r, (ok, out) in got.items() if not ok}
     if failures:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
-    return {r: out for r, (ok, out) in got.items()}
+    import torch
+
+    return {r: torch.load(io.BytesIO(out), weights_only=False) for r, (ok, out) in got.items()}

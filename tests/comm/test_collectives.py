@@ -179,19 +179,17 @@ def check_all(rank: int, world: int, _port: int) -> dict:
     else:
         dist.send(torch.tensor([1000 + rank]), 0)
     checks += 2
-    # subgroups: new_group of the even ranks, and split_group into halves
+    # subgroups: new_group of the even ranks (split_group needs an accelerator: see test_dipu.py)
     evens = list(range(0, world, 2))
     g = dist.new_group(evens, backend="dicomm")
     if rank in evens:
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=g)
         assert t.item() == float(sum(evens)), t
-    halves = [list(range(0, world // 2)), list(range(world // 2, world))]
-    sg = dist.split_group(split_ranks=halves)
-    mine = halves[0] if rank in halves[0] else halves[1]
-    t = torch.tensor([rank + 1.0])
-    dist.all_reduce(t, group=sg)
-    assert t.item() == sum(r + 1.0 for r in mine), (t, mine)
+        if len(evens) > 1:
+            t = torch.tensor([1.0]) if rank == evens[0] else torch.zeros(1)
+            dist.broadcast(t, src=evens[0], group=g)
+            assert t.item() == 1.0, t
     dist.barrier()
     checks += 2
     return {"checks": checks, "transports": transports}

@@ -36,6 +36,10 @@ PYBIND11_MODULE(_C, m) {
       .def("transport_of", &dicomm::ProcessGroupDicomm::transportOf, py::arg("peer"),
            "Name of the transport that serves `peer` ('self' for this rank).")
       .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
+      .def_property_readonly("timeout_seconds",
+                             [](const dicomm::ProcessGroupDicomm& pg) {
+                               return pg.options().timeout.count() / 1000.0;
+                             })
       .def_property_readonly("abort_cause", &dicomm::ProcessGroupDicomm::abortCause);
 
   m.def("transports_built", &dicomm::transportsBuilt,

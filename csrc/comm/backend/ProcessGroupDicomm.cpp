@@ -194,7 +194,7 @@ void ProcessGroupDicomm::abortWith(const std::string& cause) {
     aborted_ = true;
   }
   // Close first: once it returns no transport thread touches a user buffer any more.
-  comm_->close(std::make_exception_ptr(std::runtime_error(cause)));
+  comm_->abort(cause);
   failInflight();
 }
 

@@ -7,6 +7,8 @@
 #include <random>
 #include <sstream>
 
+#include "comm/core/Tags.h"
+
 namespace dicomm {
 
 namespace {
@@ -251,6 +253,19 @@ void Communicator::close(const std::exception_ptr& error) {
     if (p) p->close();
   }
   mailbox_.failAll(error);
+}
+
+void Communicator::abort(const std::string& cause) {
+  if (!closed_) {
+    auto text = std::make_shared<std::string>(cause.substr(0, 1 << 16));
+    Envelope env;
+    env.tag = abortNoticeTag();
+    env.nbytes = text->size();
+    for (auto& p : pairs_) {
+      if (p) p->send(env, text->data(), MemoryKind::kHost, [text](std::exception_ptr) {});
+    }
+  }
+  close(std::make_exception_ptr(std::runtime_error(cause)));
 }
 
 }  // namespace dicomm

@@ -54,6 +54,8 @@ class Communicator {
   // Stop every transport thread, then fail all pending receives with `error`. Not callable from
   // a transport thread. Idempotent.
   void close(const std::exception_ptr& error);
+  // close(), after telling every peer why (best effort), so their errors name the root cause.
+  void abort(const std::string& cause);
   bool closed() const { return closed_.load(); }
 
  private:

@@ -2,6 +2,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -102,6 +103,17 @@ void Mailbox::post(RecvRequest request) {
 }
 
 Landing Mailbox::arrive(int peer, const Envelope& env) {
+  if (isControlTag(env.tag)) {
+    // A peer aborted and says why: fail like a broken pair, with the peer's own cause.
+    auto text = std::make_shared<std::string>(std::min<uint64_t>(env.nbytes, 1 << 16), '\0');
+    Landing l;
+    l.data = env.nbytes <= text->size() ? &(*text)[0] : nullptr;
+    l.capacity = text->size();
+    l.done = [this, peer, text](std::exception_ptr) {
+      peerFailed(peer, "rank " + std::to_string(peer) + " aborted its process group: " + *text);
+    };
+    return l;
+  }
   std::shared_ptr<RecvRequest> r;
   std::exception_ptr bad;
   Landing landing;

@@ -1,6 +1,6 @@
 // Message tags: which op and which piece of it a message belongs to.
 //
-//   bits 63..60  kind (1 = user point-to-point, 2 = collective)
+//   bits 63..60  kind (1 = user point-to-point, 2 = collective, 3 = control)
 //   p2p:         bits 31..0  the user's tag
 //   collective:  bits 59..28 the group's collective sequence number (mod 2^32)
 //                bits 27..26 phase, 25..16 ring step, 15..0 chunk
@@ -25,6 +25,10 @@ inline uint64_t collectiveTag(uint64_t seq, unsigned phase, unsigned step, unsig
   return (uint64_t(2) << 60) | ((seq & 0xffffffffULL) << 28) | (uint64_t(phase) << 26) |
          (uint64_t(step) << 16) | chunk;
 }
+
+// Control message: "this rank aborted, here is why" (payload: the cause as text).
+inline uint64_t abortNoticeTag() { return uint64_t(3) << 60; }
+inline bool isControlTag(uint64_t tag) { return (tag >> 60) == 3; }
 
 inline std::string describeTag(uint64_t tag) {
   if ((tag >> 60) == 1) return "p2p tag " + std::to_string(static_cast<int32_t>(tag & 0xffffffff));

@@ -262,7 +262,7 @@ void RdmaPair::send(const Envelope& envelope, const void* data, MemoryKind memor
         // Rendezvous: announce now, write when the receiver says where (CTS).
         p.ctrl.kind = kRts;
         p.ctrl.id = nextLargeId_++;
-        largeSends_[p.ctrl.id] = LargeSend{data, std::move(done)};
+        largeSends_[p.ctrl.id] = LargeSend{data, envelope.nbytes, std::move(done)};
       }
       try {
         enqueue(std::move(p), deferred);
@@ -323,7 +323,12 @@ bool RdmaPair::tryPost(Pending& p, Deferred& deferred) {
       }
     }
     if (int err = ibv_post_send(qp_.get(), list.data(), &bad)) {
-      throw TransportError(peer_, callError("ibv_post_send(RDMA write)", peer_, err));
+      const long at = bad ? static_cast<long>(bad - list.data()) : -1;
+      throw TransportError(peer_, callError("ibv_post_send(RDMA write)", peer_, err) +
+                                      " at work request " + std::to_string(at) + " of " +
+                                      std::to_string(wrs) + " for " + std::to_string(n) +
+                                      " bytes (send queue " + std::to_string(sqUsed_) + "/" +
+                                      std::to_string(sqDepth_) + ")");
     }
     InFlight f;
     f.retire = wrs;
@@ -539,6 +544,7 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
       Pending reply;
       reply.ctrl.kind = kCts;
       reply.ctrl.id = c.id;
+      reply.ctrl.envelope = env;
       RegistrationRef reg;
       if (landing.data == nullptr || landing.capacity < env.nbytes) {
         reply.ctrl.status = kCtsDrop;  // the core rejected it; the sender's data is not needed
@@ -602,15 +608,22 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
         deferred.push_back([done = std::move(out.done), e] { done(e); });
         return;
       }
+      if (env.nbytes != out.nbytes) {
+        auto e = error("rdma: protocol error: rank " + std::to_string(peer_) + " answered transfer " +
+                       std::to_string(c.id) + " for " + std::to_string(env.nbytes) +
+                       " bytes, this rank announced " + std::to_string(out.nbytes));
+        deferred.push_back([done = std::move(out.done), e] { done(e); });
+        return;
+      }
       Pending w;
       w.write = true;
       w.ctrl = c;
       w.data = out.data;
       w.done = std::move(out.done);
       try {
-        w.reg = device_->cache->get(out.data, env.nbytes, kAccess);
+        w.reg = device_->cache->get(out.data, out.nbytes, kAccess);
       } catch (const std::system_error& e) {
-        std::string cause = "rdma: ibv_reg_mr of the " + std::to_string(env.nbytes) +
+        std::string cause = "rdma: ibv_reg_mr of the " + std::to_string(out.nbytes) +
                             "-byte send buffer for rank " + std::to_string(peer_) +
                             " failed: " + strerror(e.code().value());
         // The receiver waits for this write; nothing can complete it now.

@@ -116,6 +116,7 @@ class RdmaPair : public Pair {
   };
   struct LargeSend {
     const void* data = nullptr;
+    uint64_t nbytes = 0;
     SendDone done;
   };
   struct LargeRecv {
