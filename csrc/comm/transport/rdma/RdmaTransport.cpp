@@ -47,6 +47,7 @@ Config Config::fromEnv() {
   c.recvSlots = static_cast<int>(envLong("DICOMM_RDMA_RECV_SLOTS", c.recvSlots, 2, 16384));
   c.keepaliveMs = static_cast<int>(envLong("DICOMM_RDMA_KEEPALIVE_MS", c.keepaliveMs, 10, 600000));
   c.spinUs = static_cast<int>(envLong("DICOMM_RDMA_SPIN_US", c.spinUs, 0, 1000000));
+  c.timeoutExponent = static_cast<int>(envLong("DICOMM_RDMA_TIMEOUT_EXP", c.timeoutExponent, 8, 31));
   return c;
 }
 
@@ -200,7 +201,7 @@ void RdmaPair::connectTo(const ConnInfo& remote) {
   ibv_qp_attr s{};
   s.qp_state = IBV_QPS_RTS;
   s.timeout = static_cast<uint8_t>(config_.timeoutExponent);
-  s.retry_cnt = 7;
+  s.retry_cnt = 6;  // not 7: rxe (like the spec for rnr_retry) treats 7 as "retry forever"
   s.rnr_retry = 7;  // infinite: a receiver that is slow to repost is not an error
   s.sq_psn = psn_;
   s.max_rd_atomic = 1;

@@ -44,7 +44,9 @@ struct Config {
   size_t writeChunk = 8 << 20;     // one RDMA write work request moves at most this much
   int keepaliveMs = 1000;          // DICOMM_RDMA_KEEPALIVE_MS
   int spinUs = 50;                 // DICOMM_RDMA_SPIN_US: poll this long before sleeping
-  int timeoutExponent = 14;        // QP ack timeout 4.096us * 2^14 = 67 ms, 7 retries
+  // DICOMM_RDMA_TIMEOUT_EXP: ack timeout 4.096 us * 2^16 = 268 ms, 6 retries: a dead peer
+  // is noticed within ~2 s of the next keepalive or send.
+  int timeoutExponent = 16;
   static Config fromEnv();
 };
 
