@@ -105,6 +105,7 @@ class HeteroAuto:
         self.types = sorted(cluster.chips, key=lambda c: -c.memory)
         self._why: dict[str, str] = {}
         self._boundary_cache: dict[tuple, float] = {}
+        self._options_cache: dict[tuple, list] = {}
         self.leaves = 0  # layer-sharding evaluations of the last search
 
     # -- public -----------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class HeteroAuto:
         """Run stage one (and, by default, stage two) and return the best configuration."""
         t0 = time.perf_counter()
         self.leaves = 0
+        self._options_cache.clear()  # each search is timed from scratch
         groups = [Group(c, c.count, i) for i, c in enumerate(self.types)]
         first = self._search_groups(groups, self._dp_candidates(groups), incumbent=None)
         if first is None:
@@ -185,6 +187,13 @@ class HeteroAuto:
         return [dataclasses.replace(g, index=i) for i, g in enumerate(out)]
 
     def _options(self, group: Group, dp: int) -> list[_Option]:
+        key = (group.chip.name, group.count, dp)
+        opts = self._options_cache.get(key)
+        if opts is None:
+            opts = self._options_cache[key] = self._make_options(group, dp)
+        return opts
+
+    def _make_options(self, group: Group, dp: int) -> list[_Option]:
         m, chip, prof = self.model, group.chip, self.profiles[group.chip.name]
         b = self.batch // dp
         opts = []
