@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import torch
 
@@ -12,8 +13,8 @@ from dips.harness import free_port
 from dips.leader import Leader, LeaderConfig
 from dips.model import build_model, load_config
 
-from conftest import ROOT
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = load_config(ROOT / "examples/configs/llama-tiny.yaml")
 
 

@@ -13,7 +13,7 @@ from dips.auth import JobToken
 from dips.harness import ClusterSpec, free_port, python_env, read_log, start_cluster, start_follower
 from dips.rpc import RpcClient, RpcError
 
-from conftest import ROOT
+from pscluster import ROOT
 from pscluster import MODEL, in_process_ps, wait_for
 
 pytestmark = pytest.mark.timeout(240)
