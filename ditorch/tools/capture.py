@@ -141,7 +141,13 @@ def replay(directory: str | os.PathLike, device: str | torch.device = "cpu") -> 
     args, kwargs = tree_map(move, (args, kwargs))
     out = func(*args, **kwargs)
     got, want = op_results(func, args, kwargs, out), tensors_of(expected)
-    note = "random op: outputs depend on the generator state" if meta.get("random") else ""
+    notes = []
+    if meta.get("random"):
+        notes.append("random op: outputs depend on the generator state")
+    if device.type != "cpu" and meta.get("chip") != os.environ.get("DITORCH_CHIP"):
+        notes.append(f"captured with DITORCH_CHIP={meta.get('chip')}, replayed with "
+                     f"DITORCH_CHIP={os.environ.get('DITORCH_CHIP')}")
+    note = "; ".join(notes)
     if len(got) != len(want):
         return ReplayResult(str(directory), func.name(), str(device), False, [],
                             f"{len(got)} tensor outputs, capture has {len(want)}")

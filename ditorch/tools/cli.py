@@ -43,14 +43,8 @@ def _mre(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import torch
+    import torch  # the dipu device is registered: this module's package, ditorch, loaded it
 
-    if not args.device.startswith("cpu"):
-        try:
-            import ditorch_ext  # noqa: F401  the dipu device lives in the extension
-        except ImportError:
-            pass
-        import ditorch  # noqa: F401  registers the dipu device when built
     from ditorch.tools.capture import find_captures, replay
 
     try:
