@@ -40,7 +40,7 @@ class LinkSpec:
         return cls(bandwidth=float(d["bandwidth_gbps"]) * GB, latency=float(d.get("latency_us", 0.0)) * 1e-6)
 
     def to_dict(self) -> dict:
-        return {"bandwidth_gbps": self.bandwidth / GB, "latency_us": self.latency * 1e6}
+        return {"bandwidth_gbps": round(self.bandwidth / GB, 9), "latency_us": round(self.latency * 1e6, 9)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +114,9 @@ class ChipSpec:
     def to_dict(self) -> dict:
         """The YAML form (GB, GB/s, ms) that ``from_dict`` reads back."""
         d = {
-            "count": self.count, "memory_gb": self.memory / GB, "chips_per_node": self.chips_per_node,
-            "tp_max": self.tp_max, "intra_node_gbps": self.intra_node_bandwidth / GB,
-            "hbm_gbps": self.hbm_bandwidth / GB, "nic_gbps": self.nic_bandwidth / GB,
+            "count": self.count, "memory_gb": round(self.memory / GB, 9), "chips_per_node": self.chips_per_node,
+            "tp_max": self.tp_max, "intra_node_gbps": round(self.intra_node_bandwidth / GB, 9),
+            "hbm_gbps": round(self.hbm_bandwidth / GB, 9), "nic_gbps": round(self.nic_bandwidth / GB, 9),
             "usable_memory_fraction": self.usable_memory_fraction,
         }
         if self.effective_tflops is not None:

@@ -202,7 +202,9 @@ class HeteroAuto:
                 continue
             s = group.count // (tp * dp)
             if s > m.n_layers:
-                self._why.setdefault("stages", f"{group.chip.name}: {s} stages at tp={tp}, dp={dp} exceed {m.n_layers} layers")
+                # TP sizes ascend, so the last record per chip is its shallowest pipeline
+                self._why[f"stages:{group.chip.name}"] = (
+                    f"{group.chip.name}: {s} stages at tp={tp}, dp={dp} exceed {m.n_layers} layers", tp == chip.tp_sizes()[-1])
                 continue
             lt = prof.layer_times(tp)
             u = prof.update_time(tp, dp)
@@ -517,9 +519,12 @@ class HeteroAuto:
             return ("no plan fits: memory: in every configuration some chip type's stages cannot hold their share "
                     f"of the {self.model.n_layers} layers with the warm-up micro-batches of 1F1B"
                     + (f"; e.g. {mem[0]}" if mem else ""))
-        if "stages" in self._why:
-            return f"no plan fits: pipeline too deep: {self._why['stages']}"
-        return "no plan fits: " + ("; ".join(list(self._why.values())[:3]) or "no configuration passed the constraints")
+        deep = [v for k, v in self._why.items() if k.startswith("stages:")]
+        if deep:
+            deep.sort(key=lambda v: not v[1])  # a chip too deep even at its largest TP binds
+            return f"no plan fits: pipeline too deep: {deep[0][0]}"
+        return "no plan fits: " + ("; ".join(str(v) for v in list(self._why.values())[:3])
+                                   or "no configuration passed the constraints")
 
 
 def _choices(opts: Sequence[_Option], ks: Sequence[int], L: int) -> list[GroupChoice]:
