@@ -8,6 +8,8 @@
 #     --mem MIB        guest memory (default 4096)      --smp N   guest CPUs (default 2)
 #     --env NAME=VAL   set a variable for COMMAND (repeatable)
 #     --cwd DIR        working directory inside the guest (default: the current directory)
+#     --collect DIR    copy what COMMAND wrote under /run/rdma_vm/out (the guest's only way
+#                      out: the host's / is read-only in the guest) to DIR on the host
 #
 # Guest: Debian's stock kernel (linux-image-amd64, unpacked, never installed), busybox
 # initramfs, `qemu-system-x86_64 -accel tcg` (KVM hangs under the nested-pagetable VMs this
@@ -17,7 +19,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-timeout_s=600 mem=4096 smp=2 cwd="$PWD"
+timeout_s=600 mem=4096 smp=2 cwd="$PWD" collect=""
 envs=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -26,6 +28,7 @@ while [ $# -gt 0 ]; do
     --smp) smp="$2"; shift 2 ;;
     --env) envs+=("$2"); shift 2 ;;
     --cwd) cwd="$2"; shift 2 ;;
+    --collect) collect="$2"; shift 2 ;;
     --) shift; break ;;
     *) echo "rdma_vm/run.sh: unknown option '$1' (expected --timeout/--mem/--smp/--env/--cwd, then -- COMMAND)" >&2; exit 2 ;;
   esac
@@ -40,6 +43,7 @@ trap 'rm -rf "$xfer"' EXIT
 {
   echo "export HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8"
   echo "export DICOMM_IN_RDMA_VM=1"
+  echo "mkdir -p /run/rdma_vm/out"
   for kv in "${envs[@]}"; do printf 'export %q\n' "$kv"; done
   printf 'cd %q || exit 121\n' "$cwd"
   printf 'exec timeout -k 10 %q' "$timeout_s"
@@ -58,6 +62,9 @@ timeout -k 10 "$vm_limit" qemu-system-x86_64 -accel tcg -cpu max -smp "$smp" -m 
   < /dev/null
 qrc=$?
 set -e
+if [ -n "$collect" ] && [ -d "$xfer/out" ]; then
+  mkdir -p "$collect" && cp -r "$xfer/out/." "$collect/"
+fi
 if [ -f "$xfer/rc" ]; then
   exit "$(cat "$xfer/rc")"
 elif [ $qrc -eq 124 ] || [ $qrc -eq 137 ]; then

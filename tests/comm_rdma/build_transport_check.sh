@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds build/comm_rdma/transport_check (the transport-level check, see transport_check.cpp)
+# from the transport sources; skips work when the binary is newer than every source.
+# Needs libibverbs-dev; prints the binary's path.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=build/comm_rdma
+bin=$out/transport_check
+srcs=(tests/comm_rdma/transport_check.cpp csrc/comm/transport/Transport.cpp csrc/comm/transport/Socket.cpp
+      csrc/comm/transport/StreamTransport.cpp csrc/comm/transport/tcp/TcpTransport.cpp
+      csrc/comm/transport/rdma/Verbs.cpp csrc/comm/transport/rdma/MemoryRegistry.cpp
+      csrc/comm/transport/rdma/RdmaTransport.cpp)
+[ -f /usr/include/infiniband/verbs.h ] || { echo "build_transport_check: libibverbs-dev is not installed" >&2; exit 2; }
+mkdir -p "$out"
+PY=${PYTHON:-.venv/bin/python}
+T=$("$PY" -c "import os, torch; print(os.path.dirname(torch.__file__))")
+flags=(-std=c++17 -O2 -g0 -fPIC -D_GLIBCXX_USE_CXX11_ABI=$("$PY" -c "import torch; print(int(torch.compiled_with_cxx11_abi()))")
+       -I csrc -isystem "$T/include" -isystem "$T/include/torch/csrc/api/include")
+objs=()
+for s in "${srcs[@]}"; do
+  o="$out/$(echo "$s" | tr / _).o"
+  objs+=("$o")
+  # headers change too: rebuild an object when any header of its folder is newer
+  if [ ! -f "$o" ] || [ -n "$(find "$s" "$(dirname "$s")" csrc/comm/transport -maxdepth 1 -name '*.h' -newer "$o" -o -name "$(basename "$s")" -newer "$o" 2>/dev/null | head -1)" ]; then
+    echo "g++ -c $s" >&2
+    g++ "${flags[@]}" -c "$s" -o "$o" &
+    # two compilers at a time: the machines have 2 cores
+    while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
+  fi
+done
+wait
+g++ -o "$bin" "${objs[@]}" -L"$T/lib" -Wl,-rpath,"$T/lib" -ltorch_cpu -lc10 -libverbs -lpthread
+echo "$bin"

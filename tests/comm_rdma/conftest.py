@@ -1,0 +1,28 @@
+"""Shared helpers for the rdma tests: whether a verbs device is usable here, and the
+transport-level check program (built on the host by scripts/rdma_vm/run_tests.sh, because
+compiling under the guest's TCG emulation takes minutes)."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK_BINARY = ROOT / "build" / "comm_rdma" / "transport_check"
+
+
+@functools.lru_cache(maxsize=1)
+def rdma_usable() -> bool:
+    """True when dicomm was built with the rdma transport and a verbs device works here.
+    Asked in a subprocess: importing dicomm here would load torch into pytest's process."""
+    code = "import dicomm, sys; sys.exit(0 if 'rdma' in dicomm.transports_usable() else 1)"
+    try:
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def check_binary() -> Path | None:
+    return CHECK_BINARY if os.access(CHECK_BINARY, os.X_OK) else None
