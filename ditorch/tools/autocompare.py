@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 from ditorch.tools.capture import save_op_call
 from ditorch.tools.comparison import ToleranceSpec, Tolerances, compare
 from ditorch.tools.op_selection import OpPatterns
-from ditorch.tools.tensors import op_results, to_host
+from ditorch.tools.tensors import hidden, op_results, to_host
 from ditorch.tools.tool_mode import OpCall, ToolMode, logger, write_records
 
 
@@ -95,8 +95,14 @@ class autocompare(ToolMode):
         return x.to(device=self.reference, dtype=dtype, copy=True)
 
     def handle(self, func, args, kwargs, call: OpCall):
-        inputs = to_host((args, kwargs))
+        with hidden():
+            inputs = to_host((args, kwargs))
         out = func(*args, **kwargs)
+        with hidden():
+            self._compare(func, args, kwargs, out, inputs, call)
+        return out
+
+    def _compare(self, func, args, kwargs, out, inputs, call: OpCall) -> None:
         ref_args, ref_kwargs = tree_map(self._to_reference, inputs)
         try:
             ref_out = func(*ref_args, **ref_kwargs)
@@ -104,7 +110,7 @@ class autocompare(ToolMode):
             self.results.append(OpComparison(call.index, call.op, call.phase, call.node, -1, "", "",
                                              float("nan"), float("nan"), float("nan"), 0.0, 0.0, True,
                                              f"reference failed: {type(exc).__name__}: {exc}"))
-            return out
+            return
         actual = op_results(func, args, kwargs, out)
         expected = op_results(func, ref_args, ref_kwargs, ref_out)
         new = []
@@ -127,7 +133,6 @@ class autocompare(ToolMode):
                 logger.warning("%s", MismatchError(r))
             if self.raise_on_mismatch:
                 raise MismatchError(bad[0])
-        return out
 
     def finish(self) -> None:
         if self.out_dir is not None and self.results:

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from ditorch.tools.comparison import Difference, compare
 from ditorch.tools.op_selection import OpPatterns
-from ditorch.tools.tensors import bitwise_equal, copy_with_layout, op_results, tensors_of, to_host
+from ditorch.tools.tensors import bitwise_equal, copy_with_layout, hidden, op_results, tensors_of, to_host
 from ditorch.tools.tool_mode import OpCall, ToolMode, logger
 
 _LOAD_GLOBALS = [torch.memory_format, torch.layout]
@@ -75,10 +75,12 @@ class capture(ToolMode):
         if self.max_calls is not None and count >= self.max_calls:
             return func(*args, **kwargs)
         self._per_op[call.op] = count + 1
-        inputs = to_host((args, kwargs))
+        with hidden():
+            inputs = to_host((args, kwargs))
         out = func(*args, **kwargs)
-        self.saved.append(save_op_call(self.path / call.label, func, call, inputs,
-                                       op_results(func, args, kwargs, out)))
+        with hidden():
+            self.saved.append(save_op_call(self.path / call.label, func, call, inputs,
+                                           op_results(func, args, kwargs, out)))
         return out
 
     def finish(self) -> None:

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from ditorch.tools.capture import save_op_call
 from ditorch.tools.op_selection import OpPatterns
-from ditorch.tools.tensors import op_results, tensors_of, to_host
+from ditorch.tools.tensors import hidden, op_results, tensors_of, to_host
 from ditorch.tools.tool_mode import OpCall, ToolMode, logger
 
 
@@ -114,13 +114,20 @@ class overflow_check(ToolMode):
         # In-place ops overwrite their inputs: copy those before the op runs. Other ops are
         # checked after the fact, which keeps the common path at one isfinite test per output.
         mutable = func._schema.is_mutable
-        inputs = to_host((args, kwargs)) if mutable else None
-        before = _nonfinite_kinds(inputs) if mutable else None
+        with hidden():
+            inputs = to_host((args, kwargs)) if mutable else None
+            before = _nonfinite_kinds(inputs) if mutable else None
         out = func(*args, **kwargs)
+        with hidden():
+            self._check(func, args, kwargs, out, inputs, before, call)
+        return out
+
+    def _check(self, func, args, kwargs, out, inputs, before, call: OpCall) -> None:
+        mutable = inputs is not None
         results = op_results(func, args, kwargs, out) if mutable else out
         out_nan, out_inf = _nonfinite_kinds(results)
         if not (out_nan or out_inf):
-            return out
+            return
         in_nan, in_inf = before if before is not None else _nonfinite_kinds((args, kwargs))
         if (out_nan and not in_nan) or (out_inf and not in_inf):
             found = Overflow(call.index, call.op, call.phase, call.node,
@@ -133,4 +140,3 @@ class overflow_check(ToolMode):
             logger.warning("%s", found)
             if self.on_overflow == "raise":
                 raise NonFiniteError(found)
-        return out

@@ -6,8 +6,16 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._python_dispatch import _disable_current_modes
 
 Tensor = torch.Tensor
+
+
+def hidden():
+    """Context for a tool's own work (copies, reference runs, checks): every dispatch mode is
+    taken off the stack meanwhile, so tools nested around this one see only the program's
+    ops, not the tool's."""
+    return _disable_current_modes()
 
 
 def is_dense(t: Tensor) -> bool:
@@ -107,8 +115,15 @@ def run_converted(
             return x if y is None else y
         return convert_leaf(x)
 
-    new_args, new_kwargs = tree_map(conv, (args, kwargs))
+    # Conversions are the tool's work, hidden from other dispatch modes; the op itself is not.
+    with hidden():
+        new_args, new_kwargs = tree_map(conv, (args, kwargs))
     out = func(*new_args, **new_kwargs)
+    with hidden():
+        return _results_back(func, args, kwargs, new_args, new_kwargs, out, restore)
+
+
+def _results_back(func, args, kwargs, new_args, new_kwargs, out, restore) -> Any:
     originals = _mutated_arguments(func, args, kwargs)
     if not originals:
         return tree_map(lambda x: restore(x) if isinstance(x, Tensor) else x, out)

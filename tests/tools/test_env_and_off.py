@@ -77,3 +77,14 @@ def test_nothing_is_hooked_before_during_or_after_use(tmp_path):
         with time_ops():
             raise RuntimeError("boom")
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_nested_tools_see_only_the_programs_ops(tmp_path):
+    """A tool's own work (host copies, reference runs, checks) is hidden from tools around it."""
+    a = torch.randn(8, 8)
+    with time_ops() as outer:
+        with autocompare(dtype=torch.float64, out_dir=None) as inner, overflow_check(), capture(path=tmp_path):
+            (a @ a).relu()
+    assert {op for op, _ in outer.timings} == {"aten::mm", "aten::relu"}
+    assert all(r.calls == 1 for r in outer.rows())
+    assert {r.op for r in inner.results} == {"aten::mm", "aten::relu"}
