@@ -7,7 +7,7 @@ leader and two follower processes. Prints aggregated tokens/s and final held-out
 global model per mode, the throughput ratio of Di-PS to sync DiLoCo and the loss gap, and writes
 loss-vs-tokens and loss-vs-time plots.
 
-    .venv/bin/python benchmarks/cross_cluster.py            # ~3-4 minutes on 2 cores
+    .venv/bin/python benchmarks/cross_cluster.py   # ~4 min on 2 idle cores; up to ~10 under heavy load
 """
 from __future__ import annotations
 
