@@ -71,7 +71,9 @@ def test_leader_and_follower_failures(tmp_path):
         followers[0].send_signal(signal.SIGKILL)
         followers[0].wait()
         wait_for(version_reaches(rpc, before + 3), 90, "rounds after the follower restart")
-        assert b"restarting it from its latest checkpoint" in (tmp_path / "leader.log").read_bytes()
+        leader_log = (tmp_path / "leader.log").read_bytes()  # the relaunched follower logs there too
+        assert b"restarting it from its latest checkpoint" in leader_log
+        assert b"follower 0 restored checkpoint ckpt-" in leader_log
         assert status(rpc)["followers"]["0"] >= before + 3
         for p in clusters:
             for r in p.ranks:

@@ -200,3 +200,32 @@ def test_servers_bind_loopback_by_default():
 
     src = inspect.getsource(cli)
     assert 'default="127.0.0.1:7000"' in src and 'default="127.0.0.1:7100"' in src
+
+
+def test_grace_time_gathers_close_pushes_into_one_round(tmp_path):
+    """Two clusters pushing within the grace time share one outer step, weighted by tokens."""
+    import threading
+
+    with in_process_ps(tmp_path, initial_grace=1.0) as (leader, _, token):
+        models = [build_model(MODEL, 20 + i) for i in range(2)]
+        clients = [OuterClient(m, leader.address, inner_steps=1, token=token, name=f"g{i}") for i, m in enumerate(models)]
+        for i, m in enumerate(models):
+            perturb(m, 40 + i)
+        results = [None, None]
+
+        def push(i):
+            results[i] = clients[i].step(tokens=300 if i == 0 else 100)
+        threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)  # well inside the 1 s grace time
+        for t in threads:
+            t.join(30)
+        assert results == [True, True]
+        assert leader.status()["version"] == 1          # one round, not two
+        r = leader.rounds_log[-1]
+        assert r["accepted"] == 2 and sorted(r["clusters"]) == ["g0", "g1"]
+        weights = sorted(leader.decisions[1]["weights"].values())
+        assert weights == [0.25, 0.75]
+        for c in clients:
+            c.close()
