@@ -16,52 +16,65 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def on_dipu(rank: int, world: int, _port: int) -> dict:
-    import ditorch  # noqa: F401  (the dipu device, and dicomm as dipu's default backend)
+def dipu_checks(rank: int, world: int, group) -> dict:
     import torch.distributed as dist
 
-    assert dist.Backend.default_device_backend_map.get("dipu") == "dicomm"
-    out = {"host_addressable": bool(torch.dipu.is_host_addressable())}
+    out = {}
     base = torch.arange(6, dtype=torch.float32) + 10 * rank
     x = base.to("dipu")
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=group)
     out["allreduce"] = x.cpu()
     y = torch.empty(world * 6, device="dipu")
-    dist.all_gather_into_tensor(y, base.to("dipu"))
+    dist.all_gather_into_tensor(y, base.to("dipu"), group=group)
     out["allgather"] = y.cpu()
     z = (base * 2).to("dipu")
     w = torch.empty(6, device="dipu")
     peer = 1 - rank
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, z, peer), dist.P2POp(dist.irecv, w, peer)])
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, z, peer, group), dist.P2POp(dist.irecv, w, peer, group)])
     for r in reqs:
         r.wait()
     out["p2p"] = w.cpu()
     # a non-contiguous dipu tensor: every other column of a matrix
     m = (torch.arange(12, dtype=torch.float32).view(3, 4) + rank).to("dipu")
-    col = m[:, ::2]
-    dist.all_reduce(col)
+    dist.all_reduce(m[:, ::2], group=group)
     out["strided"] = m.cpu()
+    return out
+
+
+def on_dipu(rank: int, world: int, _port: int) -> dict:
+    import ditorch  # noqa: F401  (the dipu device, and dicomm as dipu's default backend)
+    import torch.distributed as dist
+
+    assert dist.Backend.default_device_backend_map.get("dipu") == "dicomm"
+    res = {"host_addressable": bool(torch.dipu.is_host_addressable())}
+    res["in_place"] = dipu_checks(rank, world, None)
+    # a group created with staging forced: the path of a vendor whose memory the host can't address
+    os.environ["DICOMM_FORCE_STAGING"] = "1"
+    staged = dist.new_group([0, 1], backend="cpu:gloo,dipu:dicomm")
+    res["staged"] = dipu_checks(rank, world, staged)
     # split_group (needs the default group bound to an accelerator: dipu here)
     sg = dist.split_group(split_ranks=[[0], [1]])
     t = torch.tensor([rank + 5.0], device="dipu")
     dist.all_reduce(t, group=sg)
-    out["split"] = t.item()
-    return out
+    res["split"] = t.item()
+    return res
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("staging", ["0", "1"])
-def test_dipu_tensors(staging):
+def test_dipu_tensors_in_place_and_staged():
     world = 2
-    res = run_ranks(on_dipu, world, env={"DICOMM_FORCE_STAGING": staging, "TEST_BACKEND": "cpu:gloo,dipu:dicomm",
-                                          "TEST_IMPORT_DITORCH": "1", "TEST_DEVICE_ID": "dipu:0"})
+    res = run_ranks(on_dipu, world, env={"TEST_BACKEND": "cpu:gloo,dipu:dicomm", "TEST_IMPORT_DITORCH": "1",
+                                          "TEST_DEVICE_ID": "dipu:0"})
     bases = [torch.arange(6, dtype=torch.float32) + 10 * r for r in range(world)]
     for r in range(world):
-        torch.testing.assert_close(res[r]["allreduce"], sum(bases))
-        torch.testing.assert_close(res[r]["allgather"], torch.cat(bases))
-        torch.testing.assert_close(res[r]["p2p"], bases[1 - r] * 2)
-        m = torch.arange(12, dtype=torch.float32).view(3, 4) + r
-        expect = m.clone()
-        expect[:, ::2] = sum(torch.arange(12, dtype=torch.float32).view(3, 4)[:, ::2] + q for q in range(world))
-        torch.testing.assert_close(res[r]["strided"], expect)
+        assert res[r]["host_addressable"]  # the emu vendor
+        for mode in ("in_place", "staged"):
+            out = res[r][mode]
+            torch.testing.assert_close(out["allreduce"], sum(bases), msg=mode)
+            torch.testing.assert_close(out["allgather"], torch.cat(bases), msg=mode)
+            torch.testing.assert_close(out["p2p"], bases[1 - r] * 2, msg=mode)
+            m = torch.arange(12, dtype=torch.float32).view(3, 4) + r
+            expect = m.clone()
+            expect[:, ::2] = sum(torch.arange(12, dtype=torch.float32).view(3, 4)[:, ::2] + q for q in range(world))
+            torch.testing.assert_close(out["strided"], expect, msg=mode)
         assert res[r]["split"] == r + 5.0  # a group of one: its own value

@@ -104,11 +104,12 @@ void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segm
                                 base + s.offset * elem + off, len, dt(dtype)),
                      right, "send to"});
   };
+  // Receives first: a message whose receive is already posted lands in place.
+  postRecvs(0);
   {
     unsigned j = 0;
     for (auto& [off, len] : chunksOf(segs[mod(r - 1, n)], elem, ctx.chunkBytes)) postSend(0, j++, off, len);
   }
-  postRecvs(0);
   for (int k = 0; k < n - 1; ++k) {
     if (k + 1 < n - 1) postRecvs(k + 1);
     const Segment& s = segs[mod(r - k - 2, n)];

@@ -89,17 +89,55 @@ void Mailbox::post(RecvRequest request) {
     }
     found = queue->front();
     queue->pop_front();
-    bad = mismatch(*r, found->peer, found->envelope);
-    if (!bad && !found->complete) {
-      found->claimedBy = r;  // its landing completes this receive
-      return;
+    if (!found->deferred) {
+      bad = mismatch(*r, found->peer, found->envelope);
+      if (!bad && !found->complete) {
+        found->claimedBy = r;  // its landing completes this receive
+        return;
+      }
     }
+  }
+  if (found->deferred) {
+    auto ready = std::move(found->deferred);
+    ready(landingFor(r, found->peer, found->envelope));
+    return;
   }
   if (bad) {
     r->completion->complete(bad, found->peer);
   } else {
     deliver(*found, *r);
   }
+}
+
+std::shared_ptr<RecvRequest> Mailbox::takePosted(int peer, const Envelope& env) {
+  auto p = posted_.find({peer, env.tag});
+  auto a = postedAny_.find(env.tag);
+  bool haveP = p != posted_.end() && !p->second.empty();
+  bool haveA = a != postedAny_.end() && !a->second.empty();
+  std::shared_ptr<RecvRequest> r;
+  if (haveP && (!haveA || p->second.front()->order < a->second.front()->order)) {
+    r = p->second.front();
+    p->second.pop_front();
+    if (p->second.empty()) posted_.erase(p);
+  } else if (haveA) {
+    r = a->second.front();
+    a->second.pop_front();
+    if (a->second.empty()) postedAny_.erase(a);
+  }
+  return r;
+}
+
+Landing Mailbox::landingFor(const std::shared_ptr<RecvRequest>& r, int peer, const Envelope& env) {
+  Landing landing;
+  if (auto bad = mismatch(*r, peer, env)) {
+    r->completion->complete(bad, peer);
+    landing.done = [](std::exception_ptr) {};
+    return landing;  // data == nullptr: the transport drops the payload
+  }
+  landing.data = r->data;
+  landing.capacity = r->nbytes;
+  landing.done = [r, peer](std::exception_ptr error) { r->completion->complete(error, peer); };
+  return landing;
 }
 
 Landing Mailbox::arrive(int peer, const Envelope& env) {
@@ -115,29 +153,17 @@ Landing Mailbox::arrive(int peer, const Envelope& env) {
     return l;
   }
   std::shared_ptr<RecvRequest> r;
-  std::exception_ptr bad;
-  Landing landing;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto p = posted_.find({peer, env.tag});
-    auto a = postedAny_.find(env.tag);
-    bool haveP = p != posted_.end() && !p->second.empty();
-    bool haveA = a != postedAny_.end() && !a->second.empty();
-    if (haveP && (!haveA || p->second.front()->order < a->second.front()->order)) {
-      r = p->second.front();
-      p->second.pop_front();
-      if (p->second.empty()) posted_.erase(p);
-    } else if (haveA) {
-      r = a->second.front();
-      a->second.pop_front();
-      if (a->second.empty()) postedAny_.erase(a);
-    } else {
+    r = takePosted(peer, env);
+    if (!r) {
       auto m = std::make_shared<Unexpected>();
       m->peer = peer;
       m->envelope = env;
       m->data.reset(new char[env.nbytes ? env.nbytes : 1]);
       m->order = nextOrder_++;
       unexpected_[{peer, env.tag}].push_back(m);
+      Landing landing;
       landing.data = m->data.get();
       landing.capacity = env.nbytes;
       landing.done = [this, m](std::exception_ptr error) {
@@ -152,17 +178,30 @@ Landing Mailbox::arrive(int peer, const Envelope& env) {
       };
       return landing;
     }
-    bad = mismatch(*r, peer, env);
   }
-  if (bad) {
-    r->completion->complete(bad, peer);
-    landing.done = [](std::exception_ptr) {};
-    return landing;  // data == nullptr: the transport drops the payload
+  return landingFor(r, peer, env);
+}
+
+void Mailbox::arriveWhenPosted(int peer, const Envelope& env, std::function<void(Landing)> ready) {
+  if (isControlTag(env.tag)) {
+    ready(arrive(peer, env));
+    return;
   }
-  landing.data = r->data;
-  landing.capacity = r->nbytes;
-  landing.done = [r, peer](std::exception_ptr error) { r->completion->complete(error, peer); };
-  return landing;
+  std::shared_ptr<RecvRequest> r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    r = takePosted(peer, env);
+    if (!r) {
+      auto m = std::make_shared<Unexpected>();
+      m->peer = peer;
+      m->envelope = env;
+      m->order = nextOrder_++;
+      m->deferred = std::move(ready);
+      unexpected_[{peer, env.tag}].push_back(m);
+      return;
+    }
+  }
+  ready(landingFor(r, peer, env));
 }
 
 void Mailbox::peerFailed(int peer, const std::string& cause) {

@@ -65,6 +65,8 @@ class Mailbox : public Inbox {
   void failAll(const std::exception_ptr& error);
 
   Landing arrive(int peer, const Envelope& envelope) override;
+  void arriveWhenPosted(int peer, const Envelope& envelope,
+                        std::function<void(Landing)> ready) override;
   void peerFailed(int peer, const std::string& cause) override;
 
  private:
@@ -76,10 +78,15 @@ class Mailbox : public Inbox {
     std::exception_ptr error;
     std::shared_ptr<RecvRequest> claimedBy;
     uint64_t order;
+    std::function<void(Landing)> deferred;  // rendezvous: payload still at the sender
   };
   using Key = std::pair<int, uint64_t>;
 
   std::exception_ptr mismatch(const RecvRequest& request, int peer, const Envelope& env) const;
+  // Match `envelope` against posted receives (lock held); null when none matches.
+  std::shared_ptr<RecvRequest> takePosted(int peer, const Envelope& envelope);
+  // The landing of a matched receive (lock not held); fails it on a size/dtype mismatch.
+  Landing landingFor(const std::shared_ptr<RecvRequest>& r, int peer, const Envelope& envelope);
   static void deliver(Unexpected& message, RecvRequest& request);
 
   const int rank_;

@@ -75,9 +75,10 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
   out.frame.envelope = envelope;
   out.data = data;
   const bool remote = remoteOk_ && envelope.nbytes >= config_.remoteThreshold;
-  out.frame.kind = remote ? kRemote : kInline;
+  const bool rts = !remote && envelope.nbytes >= config_.rendezvousThreshold;
+  out.frame.kind = remote ? kRemote : (rts ? kRts : kInline);
   out.frame.address = reinterpret_cast<uint64_t>(data);
-  out.wireBytes = remote ? 0 : envelope.nbytes;
+  out.wireBytes = (remote || rts) ? 0 : envelope.nbytes;
   out.done = std::move(done);
 
   std::unique_lock<std::mutex> lock(mu_);
@@ -90,6 +91,17 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
     return;
   }
   out.frame.seq = nextSeq_++;
+  if (rts) {
+    // The payload goes later, as kData, when the receiver answers kCts.
+    Outgoing later;
+    later.frame = out.frame;
+    later.frame.kind = kData;
+    later.data = data;
+    later.wireBytes = envelope.nbytes;
+    later.done = std::move(out.done);
+    awaitingCts_.emplace(out.frame.seq, std::move(later));
+    out.done = [](std::exception_ptr) {};
+  }
   if (queue_.empty() && !txWriting_ && out.wireBytes <= config_.inlineWriteMax) {
     // Latency path: write from this thread; the lock keeps frames in order.
     if (remote) awaitingAck_.emplace(out.frame.seq, std::move(out.done));
@@ -176,48 +188,101 @@ void StreamPair::pullRemote(const Frame& frame, void* dst) {
   }
 }
 
+void StreamPair::readInto(void* dst, size_t n, bool keep) {
+  if (keep) {
+    readAll(fd_.get(), dst, n, peer_, config_.name);
+    return;
+  }
+  std::vector<char> sink(std::min<size_t>(n, 1 << 20));
+  for (size_t left = n; left > 0;) {
+    size_t k = std::min(left, sink.size());
+    readAll(fd_.get(), sink.data(), k, peer_, config_.name);
+    left -= k;
+  }
+}
+
+void StreamPair::queueControl(Kind kind, uint64_t seq, int32_t status) {
+  // Receive threads never write the socket themselves (see header): queue the frame.
+  Outgoing out;
+  out.frame.kind = kind;
+  out.frame.seq = seq;
+  out.frame.status = status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_ || closing_) return;
+    queue_.push_back(std::move(out));
+  }
+  cv_.notify_one();
+}
+
+void StreamPair::pullAndAck(const Frame& frame, Landing landing) {
+  const Envelope& env = frame.envelope;
+  std::exception_ptr error;
+  int32_t status = 0;
+  if (landing.data && landing.capacity >= env.nbytes && env.nbytes > 0) {
+    try {
+      pullRemote(frame, landing.data);
+    } catch (const std::exception& e) {
+      error = makeError(peer_, e.what());
+      status = EFAULT;
+    }
+  }
+  queueControl(kAck, frame.seq, status);
+  if (landing.done) landing.done(error);
+}
+
 void StreamPair::receivePayload(const Frame& frame) {
   const Envelope& env = frame.envelope;
-  Landing landing = inbox_->arrive(peer_, env);
-  const bool keep = landing.data != nullptr && landing.capacity >= env.nbytes;
-  std::exception_ptr landingError;
-  if (frame.kind == kInline) {
-    try {
-      if (keep) {
-        readAll(fd_.get(), landing.data, env.nbytes, peer_, config_.name);
-      } else {
-        std::vector<char> sink(std::min<size_t>(env.nbytes, 1 << 20));
-        for (size_t left = env.nbytes; left > 0;) {
-          size_t k = std::min(left, sink.size());
-          readAll(fd_.get(), sink.data(), k, peer_, config_.name);
-          left -= k;
+  if (frame.kind == kRemote) {
+    // Copied straight from the sender's memory once a receive is posted (maybe later, by the
+    // thread that posts it).
+    inbox_->arriveWhenPosted(peer_, env, [this, frame](Landing l) { pullAndAck(frame, std::move(l)); });
+    return;
+  }
+  if (frame.kind == kRts) {
+    inbox_->arriveWhenPosted(peer_, env, [this, seq = frame.seq](Landing l) {
+      std::exception_ptr gone;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (failed_ || closing_) {
+          gone = failed_ ? failure()
+                         : makeError(peer_, std::string(config_.name) + ": pair to rank " +
+                                                std::to_string(peer_) + " is closed");
+        } else {
+          rendezvousLanding_.emplace(seq, std::move(l));
         }
       }
-    } catch (const std::exception& e) {
-      // The landing's owner must hear about the failure (Landing::done runs exactly once).
-      if (landing.done) landing.done(makeError(peer_, e.what()));
-      throw;
-    }
-  } else {
-    Outgoing ack;
-    ack.frame.kind = kAck;
-    ack.frame.seq = frame.seq;
-    if (keep && env.nbytes > 0) {
-      try {
-        pullRemote(frame, landing.data);
-      } catch (const std::exception& e) {
-        landingError = makeError(peer_, e.what());
-        ack.frame.status = EFAULT;
+      if (gone) {
+        if (l.done) l.done(gone);
+        return;
       }
-    }
-    // The receive thread never writes the socket itself (see header): queue the ACK.
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(ack));
-    }
-    cv_.notify_one();
+      queueControl(kCts, seq);
+    });
+    return;
   }
-  if (landing.done) landing.done(landingError);
+  Landing landing;
+  if (frame.kind == kData) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rendezvousLanding_.find(frame.seq);
+    if (it == rendezvousLanding_.end()) {
+      throw TransportError(peer_, std::string(config_.name) + ": protocol error from rank " +
+                                      std::to_string(peer_) + ": data for unknown sequence " +
+                                      std::to_string(frame.seq));
+    }
+    landing = std::move(it->second);
+    rendezvousLanding_.erase(it);
+  } else {
+    landing = inbox_->arrive(peer_, env);
+  }
+  const bool keep = landing.data != nullptr && landing.capacity >= env.nbytes;
+  try {
+    readInto(landing.data, env.nbytes, keep);
+  } catch (const std::exception& e) {
+    // The landing's owner must hear about the failure (Landing::done runs exactly once).
+    if (landing.done) landing.done(makeError(peer_, e.what()));
+    throw;
+  }
+  if (landing.done) landing.done(nullptr);
 }
 
 void StreamPair::rxLoop() {
@@ -238,8 +303,24 @@ void StreamPair::rxLoop() {
       switch (frame.kind) {
         case kInline:
         case kRemote:
+        case kRts:
+        case kData:
           receivePayload(frame);
           break;
+        case kCts: {
+          bool found = false;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = awaitingCts_.find(frame.seq);
+            if (it != awaitingCts_.end()) {
+              queue_.push_back(std::move(it->second));
+              awaitingCts_.erase(it);
+              found = true;
+            }
+          }
+          if (found) cv_.notify_one();
+          break;
+        }
         case kAck: {
           SendDone done;
           {
@@ -279,6 +360,7 @@ void StreamPair::rxLoop() {
 void StreamPair::fail(const std::string& cause) {
   std::deque<Outgoing> queued;
   std::map<uint64_t, SendDone> awaiting;
+  std::vector<Landing> landings;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_ || closing_) return;
@@ -286,6 +368,10 @@ void StreamPair::fail(const std::string& cause) {
     failure_ = cause;
     queued.swap(queue_);
     awaiting.swap(awaitingAck_);
+    for (auto& kv : awaitingCts_) queued.push_back(std::move(kv.second));
+    awaitingCts_.clear();
+    for (auto& kv : rendezvousLanding_) landings.push_back(std::move(kv.second));
+    rendezvousLanding_.clear();
   }
   cv_.notify_all();
   ::shutdown(fd_.get(), SHUT_RDWR);  // wakes the other thread of this pair
@@ -294,12 +380,16 @@ void StreamPair::fail(const std::string& cause) {
     if (out.done) out.done(err);
   }
   for (auto& kv : awaiting) kv.second(err);
+  for (auto& l : landings) {
+    if (l.done) l.done(err);
+  }
   inbox_->peerFailed(peer_, cause);
 }
 
 void StreamPair::close() {
   std::deque<Outgoing> queued;
   std::map<uint64_t, SendDone> awaiting;
+  std::vector<Landing> landings;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (closing_) return;
@@ -323,6 +413,10 @@ void StreamPair::close() {
     closing_ = true;
     queued.swap(queue_);
     awaiting.swap(awaitingAck_);
+    for (auto& kv : awaitingCts_) queued.push_back(std::move(kv.second));
+    awaitingCts_.clear();
+    for (auto& kv : rendezvousLanding_) landings.push_back(std::move(kv.second));
+    rendezvousLanding_.clear();
   }
   cv_.notify_all();
   ::shutdown(fd_.get(), SHUT_RDWR);
@@ -336,6 +430,9 @@ void StreamPair::close() {
     if (out.done) out.done(err);
   }
   for (auto& kv : awaiting) kv.second(err);
+  for (auto& l : landings) {
+    if (l.done) l.done(err);
+  }
 }
 
 // ---- StreamTransport ----------------------------------------------------------------------

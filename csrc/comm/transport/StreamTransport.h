@@ -29,6 +29,10 @@ struct StreamConfig {
   const char* name = "tcp";
   bool tcp = true;                 // AF_INET/6 (true) or abstract AF_UNIX (false)
   size_t remoteThreshold = SIZE_MAX;  // payloads >= this go by cross-memory attach
+  // Payloads >= this (and not going by cross-memory attach) use request-to-send: the payload
+  // follows only once the receiver has a matching receive, so it lands in place, never in a
+  // bounce buffer.
+  size_t rendezvousThreshold = 1 << 20;
   size_t inlineWriteMax = 256 << 10;  // caller-thread writes up to this size
 };
 
@@ -43,7 +47,11 @@ class StreamPair : public Pair {
   void close() override;
 
  private:
-  enum Kind : uint32_t { kInline = 1, kRemote = 2, kAck = 3, kGoodbye = 4 };
+  // kRts: envelope only, the payload waits. kCts: the receiver is ready for `seq`.
+  // kData: the payload of an earlier kRts.
+  enum Kind : uint32_t {
+    kInline = 1, kRemote = 2, kAck = 3, kGoodbye = 4, kRts = 5, kCts = 6, kData = 7
+  };
   struct Frame {
     uint32_t kind = 0;
     int32_t status = 0;  // ACK: 0 ok, else errno of the receiver's copy
@@ -63,6 +71,9 @@ class StreamPair : public Pair {
   void writeFrame(const Outgoing& out);  // throws TransportError
   void receivePayload(const Frame& frame);
   void pullRemote(const Frame& frame, void* dst);
+  void pullAndAck(const Frame& frame, Landing landing);
+  void queueControl(Kind kind, uint64_t seq, int32_t status = 0);
+  void readInto(void* dst, size_t n, bool keep);
   void fail(const std::string& cause);
   std::exception_ptr failure() const;
 
@@ -77,6 +88,8 @@ class StreamPair : public Pair {
   std::condition_variable cv_;
   std::deque<Outgoing> queue_;
   std::map<uint64_t, SendDone> awaitingAck_;
+  std::map<uint64_t, Outgoing> awaitingCts_;     // sent kRts, payload waits for kCts
+  std::map<uint64_t, Landing> rendezvousLanding_;  // sent kCts, kData will land here
   uint64_t nextSeq_ = 1;
   bool txWriting_ = false;
   bool closing_ = false;

@@ -73,6 +73,16 @@ class Inbox {
   // A message from `peer` arrived; returns where its payload goes. Called on the transport's
   // receive thread, in arrival order per pair. Never blocks on other messages.
   virtual Landing arrive(int peer, const Envelope& envelope) = 0;
+  // Rendezvous variant, for a payload that can wait on the sender's side (shm cross-memory
+  // attach, tcp request-to-send, an RDMA read): `ready` runs exactly once with the landing as
+  // soon as a receive matches -- during this call (on the transport's thread) when one is
+  // already posted, otherwise later, on the thread that posts the matching receive. This avoids
+  // the bounce buffer and extra copy of an unexpected message. `ready` is dropped (never run)
+  // if the communicator closes first. The default matches at once, like arrive().
+  virtual void arriveWhenPosted(int peer, const Envelope& envelope,
+                                std::function<void(Landing)> ready) {
+    ready(arrive(peer, envelope));
+  }
   // The pair to `peer` broke (peer died, socket error, protocol error). Every op waiting on that
   // peer fails with `cause`. Called at most once per pair, not during a local close().
   virtual void peerFailed(int peer, const std::string& cause) = 0;
