@@ -14,13 +14,15 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip -q --disable-pip-version-check"
+# This machine's pip config names local mirrors that may be absent; their warnings are noise.
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; return "${PIPESTATUS[0]}"; }
 # torch is pinned: 2.13.0 is the CPU wheel on local disk; any other version downloads gigabytes.
 stamp="$VENV/.ditorch-deps-$(sha1sum requirements.txt | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  $PIP install --upgrade pip setuptools wheel
-  $PIP install -r requirements.txt
+  quiet $PIP install --upgrade pip setuptools wheel
+  quiet $PIP install -r requirements.txt
   touch "$stamp"
 fi
 # --no-build-isolation: an isolated build env would resolve (and download) another torch.
-$PIP install --no-build-isolation --no-deps -e . 2>&1 | grep -v -E '^\s*$' || true
+quiet $PIP install --no-build-isolation --no-deps -e .
 "$VENV/bin/python" -c "import ditorch" 

@@ -11,7 +11,7 @@
 
 namespace ditorch {
 void registerHooks();
-int registerShimForStructuredOps();
+void registerShimBeforeComposites();
 }
 
 namespace {
@@ -25,7 +25,7 @@ void init() {
   installKernelHostAllocator();
   c10::SetAllocator(c10::DeviceType::PrivateUse1, &deviceAllocator());
   registerHooks();
-  registerShimForStructuredOps();
+  registerShimBeforeComposites();
 }
 
 py::dict memoryStats(int device) {

@@ -317,49 +317,4 @@ void setUnsupportedOps(const std::string& names) {
   }
 }
 
-TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&shimKernel>()); }
-
-namespace {
-
-// The backend fallback above only sees ops that have no composite kernel: ATen gives many ops both
-// a kernel per device and a CompositeExplicitAutograd[NonFunctional] one for devices without, and
-// the composite outranks a fallback. Left alone, dipu would decompose such an op instead of running
-// the vendor's kernel: native_layer_norm became ATen's math version (other numerics than the
-// vendor's), structured ops went out= by out=, and the convolution entry points, whose composites
-// pick a backend by device type, picked convolution_overrideable, which no vendor has. So the shim
-// is also registered, explicitly, for every op that has a kernel for the vendor's device and a
-// composite, and for the convolution entry points: the vendor then runs them whole (its own
-// backend choice, in one re-dispatch). Ops with a CompositeImplicitAutograd kernel are left out:
-// their autograd comes from that decomposition. Ops defined by libraries loaded later keep the
-// composite.
-struct VendorKernelsBeforeComposites {
-  std::vector<c10::RegistrationHandleRAII> handles;
-
-  VendorKernelsBeforeComposites() {
-    c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
-    const c10::DispatchKey kernel_key =
-        c10::computeDispatchKey(std::nullopt, std::nullopt, vendor().kernelDeviceType());
-    const std::set<std::string> device_selecting = {"aten::convolution", "aten::convolution_backward",
-                                                    "aten::_convolution"};
-    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-      std::optional<c10::OperatorHandle> op = dispatcher.findOp(name);
-      if (!op || !op->hasSchema() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
-        continue;
-      const bool composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
-                             op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
-      const bool route = (composite && op->hasKernelForDispatchKey(kernel_key)) ||
-                         (device_selecting.count(name.name) && name.overload_name.empty());
-      if (!route) continue;
-      handles.push_back(dispatcher.registerImpl(name, c10::DispatchKey::PrivateUse1,
-                                                c10::KernelFunction::makeFromBoxedFunction<&shimKernel>(), std::nullopt,
-                                                nullptr, "ditorch shim: the vendor's kernel before ATen's composite"));
-    }
-  }
-};
-
-const VendorKernelsBeforeComposites vendor_kernels_before_composites;
-
-}  // namespace
-
 }  // namespace ditorch

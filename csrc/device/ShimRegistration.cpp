@@ -1,36 +1,60 @@
-// Where the shim is installed. Besides the PrivateUse1 fallback (Shim.cpp), structured ops need
-// a direct registration: PyTorch gives every backend a CompositeExplicitAutogradNonFunctional
-// kernel for them (allocate the output through the dispatcher, then call the .out op), which
-// costs dipu two extra trips through the dispatcher per op. Registering the shim for PrivateUse1
-// instead sends e.g. add.Tensor straight to the CPU add.Tensor kernel, which allocates its
-// output inside the kernel allocation scope: one trip, and the output is still born on dipu.
+// Where the operator shim is installed.
 #include "device/Shim.h"
+
+#include "device/vendor/Vendor.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <memory>
+#include <set>
+#include <vector>
 
 namespace ditorch {
 
-int registerShimForStructuredOps() {
-  static std::unique_ptr<torch::Library> library;
-  if (library) return 0;
-  library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
-                                             __LINE__);
-  int registered = 0;
-  auto& dispatcher = c10::Dispatcher::singleton();
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&shimKernel>()); }
+
+namespace {
+std::vector<c10::RegistrationHandleRAII>& handles() {
+  static std::vector<c10::RegistrationHandleRAII> h;
+  return h;
+}
+}  // namespace
+
+// The backend fallback above only sees ops that have no composite kernel: ATen gives many ops both
+// a kernel per device and a CompositeExplicitAutograd[NonFunctional] one for devices without, and
+// the composite outranks a fallback. Left alone, dipu would decompose such an op instead of running
+// the vendor's kernel: native_layer_norm became ATen's math version (other numerics than the
+// vendor's), structured ops went out= by out=, and the convolution entry points, whose composites
+// pick a backend by device type, picked convolution_overrideable, which no vendor has. So the shim
+// is also registered, explicitly, for every op that has a kernel for the vendor's device and a
+// composite, and for the convolution entry points: the vendor then runs them whole (its own
+// backend choice, in one re-dispatch). Ops with a CompositeImplicitAutograd kernel are left out:
+// their autograd comes from that decomposition. Ops defined by libraries loaded later keep the
+// composite.
+//
+// Structured ops gain too: their generic composite allocates the output through the dispatcher
+// and calls the .out op (three dispatcher trips); the vendor's kernel takes one.
+void registerShimBeforeComposites() {
+  if (!handles().empty()) return;
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+  const c10::DispatchKey kernel_key =
+      c10::computeDispatchKey(std::nullopt, std::nullopt, vendor().kernelDeviceType());
+  const std::set<std::string> device_selecting = {"aten::convolution", "aten::convolution_backward",
+                                                  "aten::_convolution"};
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-    if (name.name.rfind("aten::", 0) != 0) continue;
-    auto op = dispatcher.findOp(name);
-    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+    std::optional<c10::OperatorHandle> op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
       continue;
-    std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&shimKernel>());
-    ++registered;
+    const bool composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+                           op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+    const bool route = (composite && op->hasKernelForDispatchKey(kernel_key)) ||
+                       (device_selecting.count(name.name) && name.overload_name.empty());
+    if (!route) continue;
+    handles().push_back(dispatcher.registerImpl(name, c10::DispatchKey::PrivateUse1,
+                                                c10::KernelFunction::makeFromBoxedFunction<&shimKernel>(), std::nullopt,
+                                                nullptr, "ditorch shim: the vendor's kernel before ATen's composite"));
   }
-  return registered;
 }
 
 }  // namespace ditorch
