@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 from dips.auth import JobToken  # noqa: E402
 from dips.client import OuterClient  # noqa: E402
-from dips.harness import (ClusterSpec, evaluate, free_port, read_log, sample_batch, start_cluster,  # noqa: E402
-                          start_follower, text_corpus)
+from ditorch.datasets import sample_batch, text_corpus  # noqa: E402
+from dips.harness import ClusterSpec, evaluate, free_port, read_log, start_cluster, start_follower  # noqa: E402
 from dips.leader import Leader, LeaderConfig  # noqa: E402
 from dips.model import build_model, load_config  # noqa: E402
 

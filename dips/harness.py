@@ -18,22 +18,9 @@ from pathlib import Path
 
 import torch
 
+from ditorch.datasets import sample_batch, text_corpus
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def text_corpus() -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) byte tokens of the pydoc topics text (last 10% held out)."""
-    import pydoc_data.topics
-
-    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode()
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    cut = int(len(data) * 0.9)
-    return data[:cut], data[cut:]
-
-
-def sample_batch(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    idx = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-    return torch.stack([data[i: i + seq + 1] for i in idx.tolist()])
 
 
 @torch.no_grad()

@@ -3,7 +3,8 @@ without the penalty (async DiLoCo) the same push wrecks the model."""
 import torch
 
 from dips.client import OuterClient
-from dips.harness import evaluate, sample_batch, text_corpus
+from ditorch.datasets import sample_batch, text_corpus
+from dips.harness import evaluate
 from dips.model import build_model
 
 from pscluster import MODEL, global_params, in_process_ps
