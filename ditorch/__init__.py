@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import ditorch_ext
 from ditorch_ext import ChipProfile, cpu_fallback_counts, current as current_chip, set_chip, vendor_name
 
@@ -16,6 +18,10 @@ try:
 except ModuleNotFoundError as exc:
     if exc.name != "dicomm._C":
         raise
+
+# Precision tools selected by environment variables apply to unmodified training scripts.
+if os.environ.get("DITORCH_TOOLS"):
+    import ditorch.tools  # noqa: F401
 
 __version__ = "0.1.0"
 __all__ = ["ChipProfile", "cpu_fallback_counts", "current_chip", "set_chip", "vendor_name", "__version__"]

@@ -5,7 +5,7 @@ import torch
 from ditorch.cli import main as ditorch_main
 from ditorch.tools import capture, find_captures, load_capture, replay
 
-from conftest import needs_dipu
+from tools_cases import needs_dipu
 
 
 def _train_step(tmp_path, ops="addmm|mm"):

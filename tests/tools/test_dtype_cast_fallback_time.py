@@ -3,7 +3,7 @@ import torch
 
 from ditorch.tools import dtype_cast, fallback, time_ops
 
-from conftest import needs_dipu
+from tools_cases import needs_dipu
 
 
 def test_dtype_cast_runs_the_op_in_the_target_dtype():

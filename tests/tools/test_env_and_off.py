@@ -11,7 +11,7 @@ import torch
 from ditorch.tools import autocompare, capture, overflow_check, time_ops
 from ditorch.tools.env import parse
 
-from conftest import REPO
+from tools_cases import REPO
 
 SCRIPT = textwrap.dedent("""
     import torch
