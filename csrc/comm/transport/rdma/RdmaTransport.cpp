@@ -541,47 +541,14 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
     }
     case kRts: {
       repost();
-      Landing landing = inbox_->arrive(peer_, env);
-      Pending reply;
-      reply.ctrl.kind = kCts;
-      reply.ctrl.id = c.id;
-      reply.ctrl.envelope = env;
-      RegistrationRef reg;
-      if (landing.data == nullptr || landing.capacity < env.nbytes) {
-        reply.ctrl.status = kCtsDrop;  // the core rejected it; the sender's data is not needed
-        if (landing.done) deferred.push_back([done = std::move(landing.done)] { done(nullptr); });
-      } else {
-        try {
-          reg = device_->cache->get(landing.data, env.nbytes, kAccess);
-        } catch (const std::system_error& e) {
-          reply.ctrl.status = e.code().value() > 1 ? e.code().value() : EINVAL;
-          std::string cause = "rdma: ibv_reg_mr of the " + std::to_string(env.nbytes) +
-                              "-byte receive buffer for rank " + std::to_string(peer_) +
-                              " failed: " + strerror(reply.ctrl.status);
-          if (landing.done) deferred.push_back([done = std::move(landing.done), e = error(cause)] { done(e); });
-        }
-        if (reg) {
-          reply.ctrl.address = reinterpret_cast<uint64_t>(landing.data);
-          reply.ctrl.rkey = reg->rkey();
-        }
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      if (failed_ || closing_) {
-        // fail()/close() already swept the pending transfers: complete this one here.
-        if (landing.done) {
-          auto e = error(failed_ ? failure_ : "rdma: pair to rank " + std::to_string(peer_) + " closed locally");
-          deferred.push_back([done = std::move(landing.done), e] { done(e); });
-        }
-        return;
-      }
-      if (reply.ctrl.status == kCtsOk) {
-        largeRecvs_[static_cast<uint32_t>(c.id)] = LargeRecv{std::move(landing), std::move(reg)};
-      }
-      try {
-        enqueue(std::move(reply), deferred);
-      } catch (const std::exception& e) {
-        deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
-      }
+      // The write waits on the sender until a receive matches, so it lands in the user's
+      // buffer even when the receive is posted after the message arrived (no bounce copy).
+      const Ctrl rts = c;
+      inbox_->arriveWhenPosted(peer_, env, [this, rts](Landing landing) {
+        Deferred later;
+        answerRts(rts, std::move(landing), later);
+        for (auto& f : later) f();
+      });
       return;
     }
     case kCts: {
@@ -654,6 +621,48 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
         fail("rdma: protocol error from rank " + std::to_string(peer_) + ": unknown message kind " +
              std::to_string(kind));
       });
+  }
+}
+
+void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
+  const Envelope& env = rts.envelope;
+  Pending reply;
+  reply.ctrl.kind = kCts;
+  reply.ctrl.id = rts.id;
+  reply.ctrl.envelope = env;
+  RegistrationRef reg;
+  if (landing.data == nullptr || landing.capacity < env.nbytes) {
+    reply.ctrl.status = kCtsDrop;  // the core rejected it; the sender's data is not needed
+    if (landing.done) deferred.push_back([done = std::move(landing.done)] { done(nullptr); });
+  } else {
+    try {
+      reg = device_->cache->get(landing.data, env.nbytes, kAccess);
+      reply.ctrl.address = reinterpret_cast<uint64_t>(landing.data);
+      reply.ctrl.rkey = reg->rkey();
+    } catch (const std::system_error& e) {
+      reply.ctrl.status = e.code().value() > 1 ? e.code().value() : EINVAL;
+      std::string cause = "rdma: ibv_reg_mr of the " + std::to_string(env.nbytes) +
+                          "-byte receive buffer for rank " + std::to_string(peer_) +
+                          " failed: " + strerror(reply.ctrl.status);
+      if (landing.done) deferred.push_back([done = std::move(landing.done), e = error(cause)] { done(e); });
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_ || closing_) {
+    // fail()/close() already swept the pending transfers: complete this one here.
+    if (landing.done) {
+      auto e = error(failed_ ? failure_ : "rdma: pair to rank " + std::to_string(peer_) + " closed locally");
+      deferred.push_back([done = std::move(landing.done), e] { done(e); });
+    }
+    return;
+  }
+  if (reply.ctrl.status == kCtsOk) {
+    largeRecvs_[static_cast<uint32_t>(rts.id)] = LargeRecv{std::move(landing), std::move(reg)};
+  }
+  try {
+    enqueue(std::move(reply), deferred);
+  } catch (const std::exception& e) {
+    deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
   }
 }
 

@@ -6,8 +6,9 @@
 // core. Wire protocol (every SEND starts with a `Ctrl` header):
 //   EAGER  payload <= eagerMax, copied through a pre-registered bounce slot (inline when the
 //          QP allows); the receiver copies it from its posted bounce slot into the landing.
-//   RTS    a larger payload: the sender announces it; the receiver asks the core (Inbox) where
-//          it goes, registers that memory (MrCache) and answers CTS with address and rkey; the
+//   RTS    a larger payload: the sender announces it; once a receive matches
+//          (Inbox::arriveWhenPosted) the receiver registers that memory (MrCache) and answers
+//          CTS with address and rkey; the
 //          sender RDMA-writes straight from its buffer into the landing (chunks, the last with
 //          immediate = the transfer id), and the receiver's posted recv completes it. No
 //          staging copy on either side: this is the device-direct path for host-addressable
@@ -137,6 +138,8 @@ class RdmaPair : public Pair {
   void handle(const ibv_wc& wc, Deferred& deferred);
   void handleRecv(const ibv_wc& wc, Deferred& deferred);
   void handleSendCompletion(const ibv_wc& wc, Deferred& deferred);
+  // A receive matched an announced (RTS) message: register its buffer and answer CTS.
+  void answerRts(const Ctrl& rts, Landing landing, Deferred& deferred);
   void fail(const std::string& cause);
   std::exception_ptr error(const std::string& what) const;
   char* sendSlot(int i) const { return sendBuf_.get() + static_cast<size_t>(i) * slotBytes_; }
