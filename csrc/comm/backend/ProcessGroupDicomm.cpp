@@ -115,6 +115,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::enqueue(OpType type, std::str
     work->markDone(std::make_exception_ptr(std::runtime_error(abortCause())));
     return work;
   }
+  issuedCollectives_.fetch_add(1);
   {
     std::lock_guard<std::mutex> lock(queueMu_);
     queue_.push_back(Queued{work, std::move(task), timeout});

@@ -44,6 +44,10 @@ class ProcessGroupDicomm : public c10d::Backend {
   bool supportsCoalescing() const override { return true; }
   bool supportsSplitting() const override { return true; }
   void setTimeout(std::chrono::milliseconds timeout) override { options_.timeout = timeout; }
+  // Collectives are numbered from 0 in issue order on every rank (their tags carry the number),
+  // so there is nothing to agree on here.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return issuedCollectives_.load(); }
 
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -141,6 +145,7 @@ class ProcessGroupDicomm : public c10d::Backend {
   std::deque<Queued> queue_;
   bool stopping_ = false;
   uint64_t collectiveSeq_ = 0;  // collective thread only
+  std::atomic<uint64_t> issuedCollectives_{0};
   std::thread collectiveThread_;
 
   std::mutex watchMu_;

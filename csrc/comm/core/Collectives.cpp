@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "comm/core/Tags.h"
 
@@ -84,8 +85,12 @@ void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segm
   char* base = static_cast<char*>(buf);
   size_t maxSeg = 0;
   for (auto& s : segs) maxSeg = std::max(maxSeg, s.count * elem);
-  std::unique_ptr<char[]> temp[2] = {std::unique_ptr<char[]>(new char[maxSeg + 1]),
-                                     std::unique_ptr<char[]>(new char[maxSeg + 1])};
+  // Reused across collectives of this (collective) thread: a fresh buffer this large is a fresh
+  // mmap, and first-touch page faults then cost as much as the transfer itself.
+  thread_local std::vector<char> scratch;
+  const size_t slot = (maxSeg + 63) & ~size_t(63);
+  if (scratch.size() < 2 * slot + 1) scratch.resize(2 * slot + 1);
+  char* temp[2] = {scratch.data(), scratch.data() + slot};
   std::vector<Pending> sends;
   std::vector<std::vector<CompletionPtr>> recvs(n);
 
@@ -95,7 +100,7 @@ void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segm
     for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
       unsigned j = static_cast<unsigned>(recvs[k].size());
       recvs[k].push_back(comm.irecv(left, collectiveTag(ctx.seq, phase, k, j),
-                                    temp[k % 2].get() + off, len, dt(dtype)));
+                                    temp[k % 2] + off, len, dt(dtype)));
     }
   };
   auto postSend = [&](int k, unsigned j, size_t off, size_t len) {
@@ -116,7 +121,7 @@ void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segm
     unsigned j = 0;
     for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
       await(ctx, recvs[k][j], left, "receive from");
-      reduceInto(base + s.offset * elem + off, temp[k % 2].get() + off, len / elem, dtype, op);
+      reduceInto(base + s.offset * elem + off, temp[k % 2] + off, len / elem, dtype, op);
       if (k + 1 < n - 1) postSend(k + 1, j, off, len);  // forward as soon as it is reduced
       ++j;
     }

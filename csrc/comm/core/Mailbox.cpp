@@ -80,22 +80,32 @@ void Mailbox::post(RecvRequest request) {
       }
     }
     if (!queue) {
-      if (r->peer >= 0) {
+      auto closed = r->peer >= 0 ? closedPeers_.find(r->peer) : closedPeers_.end();
+      if (closed != closedPeers_.end()) {
+        // The peer shut down and nothing it sent matches: this receive can never complete.
+        bad = std::make_exception_ptr(TransportError(r->peer, closed->second));
+      } else if (r->peer >= 0) {
         posted_[{r->peer, r->tag}].push_back(r);
+        return;
       } else {
         postedAny_[r->tag].push_back(r);
-      }
-      return;
-    }
-    found = queue->front();
-    queue->pop_front();
-    if (!found->deferred) {
-      bad = mismatch(*r, found->peer, found->envelope);
-      if (!bad && !found->complete) {
-        found->claimedBy = r;  // its landing completes this receive
         return;
       }
+    } else {
+      found = queue->front();
+      queue->pop_front();
+      if (!found->deferred) {
+        bad = mismatch(*r, found->peer, found->envelope);
+        if (!bad && !found->complete) {
+          found->claimedBy = r;  // its landing completes this receive
+          return;
+        }
+      }
     }
+  }
+  if (!found) {
+    r->completion->complete(bad, r->peer);
+    return;
   }
   if (found->deferred) {
     auto ready = std::move(found->deferred);
@@ -206,6 +216,25 @@ void Mailbox::arriveWhenPosted(int peer, const Envelope& env, std::function<void
 
 void Mailbox::peerFailed(int peer, const std::string& cause) {
   if (onPeerFailed_) onPeerFailed_(peer, cause);
+}
+
+void Mailbox::peerClosed(int peer, const std::string& cause) {
+  std::vector<std::shared_ptr<RecvRequest>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closedPeers_[peer] = cause;
+    // Everything the peer sent has arrived: receives still waiting on it never complete.
+    for (auto it = posted_.begin(); it != posted_.end();) {
+      if (it->first.first == peer) {
+        for (auto& r : it->second) victims.push_back(r);
+        it = posted_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  auto err = std::make_exception_ptr(TransportError(peer, cause));
+  for (auto& r : victims) r->completion->complete(err, peer);
 }
 
 void Mailbox::failAll(const std::exception_ptr& error) {

@@ -68,6 +68,7 @@ class Mailbox : public Inbox {
   void arriveWhenPosted(int peer, const Envelope& envelope,
                         std::function<void(Landing)> ready) override;
   void peerFailed(int peer, const std::string& cause) override;
+  void peerClosed(int peer, const std::string& cause) override;
 
  private:
   struct Unexpected {
@@ -96,6 +97,7 @@ class Mailbox : public Inbox {
   std::map<uint64_t, std::deque<std::shared_ptr<RecvRequest>>> postedAny_;
   std::map<Key, std::deque<std::shared_ptr<Unexpected>>> unexpected_;
   std::function<void(int, const std::string&)> onPeerFailed_;
+  std::map<int, std::string> closedPeers_;  // peer -> why; receives from them fail at once
 };
 
 }  // namespace dicomm

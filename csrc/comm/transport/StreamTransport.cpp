@@ -296,8 +296,9 @@ void StreamPair::rxLoop() {
           goodbye = peerSaidGoodbye_;
         }
         fail(std::string(config_.name) + ": connection to rank " + std::to_string(peer_) +
-             (goodbye ? " closed: that rank shut down its process group"
-                      : " closed by the peer (EOF; did that process exit or crash?)"));
+                 (goodbye ? " closed: that rank shut down its process group"
+                          : " closed by the peer (EOF; did that process exit or crash?)"),
+             goodbye);
         return;
       }
       switch (frame.kind) {
@@ -357,7 +358,7 @@ void StreamPair::rxLoop() {
   }
 }
 
-void StreamPair::fail(const std::string& cause) {
+void StreamPair::fail(const std::string& cause, bool cleanClose) {
   std::deque<Outgoing> queued;
   std::map<uint64_t, SendDone> awaiting;
   std::vector<Landing> landings;
@@ -383,7 +384,11 @@ void StreamPair::fail(const std::string& cause) {
   for (auto& l : landings) {
     if (l.done) l.done(err);
   }
-  inbox_->peerFailed(peer_, cause);
+  if (cleanClose) {
+    inbox_->peerClosed(peer_, cause);
+  } else {
+    inbox_->peerFailed(peer_, cause);
+  }
 }
 
 void StreamPair::close() {

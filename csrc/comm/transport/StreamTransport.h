@@ -74,7 +74,7 @@ class StreamPair : public Pair {
   void pullAndAck(const Frame& frame, Landing landing);
   void queueControl(Kind kind, uint64_t seq, int32_t status = 0);
   void readInto(void* dst, size_t n, bool keep);
-  void fail(const std::string& cause);
+  void fail(const std::string& cause, bool cleanClose = false);
   std::exception_ptr failure() const;
 
   const int peer_;

@@ -86,6 +86,10 @@ class Inbox {
   // The pair to `peer` broke (peer died, socket error, protocol error). Every op waiting on that
   // peer fails with `cause`. Called at most once per pair, not during a local close().
   virtual void peerFailed(int peer, const std::string& cause) = 0;
+  // The peer closed the pair cleanly (it shut down its process group) after everything it sent
+  // arrived: messages already delivered stay receivable, receives that can no longer be
+  // satisfied fail with `cause`. Not an abort. Default: treat as a failure.
+  virtual void peerClosed(int peer, const std::string& cause) { peerFailed(peer, cause); }
 };
 
 using SendDone = std::function<void(std::exception_ptr)>;
