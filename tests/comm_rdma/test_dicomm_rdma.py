@@ -142,7 +142,7 @@ def suite(rank: int, world: int, port: int) -> dict:
 def test_dicomm_suite_over_rdma(world: int) -> None:
     """Every op and dtype (the DiComm suite's check_all), 150 outstanding messages per peer,
     and on 2 ranks point-to-point messages from 1 B to 64 MiB, all data checked."""
-    results = run_ranks(suite, world, env={**RDMA, "DICOMM_CHUNK_BYTES": "65536"}, wall_timeout_s=800)
+    results = run_ranks(suite, world, env={**RDMA, "DICOMM_CHUNK_BYTES": "65536"}, op_timeout_s=300, wall_timeout_s=800)
     assert set(results) == set(range(world))
     for r, out in results.items():
         assert out["collectives"]["transports"] == ["rdma"], (r, out["collectives"])
