@@ -79,6 +79,12 @@ def _create_backend(dist_backend_opts, backend_options) -> ProcessGroupDicomm:
     transport = os.environ.get("DICOMM_TRANSPORT", "auto").strip().lower() or "auto"
     if transport not in _TRANSPORTS:
         raise ValueError(f"DICOMM_TRANSPORT={transport!r}: expected one of {', '.join(_TRANSPORTS)}")
+    if transport in ("auto", "rdma") and "rdma" in transports_built() and not os.environ.get("DICOMM_IB_DEVICE"):
+        # Each local rank takes the NIC nearest its accelerator (the rdma transport reads the choice
+        # from DICOMM_IB_DEVICE); without it every rank would share the first active device.
+        from dicomm import topology
+
+        topology.apply_affinity()
     return ProcessGroupDicomm(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,

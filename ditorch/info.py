@@ -45,19 +45,7 @@ def _comm_lines() -> list[str]:
 
 def _verbs_lines() -> list[str]:
     topology = importlib.import_module("dicomm.topology")
-    topo = topology.discover()
-    if not topo.nics:
-        return ["no verbs devices (dicomm uses tcp/shm)"]
-    lines = []
-    for nic in topo.nics:
-        ports = "; ".join(
-            f"port {p.number} {p.state} {p.link_layer}" + (f" gid[{p.gids[0][0]}]={p.gids[0][1]}" if p.gids else "")
-            for p in nic.ports
-        )
-        lines.append(f"{nic.name}: numa {nic.numa_node}; {ports or 'no ports'}")
-    for rank, choice in sorted(topology.assign_nics(topo).items()):
-        lines.append(f"local rank {rank} -> {choice.env_value} ({choice.level}: {choice.reason})")
-    return lines
+    return topology.describe().splitlines()
 
 
 def report() -> str:
