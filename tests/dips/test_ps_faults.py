@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,15 +67,19 @@ def test_leader_and_follower_failures(tmp_path):
         assert status(rpc)["version"] >= before          # resumed, not reset
         wait_for(version_reaches(rpc, before + 3), 60, "rounds after the leader restart")
 
-        # --- a follower dies mid-training; the leader relaunches it from its latest checkpoint
+        # --- a follower dies mid-training; the leader relaunches it from its latest checkpoint.
+        # The leader numbers followers in registration order, so read the index it gave this one.
+        meta = json.loads((tmp_path / "leader.json").read_text())
+        index = str(next(f["index"] for f in meta["followers"]
+                         if Path(f["ckpt_dir"]).resolve() == (tmp_path / "f0").resolve())).encode()
         before = status(rpc)["complete"]
         followers[0].send_signal(signal.SIGKILL)
         followers[0].wait()
         wait_for(version_reaches(rpc, before + 3), 90, "rounds after the follower restart")
         leader_log = (tmp_path / "leader.log").read_bytes()  # the relaunched follower logs there too
         assert b"restarting it from its latest checkpoint" in leader_log
-        assert b"follower 0 restored checkpoint ckpt-" in leader_log
-        assert status(rpc)["followers"]["0"] >= before + 3
+        assert b"follower " + index + b" restored checkpoint ckpt-" in leader_log
+        assert status(rpc)["followers"][index.decode()] >= before + 3
         for p in clusters:
             for r in p.ranks:
                 r.terminate()
