@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<22}{'tokens/s':>12}{'final loss':>12}")
     print(f"{'cpu fp32':<22}{cpu_rate:>12,.0f}{report.reference[-1]:>12.4f}")
     print(f"{'dipu ' + profile.name + ' ' + args.dtype:<22}{dipu_rate:>12,.0f}{report.run[-1]:>12.4f}")
+    print(f"(dipu speed is emulated: every kernel of chip {profile.name} is stretched {profile.slowdown:.2f}x, and "
+          f"{args.dtype} kernels run on this host's CPU, which may lack fast {args.dtype} arithmetic)")
     print(f"peak dipu memory: {torch.dipu.max_memory_allocated() / 2**20:.1f} MiB of "
           f"{props.total_memory / 2**20:.0f} MiB; ops run on CPU by fallback: {sum(ditorch.cpu_fallback_counts().values())}")
     print(report.format(args.threshold))
