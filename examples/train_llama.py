@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dipu precision (bf16 = autocast)")
     parser.add_argument("--model", default=str(REPO / "examples/configs/llama-tiny.yaml"))
     parser.add_argument("--seed", type=int, default=0)
