@@ -35,6 +35,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("transport_of", &dicomm::ProcessGroupDicomm::transportOf, py::arg("peer"),
            "Name of the transport that serves `peer` ('self' for this rank).")
+      .def("connections_of", &dicomm::ProcessGroupDicomm::connectionsOf, py::arg("peer"),
+           "Connections the pair to `peer` stripes large messages over (0 for this rank).")
       .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
       .def_property_readonly("timeout_seconds",
                              [](const dicomm::ProcessGroupDicomm& pg) {

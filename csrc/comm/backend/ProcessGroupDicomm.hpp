@@ -112,6 +112,7 @@ class ProcessGroupDicomm : public c10d::Backend {
   bool aborted() const { return aborted_.load(); }
   std::string abortCause() const;
   std::string transportOf(int peer) const { return comm_->transportOf(peer); }
+  int connectionsOf(int peer) const { return comm_->connectionsOf(peer); }
   const DicommOptions& options() const { return options_; }
 
  private:

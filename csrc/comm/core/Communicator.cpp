@@ -195,6 +195,11 @@ Communicator::~Communicator() {
 
 std::string Communicator::transportOf(int peer) const { return pairTransport_.at(peer); }
 
+int Communicator::connectionsOf(int peer) const {
+  const auto& pair = pairs_.at(peer);
+  return pair ? pair->connections() : 0;
+}
+
 void Communicator::setFailureHandler(std::function<void(int, const std::string&)> handler) {
   onFailure_ = std::move(handler);
 }

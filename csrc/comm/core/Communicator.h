@@ -41,6 +41,8 @@ class Communicator {
   std::chrono::milliseconds timeout() const { return options_.timeout; }
   // The transport serving `peer` ("tcp", "shm", "rdma"; "self" for this rank).
   std::string transportOf(int peer) const;
+  // Connections the pair to `peer` uses (tcp stripes large messages over several; 0 for self).
+  int connectionsOf(int peer) const;
 
   // Called once, on a transport thread, when a pair breaks. The owner decides what to abort.
   void setFailureHandler(std::function<void(int peer, const std::string& cause)> handler);

@@ -169,13 +169,13 @@ Fd acceptUntil(int listenFd, Clock::time_point deadline) {
   }
 }
 
-void tuneSocket(int fd, bool tcp) {
+void tuneSocket(int fd, bool tcp, int bufferBytes) {
   int one = 1;
   if (tcp) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // Large buffers keep a single stream near memory bandwidth on loopback.
-  int buf = 8 << 20;
-  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
-  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  if (bufferBytes > 0) {
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bufferBytes, sizeof(bufferBytes));
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bufferBytes, sizeof(bufferBytes));
+  }
 }
 
 void writeAll(int fd, const void* data, size_t n, int peer, const char* transport) {
@@ -235,6 +235,16 @@ bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool
     got += static_cast<size_t>(k);
   }
   return true;
+}
+
+bool spinUntilReadable(int fd, std::chrono::microseconds spin) {
+  const auto until = Clock::now() + spin;
+  do {
+    pollfd pf{fd, POLLIN, 0};
+    if (::poll(&pf, 1, 0) > 0) return true;
+    std::this_thread::yield();
+  } while (Clock::now() < until);
+  return false;
 }
 
 void readAllUntil(int fd, void* data, size_t n, Clock::time_point deadline, int peer,

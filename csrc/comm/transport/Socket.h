@@ -21,8 +21,10 @@ struct Hello {
   int32_t pid = 0;
   uint64_t probe = 0;  // address of kHelloMagic in the sender (cross-memory attach probe)
   uint8_t key[32] = {0};
+  int32_t lane = 0;    // which connection of the pair this is (0: the main one)
+  int32_t lanes = 1;   // how many connections the dialer opens to this peer
 };
-constexpr uint64_t kHelloMagic = 0x316d6d6f4369446cULL;  // "lDiComm1"
+constexpr uint64_t kHelloMagic = 0x326d6d6f4369446cULL;  // "lDiComm2"
 
 // An owned file descriptor.
 class Fd {
@@ -61,14 +63,20 @@ Fd dial(const std::string& address, Clock::time_point deadline, int peer);
 // Accept one connection, or an invalid Fd when `deadline` passes.
 Fd acceptUntil(int listenFd, Clock::time_point deadline);
 
-// Tune a connected socket for latency and throughput (TCP_NODELAY, big buffers).
-void tuneSocket(int fd, bool tcp);
+// Tune a connected socket: TCP_NODELAY; `bufferBytes` > 0 fixes the kernel buffers (which turns
+// off their auto-tuning; on loopback, buffers larger than the cache slow a stream down).
+void tuneSocket(int fd, bool tcp, int bufferBytes);
 
 // Exact I/O. Throw TransportError naming `peer` and the errno / EOF.
 void writeAll(int fd, const void* data, size_t n, int peer, const char* transport);
 void writevAll(int fd, struct iovec* iov, int iovcnt, int peer, const char* transport);
 // Returns false on a clean EOF before the first byte when `eofOk`; throws otherwise.
 bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool eofOk = false);
+
+// Polls `fd` without sleeping, yielding the CPU between polls, for up to `spin`: true as soon as
+// it is readable. A blocking read after a sleep costs a wake-up (tens of microseconds on a VM
+// whose idle vCPU halts); a message that arrives within the spin skips it.
+bool spinUntilReadable(int fd, std::chrono::microseconds spin);
 
 // Read with a deadline (used only during connection set-up); throws on timeout.
 void readAllUntil(int fd, void* data, size_t n, Clock::time_point deadline, int peer,

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "comm/transport/Env.h"
+
 namespace dicomm {
 
 namespace {
@@ -49,20 +51,50 @@ bool crossMemoryAttachWorks() {
          got == kProbeWord;
 }
 
+void StreamConfig::applyEnv() {
+  spin = std::chrono::microseconds(envLong("DICOMM_SPIN_US", spin.count(), 0, 1000000));
+  socketBuffer = static_cast<int>(envLong("DICOMM_SOCKET_BUFFER", socketBuffer, 0, 1 << 30));
+  if (tcp) {
+    lanes = static_cast<int>(envLong("DICOMM_TCP_STREAMS", defaultLanes(), 1, 16));
+    stripeMin = static_cast<size_t>(envLong("DICOMM_STRIPE_BYTES", stripeMin, 4096, 1L << 40));
+  }
+}
+
+int StreamConfig::defaultLanes() {
+  // One stream per core, up to 4: each stream keeps a sending and a receiving thread busy.
+  unsigned cpus = std::thread::hardware_concurrency();
+  return static_cast<int>(std::max(1u, std::min(4u, cpus)));
+}
+
 // ---- StreamPair ---------------------------------------------------------------------------
 
-StreamPair::StreamPair(int peer, Fd fd, Inbox* inbox, StreamConfig config, pid_t peerPid,
-                       bool remoteOk)
-    : peer_(peer), fd_(std::move(fd)), inbox_(inbox), config_(config), peerPid_(peerPid),
-      remoteOk_(remoteOk) {
-  rx_ = std::thread([this] { rxLoop(); });
-  tx_ = std::thread([this] { txLoop(); });
+StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig config,
+                       pid_t peerPid, bool remoteOk)
+    : peer_(peer), inbox_(inbox), config_(config), peerPid_(peerPid), remoteOk_(remoteOk),
+      lanes_([&] {
+        std::vector<std::unique_ptr<Lane>> lanes;
+        for (auto& fd : fds) {
+          lanes.push_back(std::make_unique<Lane>());
+          lanes.back()->fd = std::move(fd);
+        }
+        return lanes;
+      }()),
+      main_(*lanes_.at(0)) {
+  for (auto& lane : lanes_) {
+    Lane* l = lane.get();
+    l->rx = std::thread([this, l] { l == &main_ ? mainRxLoop() : laneRxLoop(*l); });
+    l->tx = std::thread([this, l] { txLoop(*l); });
+  }
 }
 
 StreamPair::~StreamPair() { close(); }
 
-std::exception_ptr StreamPair::failure() const {
-  return makeError(peer_, failure_);
+std::exception_ptr StreamPair::failure() const { return makeError(peer_, failure_); }
+
+std::exception_ptr StreamPair::closedError() const {
+  return failed_ ? failure()
+                 : makeError(peer_, std::string(config_.name) + ": pair to rank " +
+                                        std::to_string(peer_) + " is closed");
 }
 
 void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind memory,
@@ -83,16 +115,14 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
 
   std::unique_lock<std::mutex> lock(mu_);
   if (failed_ || closing_) {
-    auto err = failed_ ? failure()
-                       : makeError(peer_, std::string(config_.name) + ": pair to rank " +
-                                              std::to_string(peer_) + " is closed");
+    auto err = closedError();
     lock.unlock();
     out.done(err);
     return;
   }
   out.frame.seq = nextSeq_++;
   if (rts) {
-    // The payload goes later, as kData, when the receiver answers kCts.
+    // The payload goes later, when the receiver answers kCts.
     Outgoing later;
     later.frame = out.frame;
     later.frame.kind = kData;
@@ -102,11 +132,11 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
     awaitingCts_.emplace(out.frame.seq, std::move(later));
     out.done = [](std::exception_ptr) {};
   }
-  if (queue_.empty() && !txWriting_ && out.wireBytes <= config_.inlineWriteMax) {
+  if (main_.queue.empty() && !main_.writing && out.wireBytes <= config_.inlineWriteMax) {
     // Latency path: write from this thread; the lock keeps frames in order.
     if (remote) awaitingAck_.emplace(out.frame.seq, std::move(out.done));
     try {
-      writeFrame(out);
+      writeFrame(main_, out);
     } catch (const std::exception& e) {
       lock.unlock();
       fail(e.what());
@@ -117,12 +147,12 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
     if (!remote) out.done(nullptr);
     return;
   }
-  queue_.push_back(std::move(out));
+  main_.queue.push_back(std::move(out));
   lock.unlock();
-  cv_.notify_one();
+  main_.cv.notify_one();
 }
 
-void StreamPair::writeFrame(const Outgoing& out) {
+void StreamPair::writeFrame(Lane& lane, const Outgoing& out) {
   iovec iov[2];
   iov[0].iov_base = const_cast<Frame*>(&out.frame);
   iov[0].iov_len = sizeof(Frame);
@@ -132,35 +162,80 @@ void StreamPair::writeFrame(const Outgoing& out) {
     iov[1].iov_len = out.wireBytes;
     n = 2;
   }
-  writevAll(fd_.get(), iov, n, peer_, config_.name);
+  writevAll(lane.fd.get(), iov, n, peer_, config_.name);
 }
 
-void StreamPair::txLoop() {
+void StreamPair::txLoop(Lane& lane) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_.wait(lock, [&] { return closing_ || failed_ || !queue_.empty(); });
+    lane.cv.wait(lock, [&] { return closing_ || failed_ || !lane.queue.empty(); });
     if (closing_ || failed_) return;
-    Outgoing out = std::move(queue_.front());
-    queue_.pop_front();
-    txWriting_ = true;
+    Outgoing out = std::move(lane.queue.front());
+    lane.queue.pop_front();
+    lane.writing = true;
     const bool remote = out.frame.kind == kRemote;
     if (remote) awaitingAck_.emplace(out.frame.seq, std::move(out.done));
     lock.unlock();
     std::string error;
     try {
-      writeFrame(out);
+      writeFrame(lane, out);
     } catch (const std::exception& e) {
       error = e.what();
     }
     if (error.empty() && out.done) out.done(nullptr);
     lock.lock();
-    txWriting_ = false;
+    lane.writing = false;
     if (!error.empty()) {
       lock.unlock();
       if (out.done) out.done(makeError(peer_, error));
       fail(error);
       return;
     }
+  }
+}
+
+void StreamPair::sendRendezvousPayload(Outgoing payload) {
+  // Called with mu_ held. Small payloads (or one lane) go whole, in order with everything else.
+  const size_t n = payload.wireBytes;
+  const size_t parts = lanes_.size() > 1 && n >= config_.stripeMin ? lanes_.size() : 1;
+  if (parts == 1) {
+    main_.queue.push_back(std::move(payload));
+    main_.cv.notify_one();
+    return;
+  }
+  // The send completes when the last part is written; the first error wins.
+  struct Joint {
+    std::mutex mu;
+    size_t left;
+    std::exception_ptr error;
+    SendDone done;
+  };
+  const size_t step = ((n + parts - 1) / parts + 4095) & ~size_t(4095);  // page-aligned parts
+  auto joint = std::make_shared<Joint>();
+  joint->left = (n + step - 1) / step;  // can be fewer than the lanes for small odd sizes
+  joint->done = std::move(payload.done);
+  for (size_t i = 0, off = 0; off < n; ++i, off += step) {
+    Outgoing part;
+    part.frame = payload.frame;
+    part.frame.kind = kPart;
+    part.frame.address = off;
+    part.frame.envelope.nbytes = std::min(step, n - off);
+    part.data = static_cast<const char*>(payload.data) + off;
+    part.wireBytes = part.frame.envelope.nbytes;
+    part.done = [joint](std::exception_ptr e) {
+      SendDone done;
+      std::exception_ptr error;
+      {
+        std::lock_guard<std::mutex> lock(joint->mu);
+        if (e && !joint->error) joint->error = e;
+        if (--joint->left > 0) return;
+        done = std::move(joint->done);
+        error = joint->error;
+      }
+      if (done) done(error);
+    };
+    lanes_[i]->queue.push_back(std::move(part));
+    lanes_[i]->cv.notify_one();
   }
 }
 
@@ -188,15 +263,15 @@ void StreamPair::pullRemote(const Frame& frame, void* dst) {
   }
 }
 
-void StreamPair::readInto(void* dst, size_t n, bool keep) {
+void StreamPair::readInto(Lane& lane, void* dst, size_t n, bool keep) {
   if (keep) {
-    readAll(fd_.get(), dst, n, peer_, config_.name);
+    readAll(lane.fd.get(), dst, n, peer_, config_.name);
     return;
   }
   std::vector<char> sink(std::min<size_t>(n, 1 << 20));
   for (size_t left = n; left > 0;) {
     size_t k = std::min(left, sink.size());
-    readAll(fd_.get(), sink.data(), k, peer_, config_.name);
+    readAll(lane.fd.get(), sink.data(), k, peer_, config_.name);
     left -= k;
   }
 }
@@ -210,9 +285,9 @@ void StreamPair::queueControl(Kind kind, uint64_t seq, int32_t status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_ || closing_) return;
-    queue_.push_back(std::move(out));
+    main_.queue.push_back(std::move(out));
   }
-  cv_.notify_one();
+  main_.cv.notify_one();
 }
 
 void StreamPair::pullAndAck(const Frame& frame, Landing landing) {
@@ -240,16 +315,14 @@ void StreamPair::receivePayload(const Frame& frame) {
     return;
   }
   if (frame.kind == kRts) {
-    inbox_->arriveWhenPosted(peer_, env, [this, seq = frame.seq](Landing l) {
+    inbox_->arriveWhenPosted(peer_, env, [this, seq = frame.seq, n = env.nbytes](Landing l) {
       std::exception_ptr gone;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (failed_ || closing_) {
-          gone = failed_ ? failure()
-                         : makeError(peer_, std::string(config_.name) + ": pair to rank " +
-                                                std::to_string(peer_) + " is closed");
+          gone = closedError();
         } else {
-          rendezvousLanding_.emplace(seq, std::move(l));
+          expected_.emplace(seq, Expected{std::move(l), n, n});
         }
       }
       if (gone) {
@@ -263,20 +336,20 @@ void StreamPair::receivePayload(const Frame& frame) {
   Landing landing;
   if (frame.kind == kData) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = rendezvousLanding_.find(frame.seq);
-    if (it == rendezvousLanding_.end()) {
+    auto it = expected_.find(frame.seq);
+    if (it == expected_.end()) {
       throw TransportError(peer_, std::string(config_.name) + ": protocol error from rank " +
                                       std::to_string(peer_) + ": data for unknown sequence " +
                                       std::to_string(frame.seq));
     }
-    landing = std::move(it->second);
-    rendezvousLanding_.erase(it);
+    landing = std::move(it->second.landing);
+    expected_.erase(it);
   } else {
     landing = inbox_->arrive(peer_, env);
   }
   const bool keep = landing.data != nullptr && landing.capacity >= env.nbytes;
   try {
-    readInto(landing.data, env.nbytes, keep);
+    readInto(main_, landing.data, env.nbytes, keep);
   } catch (const std::exception& e) {
     // The landing's owner must hear about the failure (Landing::done runs exactly once).
     if (landing.done) landing.done(makeError(peer_, e.what()));
@@ -285,11 +358,43 @@ void StreamPair::receivePayload(const Frame& frame) {
   if (landing.done) landing.done(nullptr);
 }
 
-void StreamPair::rxLoop() {
+void StreamPair::receivePart(Lane& lane, const Frame& frame) {
+  const size_t off = frame.address, n = frame.envelope.nbytes;
+  char* dst = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = expected_.find(frame.seq);
+    if (it == expected_.end() || off > it->second.nbytes || n > it->second.nbytes - off ||
+        n > it->second.left) {
+      throw TransportError(peer_, std::string(config_.name) + ": protocol error from rank " +
+                                      std::to_string(peer_) + ": part [" + std::to_string(off) +
+                                      ", +" + std::to_string(n) + ") of sequence " +
+                                      std::to_string(frame.seq) + " was not expected");
+    }
+    const Landing& l = it->second.landing;
+    if (l.data && l.capacity >= it->second.nbytes) dst = static_cast<char*>(l.data) + off;
+  }
+  // The landing stays in expected_ while parts arrive: a failure meanwhile fails it there.
+  readInto(lane, dst, n, dst != nullptr);
+  Landing done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = expected_.find(frame.seq);
+    if (it == expected_.end()) return;  // the pair failed meanwhile and completed it
+    it->second.left -= n;
+    if (it->second.left > 0) return;
+    done = std::move(it->second.landing);
+    expected_.erase(it);
+  }
+  if (done.done) done.done(nullptr);
+}
+
+void StreamPair::mainRxLoop() {
   try {
     while (true) {
       Frame frame;
-      if (!readAll(fd_.get(), &frame, sizeof(frame), peer_, config_.name, /*eofOk=*/true)) {
+      if (config_.spin.count() > 0) spinUntilReadable(main_.fd.get(), config_.spin);
+      if (!readAll(main_.fd.get(), &frame, sizeof(frame), peer_, config_.name, /*eofOk=*/true)) {
         bool goodbye;
         {
           std::lock_guard<std::mutex> lock(mu_);
@@ -308,18 +413,16 @@ void StreamPair::rxLoop() {
         case kData:
           receivePayload(frame);
           break;
+        case kPart:
+          receivePart(main_, frame);
+          break;
         case kCts: {
-          bool found = false;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = awaitingCts_.find(frame.seq);
-            if (it != awaitingCts_.end()) {
-              queue_.push_back(std::move(it->second));
-              awaitingCts_.erase(it);
-              found = true;
-            }
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = awaitingCts_.find(frame.seq);
+          if (it != awaitingCts_.end() && !failed_ && !closing_) {
+            sendRendezvousPayload(std::move(it->second));
+            awaitingCts_.erase(it);
           }
-          if (found) cv_.notify_one();
           break;
         }
         case kAck: {
@@ -358,32 +461,67 @@ void StreamPair::rxLoop() {
   }
 }
 
+void StreamPair::laneRxLoop(Lane& lane) {
+  try {
+    while (true) {
+      Frame frame;
+      // EOF between frames: the peer closed (cleanly or not); the main lane tells which.
+      if (!readAll(lane.fd.get(), &frame, sizeof(frame), peer_, config_.name, /*eofOk=*/true)) return;
+      if (frame.kind != kPart) {
+        fail(std::string(config_.name) + ": protocol error from rank " + std::to_string(peer_) +
+             ": frame kind " + std::to_string(frame.kind) + " on a data lane");
+        return;
+      }
+      receivePart(lane, frame);
+    }
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
+}
+
+void StreamPair::Orphans::failAll(const std::exception_ptr& error) {
+  for (auto& out : sends) {
+    if (out.done) out.done(error);
+  }
+  for (auto& done : acks) done(error);
+  for (auto& l : landings) {
+    if (l.done) l.done(error);
+  }
+}
+
+StreamPair::Orphans StreamPair::takePendingLocked() {
+  Orphans o;
+  for (auto& lane : lanes_) {
+    for (auto& out : lane->queue) o.sends.push_back(std::move(out));
+    lane->queue.clear();
+  }
+  for (auto& kv : awaitingAck_) o.acks.push_back(std::move(kv.second));
+  awaitingAck_.clear();
+  for (auto& kv : awaitingCts_) o.sends.push_back(std::move(kv.second));
+  awaitingCts_.clear();
+  for (auto& kv : expected_) o.landings.push_back(std::move(kv.second.landing));
+  expected_.clear();
+  return o;
+}
+
+void StreamPair::shutdownLanes() {
+  for (auto& lane : lanes_) {
+    lane->cv.notify_all();
+    ::shutdown(lane->fd.get(), SHUT_RDWR);  // wakes the lane's threads
+  }
+}
+
 void StreamPair::fail(const std::string& cause, bool cleanClose) {
-  std::deque<Outgoing> queued;
-  std::map<uint64_t, SendDone> awaiting;
-  std::vector<Landing> landings;
+  Orphans orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_ || closing_) return;
     failed_ = true;
     failure_ = cause;
-    queued.swap(queue_);
-    awaiting.swap(awaitingAck_);
-    for (auto& kv : awaitingCts_) queued.push_back(std::move(kv.second));
-    awaitingCts_.clear();
-    for (auto& kv : rendezvousLanding_) landings.push_back(std::move(kv.second));
-    rendezvousLanding_.clear();
+    orphans = takePendingLocked();
   }
-  cv_.notify_all();
-  ::shutdown(fd_.get(), SHUT_RDWR);  // wakes the other thread of this pair
-  auto err = makeError(peer_, cause);
-  for (auto& out : queued) {
-    if (out.done) out.done(err);
-  }
-  for (auto& kv : awaiting) kv.second(err);
-  for (auto& l : landings) {
-    if (l.done) l.done(err);
-  }
+  shutdownLanes();
+  orphans.failAll(makeError(peer_, cause));
   if (cleanClose) {
     inbox_->peerClosed(peer_, cause);
   } else {
@@ -392,52 +530,49 @@ void StreamPair::fail(const std::string& cause, bool cleanClose) {
 }
 
 void StreamPair::close() {
-  std::deque<Outgoing> queued;
-  std::map<uint64_t, SendDone> awaiting;
-  std::vector<Landing> landings;
+  Orphans orphans;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (closing_) return;
     if (!failed_) {
-      // Let the queue drain briefly so the peer gets what was already sent, then say goodbye.
+      // Let the queues drain briefly so the peer gets what was already sent, then say goodbye.
+      auto busy = [&] {
+        for (auto& lane : lanes_) {
+          if (!lane->queue.empty() || lane->writing) return true;
+        }
+        return false;
+      };
       auto until = Clock::now() + std::chrono::seconds(2);
-      while ((!queue_.empty() || txWriting_) && Clock::now() < until) {
+      while (busy() && Clock::now() < until) {
         lock.unlock();
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         lock.lock();
       }
-      if (queue_.empty() && !txWriting_) {
+      if (!busy()) {
         Outgoing bye;
         bye.frame.kind = kGoodbye;
         try {
-          writeFrame(bye);
+          writeFrame(main_, bye);
         } catch (const std::exception&) {
         }
       }
     }
     closing_ = true;
-    queued.swap(queue_);
-    awaiting.swap(awaitingAck_);
-    for (auto& kv : awaitingCts_) queued.push_back(std::move(kv.second));
-    awaitingCts_.clear();
-    for (auto& kv : rendezvousLanding_) landings.push_back(std::move(kv.second));
-    rendezvousLanding_.clear();
+    orphans = takePendingLocked();
   }
-  cv_.notify_all();
-  ::shutdown(fd_.get(), SHUT_RDWR);
-  if (rx_.joinable() && rx_.get_id() != std::this_thread::get_id()) rx_.join();
-  if (tx_.joinable() && tx_.get_id() != std::this_thread::get_id()) tx_.join();
-  if (rx_.joinable()) rx_.detach();
-  if (tx_.joinable()) tx_.detach();
-  auto err = makeError(peer_, std::string(config_.name) + ": pair to rank " +
-                                  std::to_string(peer_) + " closed locally");
-  for (auto& out : queued) {
-    if (out.done) out.done(err);
+  shutdownLanes();
+  for (auto& lane : lanes_) {
+    for (std::thread* t : {&lane->rx, &lane->tx}) {
+      if (!t->joinable()) continue;
+      if (t->get_id() == std::this_thread::get_id()) {
+        t->detach();  // close() from a completion callback on this pair's own thread
+      } else {
+        t->join();
+      }
+    }
   }
-  for (auto& kv : awaiting) kv.second(err);
-  for (auto& l : landings) {
-    if (l.done) l.done(err);
-  }
+  orphans.failAll(makeError(peer_, std::string(config_.name) + ": pair to rank " +
+                                       std::to_string(peer_) + " closed locally"));
 }
 
 // ---- StreamTransport ----------------------------------------------------------------------
@@ -462,9 +597,43 @@ void StreamTransport::start(const TransportContext& context) {
   ctx_.store->set(addressKey(ctx_.rank), std::vector<uint8_t>(a.begin(), a.end()));
 }
 
-std::unique_ptr<Pair> StreamTransport::connect(int peer) {
-  const auto deadline = Clock::now() + ctx_.timeout;
+Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline, Hello* theirs) {
   const char* name = config_.name;
+  std::unique_lock<std::mutex> lock(acceptMu_);
+  while (true) {
+    auto it = accepted_.find({peer, lane});
+    if (it != accepted_.end()) {
+      Fd fd = std::move(it->second.first);
+      *theirs = it->second.second;
+      accepted_.erase(it);
+      return fd;
+    }
+    Fd c = acceptUntil(listener_.fd.get(), deadline);
+    if (!c) {
+      throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
+                                     std::to_string(peer) + " did not connect within " +
+                                     std::to_string(ctx_.timeout.count()) +
+                                     " ms (did it join the process group?)");
+    }
+    Hello h;
+    try {
+      readAllUntil(c.get(), &h, sizeof(h), std::min(deadline, Clock::now() + std::chrono::seconds(10)),
+                   -1, name);
+    } catch (const std::exception&) {
+      continue;  // a stray or slow client: drop it
+    }
+    // Not one of ours (wrong secret, rank or lane): drop it.
+    if (!helloOk(h) || h.rank < 0 || h.rank >= ctx_.size || h.lanes < 1 || h.lanes > kMaxLanes ||
+        h.lane < 0 || h.lane >= h.lanes) {
+      continue;
+    }
+    Hello mine = myHello(0, 1);
+    writeAll(c.get(), &mine, sizeof(mine), h.rank, name);
+    accepted_[{h.rank, h.lane}] = {std::move(c), h};
+  }
+}
+
+Hello StreamTransport::myHello(int lane, int lanes) const {
   Hello mine;
   mine.magic = kHelloMagic;
   mine.rank = ctx_.rank;
@@ -472,14 +641,23 @@ std::unique_ptr<Pair> StreamTransport::connect(int peer) {
   mine.probe = reinterpret_cast<uint64_t>(&kProbeWord);
   std::copy_n(ctx_.authKey.begin(), std::min<size_t>(ctx_.authKey.size(), sizeof(mine.key)),
               mine.key);
-  auto keyOk = [&](const Hello& h) {
-    return h.magic == kHelloMagic && memcmp(h.key, mine.key, sizeof(mine.key)) == 0;
-  };
+  mine.lane = lane;
+  mine.lanes = lanes;
+  return mine;
+}
 
-  Fd fd;
+bool StreamTransport::helloOk(const Hello& h) const {
+  Hello mine = myHello(0, 1);
+  return h.magic == kHelloMagic && memcmp(h.key, mine.key, sizeof(mine.key)) == 0;
+}
+
+std::unique_ptr<Pair> StreamTransport::connect(int peer) {
+  const auto deadline = Clock::now() + ctx_.timeout;
+  const char* name = config_.name;
+  std::vector<Fd> fds;
   Hello theirs;
   if (ctx_.rank < peer) {
-    // The lower rank dials; the higher rank accepts.
+    // The lower rank dials every lane; its lane count holds for the pair.
     std::string key = addressKey(peer);
     try {
       ctx_.store->wait({key}, ctx_.timeout);
@@ -490,43 +668,27 @@ std::unique_ptr<Pair> StreamTransport::connect(int peer) {
                                      " ms (did it join the process group?)");
     }
     auto bytes = ctx_.store->get(key);
-    fd = dial(std::string(bytes.begin(), bytes.end()), deadline, peer);
-    writeAll(fd.get(), &mine, sizeof(mine), peer, name);
-    readAllUntil(fd.get(), &theirs, sizeof(theirs), deadline, peer, name);
-    if (!keyOk(theirs) || theirs.rank != peer) {
-      throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
-                                     std::to_string(peer) + " failed authentication");
+    const int lanes = std::max(1, std::min(config_.lanes, kMaxLanes));
+    for (int lane = 0; lane < lanes; ++lane) {
+      Fd fd = dial(std::string(bytes.begin(), bytes.end()), deadline, peer);
+      Hello mine = myHello(lane, lanes);
+      writeAll(fd.get(), &mine, sizeof(mine), peer, name);
+      readAllUntil(fd.get(), &theirs, sizeof(theirs), deadline, peer, name);
+      if (!helloOk(theirs) || theirs.rank != peer) {
+        throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
+                                       std::to_string(peer) + " failed authentication");
+      }
+      fds.push_back(std::move(fd));
     }
   } else {
-    std::unique_lock<std::mutex> lock(acceptMu_);
-    while (true) {
-      auto it = accepted_.find(peer);
-      if (it != accepted_.end()) {
-        fd = std::move(it->second.first);
-        theirs = it->second.second;
-        accepted_.erase(it);
-        break;
-      }
-      Fd c = acceptUntil(listener_.fd.get(), deadline);
-      if (!c) {
-        throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
-                                       std::to_string(peer) + " did not connect within " +
-                                       std::to_string(ctx_.timeout.count()) +
-                                       " ms (did it join the process group?)");
-      }
-      Hello h;
-      try {
-        readAllUntil(c.get(), &h, sizeof(h), std::min(deadline, Clock::now() + std::chrono::seconds(10)),
-                     -1, name);
-      } catch (const std::exception&) {
-        continue;  // a stray or slow client: drop it
-      }
-      if (!keyOk(h) || h.rank < 0 || h.rank >= ctx_.size) continue;  // not one of ours: drop
-      writeAll(c.get(), &mine, sizeof(mine), h.rank, name);
-      accepted_[h.rank] = {std::move(c), h};
+    fds.push_back(takeAccepted(peer, 0, deadline, &theirs));
+    Hello extra;
+    for (int lane = 1; lane < theirs.lanes; ++lane) {
+      fds.push_back(takeAccepted(peer, lane, deadline, &extra));
     }
   }
-  tuneSocket(fd.get(), config_.tcp);
+  for (auto& fd : fds) tuneSocket(fd.get(), config_.tcp, config_.socketBuffer);
+  Fd& fd = fds[0];
 
   bool remoteOk = false;
   if (config_.remoteThreshold != SIZE_MAX) {
@@ -539,7 +701,7 @@ std::unique_ptr<Pair> StreamTransport::connect(int peer) {
     readAllUntil(fd.get(), &peerCanRead, 1, deadline, peer, name);
     remoteOk = canRead && peerCanRead;
   }
-  return std::make_unique<StreamPair>(peer, std::move(fd), ctx_.inbox, config_, theirs.pid,
+  return std::make_unique<StreamPair>(peer, std::move(fds), ctx_.inbox, config_, theirs.pid,
                                       remoteOk);
 }
 

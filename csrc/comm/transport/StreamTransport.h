@@ -1,14 +1,20 @@
-// A transport over one stream socket per peer, shared by `tcp` and `shm`.
+// A transport over stream sockets, shared by `tcp` and `shm`.
 //
-// Frames on the socket: a fixed header (kind, envelope, address, sequence) then, for INLINE
+// Frames on a socket: a fixed header (kind, envelope, address, sequence) then, for INLINE
 // frames, the payload. `shm` additionally uses REMOTE frames: the payload stays in the sender's
 // memory, the receiver copies it with process_vm_readv (cross-memory attach: one copy, no
 // kernel socket buffers) and answers with an ACK frame that completes the send.
 //
-// Threads per pair: one receive thread (blocking reads; never waits on the user, so the socket
-// always drains and two peers can never deadlock on full buffers) and one send thread for queued
-// large messages. A small message is written by the calling thread itself when nothing is
-// queued, which saves a thread hand-off on the latency path.
+// A pair has one or more connections ("lanes"). Lane 0 carries every control frame and every
+// message in order. `tcp` opens extra lanes (DICOMM_TCP_STREAMS) for large rendezvous payloads:
+// once the receiver has said where the payload lands (CTS), it is cut into PART frames, one per
+// lane, written and read in parallel. One loopback TCP stream is bound by the wake-ups of its
+// two copying threads, well below memory bandwidth; two streams nearly double it.
+//
+// Threads per lane: one receive thread (blocking reads after a short poll; never waits on the
+// user, so the socket always drains and two peers can never deadlock on full buffers) and one
+// send thread for queued frames. A small message is written by the calling thread itself when
+// nothing is queued, which saves a thread hand-off on the latency path.
 #pragma once
 
 #include <sys/types.h>
@@ -17,8 +23,10 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "comm/transport/Socket.h"
 #include "comm/transport/Transport.h"
@@ -34,23 +42,40 @@ struct StreamConfig {
   // bounce buffer.
   size_t rendezvousThreshold = 1 << 20;
   size_t inlineWriteMax = 256 << 10;  // caller-thread writes up to this size
+  // How long a receive thread polls for the next frame before it sleeps in read()
+  // (DICOMM_SPIN_US; 0: never poll).
+  std::chrono::microseconds spin{50};
+  // Kernel socket buffer size; 0 keeps the kernel's auto-tuning (DICOMM_SOCKET_BUFFER).
+  int socketBuffer = 0;
+  // Connections per pair (tcp: DICOMM_TCP_STREAMS, default min(4, CPUs)), and the smallest
+  // rendezvous payload split over them (DICOMM_STRIPE_BYTES).
+  int lanes = 1;
+  size_t stripeMin = 2 << 20;
+
+  // The knobs above from the environment; a bad value throws naming the variable.
+  void applyEnv();
+  static int defaultLanes();
 };
 
 class StreamPair : public Pair {
  public:
-  StreamPair(int peer, Fd fd, Inbox* inbox, StreamConfig config, pid_t peerPid, bool remoteOk);
+  // `fds[0]` is the main connection, the rest are data lanes (see the top of this file).
+  StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig config, pid_t peerPid,
+             bool remoteOk);
   ~StreamPair() override;
   int peer() const override { return peer_; }
   const char* transportName() const override { return config_.name; }
+  int connections() const override { return static_cast<int>(lanes_.size()); }
   void send(const Envelope& envelope, const void* data, MemoryKind memory,
             SendDone done) override;
   void close() override;
 
  private:
   // kRts: envelope only, the payload waits. kCts: the receiver is ready for `seq`.
-  // kData: the payload of an earlier kRts.
+  // kData: the payload of an earlier kRts. kPart: `envelope.nbytes` bytes of it at offset
+  // `address`, on any lane.
   enum Kind : uint32_t {
-    kInline = 1, kRemote = 2, kAck = 3, kGoodbye = 4, kRts = 5, kCts = 6, kData = 7
+    kInline = 1, kRemote = 2, kAck = 3, kGoodbye = 4, kRts = 5, kCts = 6, kData = 7, kPart = 8
   };
   struct Frame {
     uint32_t kind = 0;
@@ -65,40 +90,62 @@ class StreamPair : public Pair {
     size_t wireBytes = 0;
     SendDone done;
   };
+  // One connection with its send queue and threads (guarded by the pair's mu_).
+  struct Lane {
+    Fd fd;
+    std::deque<Outgoing> queue;
+    std::condition_variable cv;
+    bool writing = false;
+    std::thread rx, tx;
+  };
+  // A rendezvous receive the peer was told to send (kCts): where it lands, bytes still due.
+  struct Expected {
+    Landing landing;
+    size_t nbytes = 0;
+    size_t left = 0;
+  };
 
-  void rxLoop();
-  void txLoop();
-  void writeFrame(const Outgoing& out);  // throws TransportError
+  void mainRxLoop();
+  void laneRxLoop(Lane& lane);
+  void txLoop(Lane& lane);
+  void writeFrame(Lane& lane, const Outgoing& out);  // throws TransportError
   void receivePayload(const Frame& frame);
+  void receivePart(Lane& lane, const Frame& frame);
+  void sendRendezvousPayload(Outgoing payload);  // after kCts: one kData or parts on all lanes
   void pullRemote(const Frame& frame, void* dst);
   void pullAndAck(const Frame& frame, Landing landing);
   void queueControl(Kind kind, uint64_t seq, int32_t status = 0);
-  void readInto(void* dst, size_t n, bool keep);
+  void readInto(Lane& lane, void* dst, size_t n, bool keep);
   void fail(const std::string& cause, bool cleanClose = false);
   std::exception_ptr failure() const;
+  std::exception_ptr closedError() const;
+  void shutdownLanes();
+  // Takes every pending completion out of the pair (under mu_), to be failed outside the lock.
+  struct Orphans {
+    std::vector<Outgoing> sends;
+    std::vector<SendDone> acks;
+    std::vector<Landing> landings;
+    void failAll(const std::exception_ptr& error);
+  };
+  Orphans takePendingLocked();
 
   const int peer_;
-  Fd fd_;
   Inbox* inbox_;
   StreamConfig config_;
   const pid_t peerPid_;
   const bool remoteOk_;
+  std::vector<std::unique_ptr<Lane>> lanes_;  // [0]: main connection
+  Lane& main_;
 
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Outgoing> queue_;
   std::map<uint64_t, SendDone> awaitingAck_;
-  std::map<uint64_t, Outgoing> awaitingCts_;     // sent kRts, payload waits for kCts
-  std::map<uint64_t, Landing> rendezvousLanding_;  // sent kCts, kData will land here
+  std::map<uint64_t, Outgoing> awaitingCts_;  // sent kRts, payload waits for kCts
+  std::map<uint64_t, Expected> expected_;     // sent kCts, kData/kPart will land here
   uint64_t nextSeq_ = 1;
-  bool txWriting_ = false;
   bool closing_ = false;
   bool failed_ = false;
   bool peerSaidGoodbye_ = false;
   std::string failure_;
-
-  std::thread rx_;
-  std::thread tx_;
 };
 
 class StreamTransport : public Transport {
@@ -114,7 +161,12 @@ class StreamTransport : public Transport {
   TransportContext ctx_;
   Listener listener_;
   std::mutex acceptMu_;
-  std::map<int, std::pair<Fd, Hello>> accepted_;  // connections that arrived before connect(p)
+  // Connections that arrived before connect(p) took them, by (rank, lane).
+  std::map<std::pair<int, int>, std::pair<Fd, Hello>> accepted_;
+  Fd takeAccepted(int peer, int lane, Clock::time_point deadline, Hello* theirs);
+  Hello myHello(int lane, int lanes) const;
+  bool helloOk(const Hello& h) const;
+  static constexpr int kMaxLanes = 16;
 };
 
 // Whether this process may read sibling processes' memory (cross-memory attach).

@@ -107,6 +107,8 @@ class Pair {
     (void)deviceType;
     return false;
   }
+  // Connections this pair stripes large payloads over (1 for most transports).
+  virtual int connections() const { return 1; }
   // Queue `envelope` + `envelope.nbytes` bytes at `data` for the peer. `data` stays valid and
   // unchanged until `done` runs. Thread-safe; messages leave in the order send() was called.
   virtual void send(const Envelope& envelope, const void* data, MemoryKind memory,

@@ -1,4 +1,5 @@
 #include "comm/transport/rdma/RdmaTransport.h"
+#include "comm/transport/Env.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -24,19 +25,6 @@ constexpr uint64_t kConnMagic = 0x31616d6472694444ULL;  // "DDirdma1"
 // Every registration allows remote writes: one MR serves both directions and the rkey is only
 // ever given to the connected peer of this group.
 constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-
-long envLong(const char* name, long fallback, long lo, long hi) {
-  const char* v = getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  long x = strtol(v, &end, 10);
-  if (*end != '\0' || x < lo || x > hi) {
-    throw std::invalid_argument(std::string("dicomm rdma: ") + name + "='" + v +
-                                "': expected an integer in [" + std::to_string(lo) + ", " +
-                                std::to_string(hi) + "]");
-  }
-  return x;
-}
 
 }  // namespace
 

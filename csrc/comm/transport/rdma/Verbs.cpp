@@ -1,4 +1,5 @@
 #include "comm/transport/rdma/Verbs.h"
+#include "comm/transport/Env.h"
 
 #include <errno.h>
 #include <string.h>
@@ -29,17 +30,6 @@ struct DeviceList {
   }
 };
 
-int envInt(const char* name, int fallback) {
-  const char* v = getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  long x = strtol(v, &end, 10);
-  if (*end != '\0') {
-    throw std::invalid_argument(std::string("dicomm rdma: ") + name + "='" + v +
-                                "' is not an integer");
-  }
-  return static_cast<int>(x);
-}
 
 // The DICOMM_IB_DEVICE entry for this local rank: "dev[:port]".
 bool requestedDevice(std::string* name, int* port) {
@@ -61,7 +51,7 @@ bool requestedDevice(std::string* name, int* port) {
     throw std::invalid_argument(std::string("dicomm rdma: DICOMM_IB_DEVICE='") + v +
                                 "': expected 'dev[:port]' or a comma list of them");
   }
-  int localRank = envInt("LOCAL_RANK", 0);
+  int localRank = static_cast<int>(envLong("LOCAL_RANK", 0, 0, 1 << 20));
   const std::string& entry = entries[static_cast<size_t>(localRank) % entries.size()];
   size_t colon = entry.find(':');
   *name = entry.substr(0, colon);
@@ -89,7 +79,7 @@ bool isIpv4Mapped(const ibv_gid& g) {
 
 // Picks the GID index on a RoCE port; -1 if the table is empty.
 int chooseGid(ibv_context* ctx, int port, int tableLen) {
-  int forced = envInt("DICOMM_IB_GID_INDEX", -1);
+  int forced = static_cast<int>(envLong("DICOMM_IB_GID_INDEX", -1, -1, 1 << 16));
   if (forced >= 0) return forced;
   int anyV2 = -1, first = -1;
   for (int i = 0; i < tableLen; ++i) {

@@ -16,6 +16,7 @@ TransportFactory shmFactory() {
     c.name = "shm";
     c.tcp = false;
     c.remoteThreshold = 64 << 10;
+    c.applyEnv();
     return std::unique_ptr<Transport>(new StreamTransport(c));
   };
   f.preference = 20;

@@ -12,6 +12,7 @@ TransportFactory tcpFactory() {
     StreamConfig c;
     c.name = "tcp";
     c.tcp = true;
+    c.applyEnv();
     return std::unique_ptr<Transport>(new StreamTransport(c));
   };
   f.preference = 30;

@@ -1,0 +1,113 @@
+"""tcp striping: large rendezvous payloads cut into parts over several connections per pair.
+
+Three connections and a small stripe threshold make every size below cut into uneven parts;
+the data is checked against an independently computed byte pattern, both directions at once,
+and a rejected (too large) striped message must be drained without touching the receiver's
+buffer or the messages that follow it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher import run_ranks
+
+MiB = 1 << 20
+# The rendezvous protocol starts at 1 MiB; parts are page-aligned, so odd sizes leave a short
+# last part, and 1 MiB + 1 over 3 connections gives parts of 352 KiB, 352 KiB, 320 KiB + 1.
+SIZES = [MiB, MiB + 1, 3 * MiB + 5, 8 * MiB + 4093]
+
+
+def pattern(numel: int, seed: int) -> torch.Tensor:
+    i = torch.arange(numel, dtype=torch.int64)
+    return ((i * 7 + (i >> 13) * 3 + seed) % 253).to(torch.uint8)
+
+
+def striped(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    peer = 1 - rank
+    out = {"transport": backend.transport_of(peer), "connections": backend.connections_of(peer), "bad": []}
+    for k, n in enumerate(SIZES):
+        # both directions at once: parts of two messages interleave on every connection
+        got = torch.empty(n, dtype=torch.uint8)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, pattern(n, 10 * rank + k), peer),
+                                       dist.P2POp(dist.irecv, got, peer)])
+        for r in reqs:
+            r.wait()
+        if not torch.equal(got, pattern(n, 10 * peer + k)):
+            out["bad"].append((n, int((got != pattern(n, 10 * peer + k)).nonzero()[0])))
+    # a striped message larger than the posted receive: rejected, its parts drained
+    if rank == 0:
+        dist.send(pattern(2 * MiB, 5), dst=1)
+        dist.send(pattern(3 * MiB, 6), dst=1)
+    else:
+        guard = torch.full((MiB + 1,), 7, dtype=torch.uint8)
+        try:
+            dist.recv(guard[:MiB], src=0)
+            out["rejected"] = None
+        except Exception as e:  # noqa: BLE001
+            out["rejected"] = str(e)
+        out["guard_intact"] = bool((guard == 7).all())
+        after = torch.empty(3 * MiB, dtype=torch.uint8)
+        dist.recv(after, src=0)
+        out["after_ok"] = bool(torch.equal(after, pattern(3 * MiB, 6)))
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    out["allreduce"] = t.item()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_large_messages_striped_over_three_connections():
+    env = {"DICOMM_TRANSPORT": "tcp", "DICOMM_TCP_STREAMS": "3", "DICOMM_STRIPE_BYTES": "65536"}
+    results = run_ranks(striped, 2, env=env, op_timeout_s=60)
+    for r, out in results.items():
+        assert out["transport"] == "tcp" and out["connections"] == 3, (r, out)
+        assert out["bad"] == [], (r, out["bad"])
+        assert out["allreduce"] == 3.0, (r, out)
+    r1 = results[1]
+    assert r1["rejected"] and "size mismatch" in r1["rejected"], r1
+    assert r1["guard_intact"], "a rejected striped message wrote into the receive buffer"
+    assert r1["after_ok"], "the message after a rejected striped one arrived damaged"
+
+
+def sender_dies_mid_message(rank: int, world: int, _port: int) -> dict:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        dist.isend(pattern(64 * MiB, 1), dst=0)
+        time.sleep(0.05)  # parts are on the wire
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.empty(64 * MiB, dtype=torch.uint8), src=1)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
+    return {"error": err, "elapsed": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(120)
+def test_sender_that_dies_mid_striped_message_fails_the_receive():
+    env = {"DICOMM_TRANSPORT": "tcp", "DICOMM_TCP_STREAMS": "2"}
+    r0 = run_ranks(sender_dies_mid_message, 2, env=env, op_timeout_s=60, expect_exit={1})[0]
+    assert r0["error"] and "recv from rank 1" in r0["error"] and "rank 1" in r0["error"], r0
+    assert r0["elapsed"] < 15, r0  # detected from the broken connections, not the 60 s timeout
+
+
+def bad_setting(rank: int, world: int, _port: int) -> dict:
+    return {}
+
+
+@pytest.mark.timeout(60)
+def test_bad_stream_count_is_refused_with_the_variable_named():
+    with pytest.raises(Exception) as info:
+        run_ranks(bad_setting, 2, env={"DICOMM_TRANSPORT": "tcp", "DICOMM_TCP_STREAMS": "0"}, op_timeout_s=10,
+                  wall_timeout_s=40)
+    assert "DICOMM_TCP_STREAMS='0'" in str(info.value) and "[1, 16]" in str(info.value)
