@@ -2,7 +2,7 @@
 # Each sets itself up on a fresh machine and is safe to rerun.
 PY := .venv/bin/python
 
-.PHONY: setup demo test build bench
+.PHONY: setup demo test test-rdma build bench
 setup:
 	@bash scripts/setup_env.sh
 
@@ -13,6 +13,10 @@ demo: setup
 
 test: setup
 	GLOO_SOCKET_IFNAME=lo $(PY) -m pytest -q tests $(TEST_ARGS)
+
+# The rdma tests on real (soft-RoCE) verbs, inside a qemu guest: see docs/rdma.md.
+test-rdma: setup
+	bash scripts/rdma_vm/run_tests.sh $(TEST_ARGS)
 
 bench: setup
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -24,8 +24,6 @@ pytestmark = [
 ]
 
 RDMA = {"DICOMM_TRANSPORT": "rdma"}
-# Emulated RDMA under TCG is slow; the ops' own timeouts stay generous, the wall limit bounds.
-WALL = 500.0
 
 
 def pattern(numel: int, seed: int) -> torch.Tensor:
@@ -84,7 +82,8 @@ def many_outstanding(rank: int, world: int, _port: int) -> dict:
     return {"bad": bad, "messages": len(recvs)}
 
 
-def peer_dies(rank: int, world: int, _port: int) -> dict:
+def peer_dies(rank: int, world: int) -> dict:
+    """The last rank exits without a word; the others' pending and later ops must fail fast."""
     import os
 
     import torch.distributed as dist
@@ -113,7 +112,7 @@ def peer_dies(rank: int, world: int, _port: int) -> dict:
     return {"error": err, "elapsed": elapsed, "later": later}
 
 
-def dipu_over_rdma(rank: int, world: int, _port: int) -> dict:
+def dipu_over_rdma(rank: int) -> dict:
     """dipu tensors on the emu vendor are host memory: the NIC writes straight into them."""
     import ditorch  # noqa: F401
     import torch.distributed as dist
@@ -129,53 +128,68 @@ def dipu_over_rdma(rank: int, world: int, _port: int) -> dict:
     return {"allreduce": x.cpu(), "p2p": y.cpu(), "host_addressable": bool(torch.dipu.is_host_addressable())}
 
 
+def progress(rank: int, what: str, t0: float) -> None:
+    """The guest is slow (TCG): say what each rank is doing, so a stuck step shows."""
+    print(f"[rank {rank} +{time.monotonic() - t0:6.1f}s] {what}", file=sys.stderr, flush=True)
+
+
 def suite(rank: int, world: int, port: int) -> dict:
-    """One job per world size: spawning ranks and importing torch dominates under emulation."""
-    out = {"collectives": check_all(rank, world, port), "many": many_outstanding(rank, world, port)}
+    """One job per world size: spawning ranks and importing torch (~45 s each under TCG)
+    dominates, so each job runs every check. 2 ranks: collectives, p2p 1 B..64 MiB, many
+    outstanding, dipu tensors. 4 ranks: collectives, many outstanding, then a peer dies."""
+    t0 = time.monotonic()
+    out = {}
+    progress(rank, "collectives", t0)
+    out["collectives"] = check_all(rank, world, port)
+    progress(rank, "many outstanding", t0)
+    out["many"] = many_outstanding(rank, world, port)
     if world == 2:
+        progress(rank, "p2p sizes", t0)
         out["p2p"] = p2p_sizes(rank, world, port)
+        progress(rank, "dipu tensors", t0)
+        out["dipu"] = dipu_over_rdma(rank)
+    else:
+        progress(rank, "peer dies", t0)
+        out["dies"] = peer_dies(rank, world)
+    progress(rank, "done", t0)
     return out
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("world", [2, 4])
 def test_dicomm_suite_over_rdma(world: int) -> None:
-    """Every op and dtype (the DiComm suite's check_all), 150 outstanding messages per peer,
-    and on 2 ranks point-to-point messages from 1 B to 64 MiB, all data checked."""
-    results = run_ranks(suite, world, env={**RDMA, "DICOMM_CHUNK_BYTES": "65536"}, op_timeout_s=300, wall_timeout_s=800)
-    assert set(results) == set(range(world))
-    for r, out in results.items():
+    """Every op and dtype (the DiComm suite's check_all), 150 outstanding messages per peer;
+    on 2 ranks point-to-point messages from 1 B to 64 MiB and dipu tensors; on 4 ranks, last, a
+    peer that dies. All data checked."""
+    import glob
+
+    if not glob.glob(str(Path(__file__).resolve().parents[2] / "ditorch_ext" / "_C*.so")):
+        pytest.fail("the dipu device layer is not built (scripts/setup_env.sh builds it)")
+    env = {**RDMA, "DICOMM_CHUNK_BYTES": "65536"}
+    if world == 2:
+        env["TEST_IMPORT_DITORCH"] = "1"  # the dipu device, so dicomm serves its tensors too
+    results = run_ranks(suite, world, env=env, op_timeout_s=300, wall_timeout_s=1400,
+                        expect_exit={world - 1} if world == 4 else None)
+    survivors = range(world) if world == 2 else range(world - 1)
+    assert set(results) >= set(survivors)
+    for r in survivors:
+        out = results[r]
         assert out["collectives"]["transports"] == ["rdma"], (r, out["collectives"])
         assert out["collectives"]["checks"] > 300, (r, out["collectives"])
         assert out["many"]["bad"] == [] and out["many"]["messages"] == 150 * (world - 1), (r, out["many"])
-        if world == 2:
-            assert out["p2p"]["bad"] == [], (r, out["p2p"])
-
-
-@pytest.mark.timeout(300)
-def test_peer_that_dies_fails_pending_ops_with_a_clear_error() -> None:
-    results = run_ranks(peer_dies, 3, env=RDMA, op_timeout_s=120, wall_timeout_s=WALL, expect_exit={2})
-    r0, r1 = results[0], results[1]
-    assert r0["error"] and "recv from rank 2" in r0["error"] and "rdma" in r0["error"], r0
-    assert r1["error"] and "allreduce" in r1["error"] and "rank 2" in r1["error"], r1
-    for r in (r0, r1):
-        # detected by the transport (retry exceeded), long before the 120 s op timeout
-        assert r["elapsed"] < 30, r
-        assert r["later"] and "rank 2" in r["later"], r
-
-
-@pytest.mark.timeout(600)
-def test_dipu_tensors_over_rdma() -> None:
-    import glob
-
-    root = Path(__file__).resolve().parents[2]
-    if not glob.glob(str(root / "ditorch_ext" / "_C*.so")):
-        pytest.skip("the dipu device layer is not built")
-    results = run_ranks(dipu_over_rdma, 2, env={**RDMA, "TEST_BACKEND": "cpu:gloo,dipu:dicomm",
-                                                  "TEST_IMPORT_DITORCH": "1", "TEST_DEVICE_ID": "dipu:0"},
-                        wall_timeout_s=WALL)
-    base = [torch.arange(1 << 18, dtype=torch.float32) + r for r in range(2)]
-    total = base[0] + base[1]
-    for r in (0, 1):
-        torch.testing.assert_close(results[r]["allreduce"], total)
-        torch.testing.assert_close(results[r]["p2p"], total * (1 - r + 2))
+    if world == 2:
+        base = [torch.arange(1 << 18, dtype=torch.float32) + r for r in range(2)]
+        total = base[0] + base[1]
+        for r in (0, 1):
+            assert results[r]["p2p"]["bad"] == [], (r, results[r]["p2p"])
+            torch.testing.assert_close(results[r]["dipu"]["allreduce"], total)
+            torch.testing.assert_close(results[r]["dipu"]["p2p"], total * (1 - r + 2))
+    else:
+        dies = {r: results[r]["dies"] for r in survivors}
+        assert dies[0]["error"] and "recv from rank 3" in dies[0]["error"] and "rdma" in dies[0]["error"], dies[0]
+        for r in (1, 2):
+            assert dies[r]["error"] and "allreduce" in dies[r]["error"] and "rank 3" in dies[r]["error"], dies[r]
+        for r, d in dies.items():
+            # detected by the transport (retry exceeded), long before the 300 s op timeout
+            assert d["elapsed"] < 60, (r, d)
+            assert d["later"] and "rank 3" in d["later"], (r, d)

@@ -38,7 +38,7 @@ namespace {
 
 int gRank = 0;
 int gFailures = 0;
-#define CHECK(cond, ...)                                               \
+#define EXPECT(cond, ...)                                              \
   do {                                                                 \
     if (!(cond)) {                                                     \
       fprintf(stderr, "FAIL rank %d: ", gRank);                        \
@@ -274,13 +274,13 @@ int main(int argc, char** argv) {
     }
     for (auto& kv : recvBufs) {
       std::string err = inbox.wait(kv.first.first, kv.first.second, 120);
-      CHECK(err.empty(), "receive of %zu bytes from rank %d: %s", sizes[kv.first.second - 1], kv.first.first, err.c_str());
+      EXPECT(err.empty(), "receive of %zu bytes from rank %d: %s", sizes[kv.first.second - 1], kv.first.first, err.c_str());
       size_t bad = 0;
-      CHECK(err.empty() && verify(kv.second.data_ptr<uint8_t>(), kv.second.numel(), kv.first.first, rank, kv.first.second, &bad),
+      EXPECT(err.empty() && verify(kv.second.data_ptr<uint8_t>(), kv.second.numel(), kv.first.first, rank, kv.first.second, &bad),
             "%lld bytes from rank %d differ at byte %zu", (long long)kv.second.numel(), kv.first.first, bad);
     }
-    CHECK(sends.waitAll(120), "sends did not complete");
-    CHECK(sends.errors.empty(), "send error: %s", sends.errors.empty() ? "" : sends.errors[0].c_str());
+    EXPECT(sends.waitAll(120), "sends did not complete");
+    EXPECT(sends.errors.empty(), "send error: %s", sends.errors.empty() ? "" : sends.errors[0].c_str());
   } else if (mode == "many") {
     const std::vector<size_t> sizes = {1, 100, 4000, 32768, 40000, 300000};
     const int count = 1000;
@@ -298,15 +298,15 @@ int main(int argc, char** argv) {
       for (auto& kv : pairs) {
         TestInbox::Slot s;
         std::string err = inbox.wait(kv.first, m + 1, 120, &s);
-        CHECK(err.empty(), "message %d from rank %d: %s", m + 1, kv.first, err.c_str());
+        EXPECT(err.empty(), "message %d from rank %d: %s", m + 1, kv.first, err.c_str());
         size_t bad = 0, n = sizes[(m + rank) % sizes.size()];
-        CHECK(err.empty() && s.unexpected.size() == n && verify(s.unexpected.data(), n, kv.first, rank, m + 1, &bad),
+        EXPECT(err.empty() && s.unexpected.size() == n && verify(s.unexpected.data(), n, kv.first, rank, m + 1, &bad),
               "message %d from rank %d: %zu bytes (want %zu), bad byte %zu", m + 1, kv.first, s.unexpected.size(), n, bad);
       }
     }
-    CHECK(sends.waitAll(120), "sends did not complete");
-    CHECK(sends.errors.empty(), "send error: %s", sends.errors.empty() ? "" : sends.errors[0].c_str());
-    for (auto& e : inbox.orderErrors()) CHECK(false, "out of order: %s", e.c_str());
+    EXPECT(sends.waitAll(120), "sends did not complete");
+    EXPECT(sends.errors.empty(), "send error: %s", sends.errors.empty() ? "" : sends.errors[0].c_str());
+    for (auto& e : inbox.orderErrors()) EXPECT(false, "out of order: %s", e.c_str());
   } else if (mode == "reuse") {
     const size_t n = 4 << 20;
     std::set<void*> sendAddrs, recvAddrs;
@@ -328,12 +328,12 @@ int main(int argc, char** argv) {
           bufs.push_back(t);
           kv.second->send(envelope(round, n), t.data_ptr(), MemoryKind::kHost, sends.make());
         }
-        CHECK(sends.waitAll(120), "round %d: sends did not complete", round);
+        EXPECT(sends.waitAll(120), "round %d: sends did not complete", round);
       }  // send tensors freed here; the next round's allocations usually reuse the addresses
       for (auto& kv : recvBufs) {
         std::string err = inbox.wait(kv.first, round, 120);
         size_t bad = 0;
-        CHECK(err.empty() && verify(kv.second.data_ptr<uint8_t>(), n, kv.first, rank, round, &bad),
+        EXPECT(err.empty() && verify(kv.second.data_ptr<uint8_t>(), n, kv.first, rank, round, &bad),
               "round %d from rank %d: %s, bad byte %zu", round, kv.first, err.c_str(), bad);
       }
       barrier(*store, "reuse-done-" + std::to_string(round), size);
@@ -350,14 +350,14 @@ int main(int argc, char** argv) {
     TestInbox::Slot s;
     std::string err = inbox.wait(victim, 99, 30, &s);
     double took = std::chrono::duration<double>(Clock::now() - start).count();
-    CHECK(err.find("peer failed") == 0 && err.find("rank " + std::to_string(victim)) != std::string::npos,
+    EXPECT(err.find("peer failed") == 0 && err.find("rank " + std::to_string(victim)) != std::string::npos,
           "pending receive from the dead rank ended with '%s'", err.c_str());
-    CHECK(took < 20, "noticing the dead rank took %.1f s", took);
+    EXPECT(took < 20, "noticing the dead rank took %.1f s", took);
     SendTracker sends;
     uint8_t byte = 1;
     pairs[victim]->send(envelope(100, 1), &byte, MemoryKind::kHost, sends.make());
-    CHECK(sends.waitAll(20), "send to the dead rank never completed");
-    CHECK(sends.errors.size() == 1 && sends.errors[0].find("rank " + std::to_string(victim)) != std::string::npos,
+    EXPECT(sends.waitAll(20), "send to the dead rank never completed");
+    EXPECT(sends.errors.size() == 1 && sends.errors[0].find("rank " + std::to_string(victim)) != std::string::npos,
           "send to the dead rank: %s", sends.errors.empty() ? "no error" : sends.errors[0].c_str());
     printf("die: rank %d noticed in %.2f s: %s\n", rank, took, err.c_str());
   } else if (mode == "bench") {
@@ -376,10 +376,10 @@ int main(int argc, char** argv) {
           if (rank == 0) {
             inbox.post(peer, tag + 1, in.data_ptr(), n);
             pairs[peer]->send(envelope(tag, n), buf.data_ptr(), MemoryKind::kHost, sends.make());
-            CHECK(inbox.wait(peer, tag + 1, 120).empty(), "bench pong %zu", n);
+            EXPECT(inbox.wait(peer, tag + 1, 120).empty(), "bench pong %zu", n);
           } else {
             inbox.post(peer, tag, in.data_ptr(), n);
-            CHECK(inbox.wait(peer, tag, 120).empty(), "bench ping %zu", n);
+            EXPECT(inbox.wait(peer, tag, 120).empty(), "bench ping %zu", n);
             pairs[peer]->send(envelope(tag + 1, n), buf.data_ptr(), MemoryKind::kHost, sends.make());
           }
           sends.waitAll(120);

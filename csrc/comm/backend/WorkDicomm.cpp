@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "comm/backend/ProcessGroupDicomm.hpp"
+#include "comm/transport/Env.h"
 
 namespace dicomm {
 
@@ -78,9 +79,10 @@ void WorkDicomm::onDone(std::function<void(WorkDicomm&)> fn) {
 }
 
 bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
-  // Spin briefly: small messages complete within microseconds of being posted.
-  for (int i = 0; i < 400 && !done_.load(std::memory_order_acquire); ++i) {
-    if (i > 20) std::this_thread::yield();
+  // Poll before sleeping: small messages complete within microseconds (see spinBudget()).
+  const auto spinUntil = std::chrono::steady_clock::now() + spinBudget();
+  while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
+    std::this_thread::yield();
   }
   auto until = deadline_;
   if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);

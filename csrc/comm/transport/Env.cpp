@@ -19,4 +19,9 @@ long envLong(const char* name, long fallback, long lo, long hi) {
   return x;
 }
 
+std::chrono::microseconds spinBudget() {
+  static const std::chrono::microseconds budget(envLong("DICOMM_SPIN_US", 200, 0, 1000000));
+  return budget;
+}
+
 }  // namespace dicomm

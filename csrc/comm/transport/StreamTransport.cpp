@@ -52,7 +52,7 @@ bool crossMemoryAttachWorks() {
 }
 
 void StreamConfig::applyEnv() {
-  spin = std::chrono::microseconds(envLong("DICOMM_SPIN_US", spin.count(), 0, 1000000));
+  spin = spinBudget();
   socketBuffer = static_cast<int>(envLong("DICOMM_SOCKET_BUFFER", socketBuffer, 0, 1 << 30));
   if (tcp) {
     lanes = static_cast<int>(envLong("DICOMM_TCP_STREAMS", defaultLanes(), 1, 16));

@@ -42,9 +42,8 @@ struct StreamConfig {
   // bounce buffer.
   size_t rendezvousThreshold = 1 << 20;
   size_t inlineWriteMax = 256 << 10;  // caller-thread writes up to this size
-  // How long a receive thread polls for the next frame before it sleeps in read()
-  // (DICOMM_SPIN_US; 0: never poll).
-  std::chrono::microseconds spin{50};
+  // How long a receive thread polls for the next frame before it sleeps in read() (spinBudget()).
+  std::chrono::microseconds spin{0};
   // Kernel socket buffer size; 0 keeps the kernel's auto-tuning (DICOMM_SOCKET_BUFFER).
   int socketBuffer = 0;
   // Connections per pair (tcp: DICOMM_TCP_STREAMS, default min(4, CPUs)), and the smallest
