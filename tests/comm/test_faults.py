@@ -37,6 +37,13 @@ def peer_dies(rank: int, world: int, _port: int) -> dict:
     except Exception as e:  # noqa: BLE001
         out["later"] = str(e)
     out["later_elapsed"] = time.monotonic() - t1
+    # Survivors leave together: a rank that shut down early would be a second event that another
+    # survivor could hear of before rank 2's death.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("survivors_done", 1)
+    store.wait(["survivors_done"])
+    while store.add("survivors_done", 0) < world - 1:
+        time.sleep(0.01)
     # the process group can still be destroyed after the failure
     dist.destroy_process_group()
     return out

@@ -79,14 +79,17 @@ def sender_dies_mid_message(rank: int, world: int, _port: int) -> dict:
 
     import torch.distributed as dist
 
+    # 512 MiB take 100+ ms on loopback even at 5 GB/s: rank 1 dies 50 ms into the transfer.
+    n = 512 * MiB
     dist.barrier()
     if rank == 1:
-        dist.isend(pattern(64 * MiB, 1), dst=0)
-        time.sleep(0.05)  # parts are on the wire
+        time.sleep(0.3)  # rank 0 has posted its receive: the parts flow at once
+        dist.isend(torch.ones(n, dtype=torch.uint8), dst=0)
+        time.sleep(0.05)
         os._exit(3)
     t0 = time.monotonic()
     try:
-        dist.recv(torch.empty(64 * MiB, dtype=torch.uint8), src=1)
+        dist.recv(torch.empty(n, dtype=torch.uint8), src=1)
         err = None
     except Exception as e:  # noqa: BLE001
         err = str(e)
