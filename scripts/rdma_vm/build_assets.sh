@@ -27,7 +27,12 @@ fi
 # 1. The kernel: the versioned package linux-image-amd64 points at.
 deb="$(ls "$cache"/debs/linux-image-*-amd64_*.deb 2>/dev/null | head -n1 || true)"
 if [ -z "$deb" ]; then
-  pkg="$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')"
+  resolve() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}'; }
+  pkg="$(resolve)"
+  if [ -z "$pkg" ] && [ "$(id -u)" = 0 ]; then  # a fresh machine may have no package lists yet
+    timeout 900 apt-get update -qq >/dev/null 2>&1 || true
+    pkg="$(resolve)"
+  fi
   [ -n "$pkg" ] || die "apt-cache cannot resolve linux-image-amd64 (run apt-get update)"
   (cd "$cache/debs" && timeout 600 apt-get download -q "$pkg" >/dev/null 2>&1) \
     || die "apt-get download $pkg failed"
