@@ -44,7 +44,8 @@ mount -t devtmpfs devtmpfs $R/dev
 mkdir -p $R/dev/pts $R/dev/shm
 mount -t devpts devpts $R/dev/pts
 mount -t tmpfs tmpfs $R/dev/shm
-mount -t tmpfs tmpfs $R/tmp
+# /tmp stays the host's, through the overlay (writable, changes stay in the guest): the job's
+# working directory may be a checkout under /tmp, as on CI machines.
 mount -t tmpfs tmpfs $R/run
 mkdir -p $R/run/rdma_vm
 mount --bind /mnt/xfer $R/run/rdma_vm

@@ -7,7 +7,8 @@
 #                      this plus 120 s for boot and shutdown
 #     --mem MIB        guest memory (default 4096)      --smp N   guest CPUs (default 2)
 #     --env NAME=VAL   set a variable for COMMAND (repeatable)
-#     --cwd DIR        working directory inside the guest (default: the current directory)
+#     --cwd DIR        working directory inside the guest (default: the current directory;
+#                      anywhere but /run, /dev and /proc, which the guest mounts itself)
 #     --collect DIR    copy what COMMAND wrote under /run/rdma_vm/out (the guest's only way
 #                      out: the host's / is read-only in the guest) to DIR on the host
 #
@@ -45,7 +46,7 @@ trap 'rm -rf "$xfer"' EXIT
   echo "export DICOMM_IN_RDMA_VM=1"
   echo "mkdir -p /run/rdma_vm/out"
   for kv in "${envs[@]}"; do printf 'export %q\n' "$kv"; done
-  printf 'cd %q || exit 121\n' "$cwd"
+  printf 'cd %q || { echo "rdma_vm: the working directory %q is not visible in the guest" >&2; exit 121; }\n' "$cwd" "$cwd"
   printf 'exec timeout -k 10 %q' "$timeout_s"
   printf ' %q' "$@"
   echo
