@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 
 #include "comm/core/Tags.h"
 
@@ -31,9 +30,9 @@ ReduceKind reduceKind(const c10d::ReduceOp& op) {
 }
 
 std::string shapeOf(const at::Tensor& t) {
-  std::ostringstream s;
-  s << t.numel() << " x " << t.scalar_type() << " on " << t.device();
-  return s.str();
+  // Built per op (it names the op in errors): plain concatenation, no stream and locale.
+  return std::to_string(t.numel()) + " x " + c10::toString(t.scalar_type()) + " on " +
+         t.device().str();
 }
 
 const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* op) {
@@ -285,10 +284,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::pointToPoint(bool isSend,
                                                                 std::vector<at::Tensor>& tensors,
                                                                 int peer, int tag) {
   const at::Tensor& t = single(tensors, isSend ? "send" : "recv");
-  std::string desc = std::string(isSend ? "send to rank " : "recv from ") +
-                     (peer < 0 ? std::string("any rank") : (isSend ? "" : "rank ") + std::to_string(peer)) +
+  std::string desc = std::string(isSend ? "send to " : "recv from ") +
+                     (peer < 0 ? std::string("any rank") : "rank " + std::to_string(peer)) +
                      " (tag " + std::to_string(tag) + ", " + shapeOf(t) + ")";
-  if (!isSend && peer >= 0) desc = "recv from rank " + std::to_string(peer) + desc.substr(desc.find(" ("));
   auto work = makeWork(isSend ? OpType::SEND : (peer < 0 ? OpType::RECVANYSOURCE : OpType::RECV),
                        desc, isSend ? std::vector<at::Tensor>{} : std::vector<at::Tensor>{t},
                        options_.timeout);
@@ -298,6 +296,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::pointToPoint(bool isSend,
   }
   auto view = std::make_shared<HostView>(t, options_.staging, /*load=*/isSend);
   const int32_t dtype = static_cast<int32_t>(view->dtype());
+  if (peer >= 0 && !coalescing_) {
+    Communicator* comm = comm_.get();
+    work->setProgress([comm, peer](const std::atomic<bool>& done, auto until) {
+      return comm->progress(peer, done, until);
+    });
+  }
   if (isSend) {
     comm_->isend(peer, p2pTag(tag), view->data(), view->nbytes(), dtype,
                  [work, view](Completion& c) { work->markDone(c.error(), c.source()); });

@@ -17,7 +17,7 @@ WorkDicomm::WorkDicomm(ProcessGroupDicomm* backend, int rank, c10d::OpType type,
       timeout_(timeout),
       deadline_(std::chrono::steady_clock::now() + timeout),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+          c10::ListType::ofTensors())) {}
 
 int WorkDicomm::sourceRank() const {
   int s = source_.load();
@@ -79,10 +79,11 @@ void WorkDicomm::onDone(std::function<void(WorkDicomm&)> fn) {
 }
 
 bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
-  // Poll before sleeping: small messages complete within microseconds (see spinBudget()).
+  // Poll before sleeping: small messages complete within microseconds (see spinBudget()), and
+  // when this thread can read the peer's messages itself, no other thread needs waking at all.
   const auto spinUntil = std::chrono::steady_clock::now() + spinBudget();
   while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-    std::this_thread::yield();
+    if (!progress_ || !progress_(done_, spinUntil)) std::this_thread::yield();
   }
   auto until = deadline_;
   if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);

@@ -31,6 +31,11 @@ class WorkDicomm : public c10d::Work {
   void markDone(std::exception_ptr error, int source = -1);
   // Runs `fn` once the work is done (immediately if it already is).
   void onDone(std::function<void(WorkDicomm&)> fn);
+  // How wait() may drive the transport itself while it polls (Pair::progress): set for ops
+  // whose completion arrives from one known peer.
+  using Progress = std::function<bool(const std::atomic<bool>& done,
+                                      std::chrono::steady_clock::time_point until)>;
+  void setProgress(Progress progress) { progress_ = std::move(progress); }
 
   const std::string& description() const { return description_; }
   std::chrono::steady_clock::time_point deadline() const { return deadline_; }
@@ -45,6 +50,7 @@ class WorkDicomm : public c10d::Work {
   std::chrono::steady_clock::time_point deadline_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<bool> done_{false};
+  Progress progress_;
   std::atomic<int> source_{-1};
   std::vector<std::function<void(WorkDicomm&)>> callbacks_;  // guarded by mutex_
 };

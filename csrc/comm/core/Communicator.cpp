@@ -200,6 +200,12 @@ int Communicator::connectionsOf(int peer) const {
   return pair ? pair->connections() : 0;
 }
 
+bool Communicator::progress(int peer, const std::atomic<bool>& done,
+                            std::chrono::steady_clock::time_point until) {
+  if (closed_ || peer < 0 || peer >= size() || !pairs_[peer]) return false;
+  return pairs_[peer]->progress(done, until);
+}
+
 void Communicator::setFailureHandler(std::function<void(int, const std::string&)> handler) {
   onFailure_ = std::move(handler);
 }

@@ -52,6 +52,9 @@ class Communicator {
   // peer == -1: any source.
   std::shared_ptr<Completion> irecv(int peer, uint64_t tag, void* data, size_t nbytes,
                                     int32_t dtype, Completion::Callback cb = nullptr);
+  // Handle `peer`'s incoming messages on this thread until `done` or `until` (Pair::progress);
+  // false when that is not possible now (the caller waits instead).
+  bool progress(int peer, const std::atomic<bool>& done, std::chrono::steady_clock::time_point until);
 
   // Stop every transport thread, then fail all pending receives with `error`. Not callable from
   // a transport thread. Idempotent.

@@ -237,14 +237,9 @@ bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool
   return true;
 }
 
-bool spinUntilReadable(int fd, std::chrono::microseconds spin) {
-  const auto until = Clock::now() + spin;
-  do {
-    pollfd pf{fd, POLLIN, 0};
-    if (::poll(&pf, 1, 0) > 0) return true;
-    std::this_thread::yield();
-  } while (Clock::now() < until);
-  return false;
+bool readableNow(int fd) {
+  pollfd pf{fd, POLLIN, 0};
+  return ::poll(&pf, 1, 0) > 0;
 }
 
 void readAllUntil(int fd, void* data, size_t n, Clock::time_point deadline, int peer,

@@ -73,10 +73,8 @@ void writevAll(int fd, struct iovec* iov, int iovcnt, int peer, const char* tran
 // Returns false on a clean EOF before the first byte when `eofOk`; throws otherwise.
 bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool eofOk = false);
 
-// Polls `fd` without sleeping, yielding the CPU between polls, for up to `spin`: true as soon as
-// it is readable. A blocking read after a sleep costs a wake-up (tens of microseconds on a VM
-// whose idle vCPU halts); a message that arrives within the spin skips it.
-bool spinUntilReadable(int fd, std::chrono::microseconds spin);
+// Whether a read of `fd` would not block now (data, EOF or an error is waiting).
+bool readableNow(int fd);
 
 // Read with a deadline (used only during connection set-up); throws on timeout.
 void readAllUntil(int fd, void* data, size_t n, Clock::time_point deadline, int peer,

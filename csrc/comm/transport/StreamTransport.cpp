@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -55,6 +56,8 @@ void StreamConfig::applyEnv() {
   spin = spinBudget();
   socketBuffer = static_cast<int>(envLong("DICOMM_SOCKET_BUFFER", socketBuffer, 0, 1 << 30));
   if (tcp) {
+    rendezvousThreshold = static_cast<size_t>(
+        envLong("DICOMM_RENDEZVOUS_BYTES", rendezvousThreshold, 0, 1L << 40));
     lanes = static_cast<int>(envLong("DICOMM_TCP_STREAMS", defaultLanes(), 1, 16));
     stripeMin = static_cast<size_t>(envLong("DICOMM_STRIPE_BYTES", stripeMin, 4096, 1L << 40));
   }
@@ -79,7 +82,13 @@ StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig
         }
         return lanes;
       }()),
-      main_(*lanes_.at(0)) {
+      main_(*lanes_.at(0)),
+      mainReady_(::epoll_create1(EPOLL_CLOEXEC)) {
+  if (!mainReady_) {
+    throw TransportError(peer, std::string(config_.name) + ": epoll_create1 for rank " +
+                                   std::to_string(peer) + " failed: " + errnoString(errno));
+  }
+  watchMain(true);
   for (auto& lane : lanes_) {
     Lane* l = lane.get();
     l->rx = std::thread([this, l] { l == &main_ ? mainRxLoop() : laneRxLoop(*l); });
@@ -389,76 +398,139 @@ void StreamPair::receivePart(Lane& lane, const Frame& frame) {
   if (done.done) done.done(nullptr);
 }
 
-void StreamPair::mainRxLoop() {
-  try {
-    while (true) {
-      Frame frame;
-      if (config_.spin.count() > 0) spinUntilReadable(main_.fd.get(), config_.spin);
-      if (!readAll(main_.fd.get(), &frame, sizeof(frame), peer_, config_.name, /*eofOk=*/true)) {
-        bool goodbye;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          goodbye = peerSaidGoodbye_;
-        }
-        fail(std::string(config_.name) + ": connection to rank " + std::to_string(peer_) +
-                 (goodbye ? " closed: that rank shut down its process group"
-                          : " closed by the peer (EOF; did that process exit or crash?)"),
-             goodbye);
-        return;
+bool StreamPair::readMainFrame() {
+  Frame frame;
+  if (!readAll(main_.fd.get(), &frame, sizeof(frame), peer_, config_.name, /*eofOk=*/true)) {
+    bool goodbye;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      goodbye = peerSaidGoodbye_;
+    }
+    fail(std::string(config_.name) + ": connection to rank " + std::to_string(peer_) +
+             (goodbye ? " closed: that rank shut down its process group"
+                      : " closed by the peer (EOF; did that process exit or crash?)"),
+         goodbye);
+    return false;
+  }
+  switch (frame.kind) {
+    case kInline:
+    case kRemote:
+    case kRts:
+    case kData:
+      receivePayload(frame);
+      return true;
+    case kPart:
+      receivePart(main_, frame);
+      return true;
+    case kCts: {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = awaitingCts_.find(frame.seq);
+      if (it != awaitingCts_.end() && !failed_ && !closing_) {
+        sendRendezvousPayload(std::move(it->second));
+        awaitingCts_.erase(it);
       }
-      switch (frame.kind) {
-        case kInline:
-        case kRemote:
-        case kRts:
-        case kData:
-          receivePayload(frame);
-          break;
-        case kPart:
-          receivePart(main_, frame);
-          break;
-        case kCts: {
-          std::lock_guard<std::mutex> lock(mu_);
-          auto it = awaitingCts_.find(frame.seq);
-          if (it != awaitingCts_.end() && !failed_ && !closing_) {
-            sendRendezvousPayload(std::move(it->second));
-            awaitingCts_.erase(it);
-          }
-          break;
+      return true;
+    }
+    case kAck: {
+      SendDone done;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = awaitingAck_.find(frame.seq);
+        if (it != awaitingAck_.end()) {
+          done = std::move(it->second);
+          awaitingAck_.erase(it);
         }
-        case kAck: {
-          SendDone done;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = awaitingAck_.find(frame.seq);
-            if (it != awaitingAck_.end()) {
-              done = std::move(it->second);
-              awaitingAck_.erase(it);
-            }
-          }
-          if (done) {
-            done(frame.status == 0
-                     ? nullptr
-                     : makeError(peer_, std::string(config_.name) + ": rank " +
-                                            std::to_string(peer_) +
-                                            " could not read the message from this process: " +
-                                            errnoString(frame.status)));
-          }
-          break;
+      }
+      if (done) {
+        done(frame.status == 0
+                 ? nullptr
+                 : makeError(peer_, std::string(config_.name) + ": rank " + std::to_string(peer_) +
+                                        " could not read the message from this process: " +
+                                        errnoString(frame.status)));
+      }
+      return true;
+    }
+    case kGoodbye: {
+      std::lock_guard<std::mutex> lock(mu_);
+      peerSaidGoodbye_ = true;
+      return true;
+    }
+    default:
+      fail(std::string(config_.name) + ": protocol error from rank " + std::to_string(peer_) +
+           ": unknown frame kind " + std::to_string(frame.kind));
+      return false;
+  }
+}
+
+void StreamPair::watchMain(bool on) {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  // EEXIST / ENOENT only say the socket already is where it should be.
+  ::epoll_ctl(mainReady_.get(), on ? EPOLL_CTL_ADD : EPOLL_CTL_DEL, main_.fd.get(), &ev);
+}
+
+void StreamPair::mainRxLoop() {
+  const int fd = main_.fd.get();
+  try {
+    while (!down_.load()) {
+      // Poll a little before sleeping (see spinBudget()), unless a waiting thread reads.
+      if (config_.spin.count() > 0) {
+        const auto until = Clock::now() + config_.spin;
+        while (!polling_.load(std::memory_order_relaxed) && !readableNow(fd) &&
+               Clock::now() < until) {
+          std::this_thread::yield();
         }
-        case kGoodbye: {
-          std::lock_guard<std::mutex> lock(mu_);
-          peerSaidGoodbye_ = true;
-          break;
-        }
-        default:
-          fail(std::string(config_.name) + ": protocol error from rank " + std::to_string(peer_) +
-               ": unknown frame kind " + std::to_string(frame.kind));
-          return;
+      }
+      epoll_event ev;
+      if (::epoll_wait(mainReady_.get(), &ev, 1, -1) < 0 && errno != EINTR) {
+        throw TransportError(peer_, std::string(config_.name) + ": waiting for frames from rank " +
+                                        std::to_string(peer_) + " failed: " + errnoString(errno));
+      }
+      std::unique_lock<std::mutex> reading(readMu_, std::try_to_lock);
+      if (!reading) {
+        std::this_thread::yield();  // a waiting thread is reading; its epoll removal is imminent
+        continue;
+      }
+      if (down_.load() || !readableNow(fd)) continue;
+      reader_ = std::this_thread::get_id();
+      const bool more = readMainFrame();
+      reader_ = std::thread::id();
+      if (!more) return;
+    }
+  } catch (const std::exception& e) {
+    reader_ = std::thread::id();
+    fail(e.what());
+  }
+}
+
+bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until) {
+  if (down_.load()) return false;
+  std::unique_lock<std::mutex> reading(readMu_, std::try_to_lock);
+  if (!reading || down_.load()) return false;
+  reader_ = std::this_thread::get_id();
+  polling_ = true;
+  watchMain(false);
+  const int fd = main_.fd.get();
+  std::string error;
+  try {
+    while (!done.load(std::memory_order_acquire) && !down_.load()) {
+      if (readableNow(fd)) {
+        if (!readMainFrame()) break;
+      } else if (Clock::now() < until) {
+        std::this_thread::yield();
+      } else {
+        break;
       }
     }
   } catch (const std::exception& e) {
-    fail(e.what());
+    error = e.what();
   }
+  watchMain(true);
+  polling_ = false;
+  reader_ = std::thread::id();
+  reading.unlock();
+  if (!error.empty()) fail(error);
+  return true;
 }
 
 void StreamPair::laneRxLoop(Lane& lane) {
@@ -505,10 +577,12 @@ StreamPair::Orphans StreamPair::takePendingLocked() {
 }
 
 void StreamPair::shutdownLanes() {
+  down_ = true;
   for (auto& lane : lanes_) {
     lane->cv.notify_all();
     ::shutdown(lane->fd.get(), SHUT_RDWR);  // wakes the lane's threads
   }
+  watchMain(true);  // even while a waiting thread had the main socket out of the epoll set
 }
 
 void StreamPair::fail(const std::string& cause, bool cleanClose) {
@@ -570,6 +644,10 @@ void StreamPair::close() {
         t->join();
       }
     }
+  }
+  // A thread waiting in progress() leaves on the shutdown; the pair must outlive its visit.
+  if (reader_.load() != std::this_thread::get_id()) {
+    std::lock_guard<std::mutex> gone(readMu_);
   }
   orphans.failAll(makeError(peer_, std::string(config_.name) + ": pair to rank " +
                                        std::to_string(peer_) + " closed locally"));

@@ -11,10 +11,13 @@
 // lane, written and read in parallel. One loopback TCP stream is bound by the wake-ups of its
 // two copying threads, well below memory bandwidth; two streams nearly double it.
 //
-// Threads per lane: one receive thread (blocking reads after a short poll; never waits on the
-// user, so the socket always drains and two peers can never deadlock on full buffers) and one
-// send thread for queued frames. A small message is written by the calling thread itself when
-// nothing is queued, which saves a thread hand-off on the latency path.
+// Threads per lane: one receive thread (never waits on the user, so the socket always drains
+// and two peers can never deadlock on full buffers) and one send thread for queued frames. The
+// latency path skips both: a small message is written by the calling thread itself when nothing
+// is queued, and a thread waiting for this peer's message reads the main lane itself
+// (progress()). The main lane has one reader at a time (readMu_); while a waiting thread reads,
+// the socket is out of the receive thread's epoll set, so that thread sleeps instead of being
+// woken by every frame it will not read.
 #pragma once
 
 #include <sys/types.h>
@@ -42,7 +45,7 @@ struct StreamConfig {
   // bounce buffer.
   size_t rendezvousThreshold = 1 << 20;
   size_t inlineWriteMax = 256 << 10;  // caller-thread writes up to this size
-  // How long a receive thread polls for the next frame before it sleeps in read() (spinBudget()).
+  // How long a receive thread polls for the next frame before it sleeps (spinBudget()).
   std::chrono::microseconds spin{0};
   // Kernel socket buffer size; 0 keeps the kernel's auto-tuning (DICOMM_SOCKET_BUFFER).
   int socketBuffer = 0;
@@ -67,6 +70,7 @@ class StreamPair : public Pair {
   int connections() const override { return static_cast<int>(lanes_.size()); }
   void send(const Envelope& envelope, const void* data, MemoryKind memory,
             SendDone done) override;
+  bool progress(const std::atomic<bool>& done, Clock::time_point until) override;
   void close() override;
 
  private:
@@ -105,6 +109,10 @@ class StreamPair : public Pair {
   };
 
   void mainRxLoop();
+  // Reads one frame from the main lane and handles it (the caller holds readMu_). False once the
+  // pair is down (EOF or failure, already reported). Throws TransportError.
+  bool readMainFrame();
+  void watchMain(bool on);  // the main socket in (true) or out of the receive thread's epoll set
   void laneRxLoop(Lane& lane);
   void txLoop(Lane& lane);
   void writeFrame(Lane& lane, const Outgoing& out);  // throws TransportError
@@ -135,6 +143,11 @@ class StreamPair : public Pair {
   const bool remoteOk_;
   std::vector<std::unique_ptr<Lane>> lanes_;  // [0]: main connection
   Lane& main_;
+  Fd mainReady_;                   // epoll set the main receive thread sleeps on
+  std::mutex readMu_;              // one reader of the main lane at a time
+  std::atomic<std::thread::id> reader_{};  // its holder (close() from it must not relock)
+  std::atomic<bool> polling_{false};       // a waiting thread reads the main lane
+  std::atomic<bool> down_{false};          // failed or closing: threads and pollers leave
 
   std::mutex mu_;
   std::map<uint64_t, SendDone> awaitingAck_;

@@ -22,6 +22,7 @@
 //    `Inbox::peerFailed(peer, cause)` once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -109,6 +110,17 @@ class Pair {
   }
   // Connections this pair stripes large payloads over (1 for most transports).
   virtual int connections() const { return 1; }
+  // Receive and handle the peer's messages on the calling thread until `done` is set or `until`
+  // passes. A thread about to wait for this peer's message reads it itself instead of being
+  // woken by the transport's receive thread: on a VM a wake-up costs more than a small
+  // message's whole trip. Returns false at once, doing nothing, when another thread is reading,
+  // the pair is down, or the transport has no such path; the caller then just waits.
+  virtual bool progress(const std::atomic<bool>& done,
+                        std::chrono::steady_clock::time_point until) {
+    (void)done;
+    (void)until;
+    return false;
+  }
   // Queue `envelope` + `envelope.nbytes` bytes at `data` for the peer. `data` stays valid and
   // unchanged until `done` runs. Thread-safe; messages leave in the order send() was called.
   virtual void send(const Envelope& envelope, const void* data, MemoryKind memory,
