@@ -52,6 +52,17 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     res = {"p2p": {}, "allreduce": {}}
     # ---- ping-pong between ranks 0 and 1 ----
+    if rank < 2 and sizes:
+        # Warm-up (as nccl-tests' -w): fresh processes and connections run slower for their
+        # first few hundred messages (lazy set-up, page faults, scheduler placement).
+        tiny = torch.zeros(2)
+        for _ in range(300):
+            if rank == 0:
+                dist.send(tiny, 1 - rank)
+                dist.recv(tiny, 1 - rank)
+            else:
+                dist.recv(tiny, 1 - rank)
+                dist.send(tiny, 1 - rank)
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32) if nbytes >= 4 else torch.zeros(nbytes, dtype=torch.uint8)
         n = _iters(2 * nbytes, budget)

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "comm/transport/Env.h"
@@ -142,18 +143,24 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
     out.done = [](std::exception_ptr) {};
   }
   if (main_.queue.empty() && !main_.writing && out.wireBytes <= config_.inlineWriteMax) {
-    // Latency path: write from this thread; the lock keeps frames in order.
+    // Latency path: write from this thread. `writing` keeps the lane ours (frames stay in
+    // order) without holding mu_, which the receive threads need to go on draining.
     if (remote) awaitingAck_.emplace(out.frame.seq, std::move(out.done));
+    main_.writing = true;
+    lock.unlock();
+    std::string error;
     try {
       writeFrame(main_, out);
     } catch (const std::exception& e) {
-      lock.unlock();
-      fail(e.what());
-      if (!remote) out.done(makeError(peer_, e.what()));
-      return;
+      error = e.what();
     }
-    lock.unlock();
-    if (!remote) out.done(nullptr);
+    releaseLane(main_);
+    if (!error.empty()) {
+      fail(error);
+      if (!remote) out.done(makeError(peer_, error));
+    } else if (!remote) {
+      out.done(nullptr);
+    }
     return;
   }
   main_.queue.push_back(std::move(out));
@@ -161,10 +168,20 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
   main_.cv.notify_one();
 }
 
+void StreamPair::releaseLane(Lane& lane) {
+  bool queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    lane.writing = false;
+    queued = !lane.queue.empty();
+  }
+  if (queued) lane.cv.notify_one();
+}
+
 void StreamPair::writeFrame(Lane& lane, const Outgoing& out) {
   iovec iov[2];
-  iov[0].iov_base = const_cast<Frame*>(&out.frame);
-  iov[0].iov_len = sizeof(Frame);
+  iov[0].iov_base = reinterpret_cast<char*>(const_cast<Frame*>(&out.frame)) + out.headerSent;
+  iov[0].iov_len = sizeof(Frame) - out.headerSent;
   int n = 1;
   if (out.wireBytes > 0) {
     iov[1].iov_base = const_cast<void*>(out.data);
@@ -177,7 +194,7 @@ void StreamPair::writeFrame(Lane& lane, const Outgoing& out) {
 void StreamPair::txLoop(Lane& lane) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    lane.cv.wait(lock, [&] { return closing_ || failed_ || !lane.queue.empty(); });
+    lane.cv.wait(lock, [&] { return closing_ || failed_ || (!lane.queue.empty() && !lane.writing); });
     if (closing_ || failed_) return;
     Outgoing out = std::move(lane.queue.front());
     lane.queue.pop_front();
@@ -272,30 +289,114 @@ void StreamPair::pullRemote(const Frame& frame, void* dst) {
   }
 }
 
+ssize_t StreamPair::fillMain(bool block) {
+  RxBuffer& b = rxBuf_;
+  if (b.begin == b.end) {
+    b.begin = b.end = 0;
+  } else if (b.end == b.bytes.size()) {
+    std::memmove(b.bytes.data(), b.bytes.data() + b.begin, b.end - b.begin);
+    b.end -= b.begin;
+    b.begin = 0;
+  }
+  ssize_t k;
+  do {
+    k = ::recv(main_.fd.get(), b.bytes.data() + b.end, b.bytes.size() - b.end,
+               block ? 0 : MSG_DONTWAIT);
+  } while (k < 0 && errno == EINTR);
+  if (k < 0) {
+    if (!block && (errno == EAGAIN || errno == EWOULDBLOCK)) return -1;
+    throw TransportError(peer_, std::string(config_.name) + ": connection to rank " +
+                                    std::to_string(peer_) + " broke: " + errnoString(errno));
+  }
+  b.end += static_cast<size_t>(k);
+  return k;
+}
+
+bool StreamPair::mainReadable() { return rxBuf_.size() > 0 || fillMain(false) != -1; }
+
+bool StreamPair::readMain(void* dst, size_t n, bool eofOk) {
+  char* d = static_cast<char*>(dst);
+  RxBuffer& b = rxBuf_;
+  bool started = false;
+  while (n > 0) {
+    if (b.size() == 0) {
+      if (n >= b.bytes.size() / 2) {
+        // A large remainder goes straight into place, no copy through the buffer.
+        return readAll(main_.fd.get(), d, n, peer_, config_.name, eofOk && !started);
+      }
+      if (fillMain(true) == 0) {
+        if (eofOk && !started) return false;
+        throw TransportError(peer_, std::string(config_.name) + ": connection to rank " +
+                                        std::to_string(peer_) +
+                                        " closed by the peer (EOF; did that process exit or crash?)");
+      }
+    }
+    const size_t k = std::min(n, b.size());
+    std::memcpy(d, b.bytes.data() + b.begin, k);
+    b.begin += k;
+    d += k;
+    n -= k;
+    started = true;
+  }
+  return true;
+}
+
 void StreamPair::readInto(Lane& lane, void* dst, size_t n, bool keep) {
+  auto read = [&](void* to, size_t k) {
+    if (&lane == &main_) {
+      readMain(to, k, /*eofOk=*/false);
+    } else {
+      readAll(lane.fd.get(), to, k, peer_, config_.name);
+    }
+  };
   if (keep) {
-    readAll(lane.fd.get(), dst, n, peer_, config_.name);
+    read(dst, n);
     return;
   }
   std::vector<char> sink(std::min<size_t>(n, 1 << 20));
   for (size_t left = n; left > 0;) {
     size_t k = std::min(left, sink.size());
-    readAll(lane.fd.get(), sink.data(), k, peer_, config_.name);
+    read(sink.data(), k);
     left -= k;
   }
 }
 
 void StreamPair::queueControl(Kind kind, uint64_t seq, int32_t status) {
-  // Receive threads never write the socket themselves (see header): queue the frame.
   Outgoing out;
   out.frame.kind = kind;
   out.frame.seq = seq;
   out.frame.status = status;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed_ || closing_) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (failed_ || closing_) return;
+  if (main_.queue.empty() && !main_.writing) {
+    // Saves the send thread's wake-up. The caller reads sockets, so it must never block on a
+    // full one (two peers would stop draining each other): it writes what fits now and queues
+    // the rest, first in line.
+    main_.writing = true;
+    lock.unlock();
+    ssize_t k;
+    do {
+      k = ::send(main_.fd.get(), &out.frame, sizeof(Frame), MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (k < 0 && errno == EINTR);
+    const int err = errno;
+    if (k < 0 && err != EAGAIN && err != EWOULDBLOCK) {
+      releaseLane(main_);
+      fail(std::string(config_.name) + ": send to rank " + std::to_string(peer_) +
+           " failed: " + errnoString(err));
+      return;
+    }
+    if (k == static_cast<ssize_t>(sizeof(Frame))) {
+      releaseLane(main_);
+      return;
+    }
+    out.headerSent = k > 0 ? static_cast<size_t>(k) : 0;
+    lock.lock();
+    main_.writing = false;
+    main_.queue.push_front(std::move(out));
+  } else {
     main_.queue.push_back(std::move(out));
   }
+  lock.unlock();
   main_.cv.notify_one();
 }
 
@@ -400,7 +501,7 @@ void StreamPair::receivePart(Lane& lane, const Frame& frame) {
 
 bool StreamPair::readMainFrame() {
   Frame frame;
-  if (!readAll(main_.fd.get(), &frame, sizeof(frame), peer_, config_.name, /*eofOk=*/true)) {
+  if (!readMain(&frame, sizeof(frame), /*eofOk=*/true)) {
     bool goodbye;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -491,9 +592,12 @@ void StreamPair::mainRxLoop() {
         std::this_thread::yield();  // a waiting thread is reading; its epoll removal is imminent
         continue;
       }
-      if (down_.load() || !readableNow(fd)) continue;
+      if (down_.load() || !mainReadable()) continue;
       reader_ = std::this_thread::get_id();
-      const bool more = readMainFrame();
+      bool more;
+      do {
+        more = readMainFrame();
+      } while (more && rxBuf_.size() > 0);  // leave nothing buffered behind the lock
       reader_ = std::thread::id();
       if (!more) return;
     }
@@ -510,18 +614,20 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
   reader_ = std::this_thread::get_id();
   polling_ = true;
   watchMain(false);
-  const int fd = main_.fd.get();
   std::string error;
   try {
-    while (!done.load(std::memory_order_acquire) && !down_.load()) {
-      if (readableNow(fd)) {
-        if (!readMainFrame()) break;
+    bool up = true;
+    while (up && !done.load(std::memory_order_acquire) && !down_.load()) {
+      if (mainReadable()) {
+        up = readMainFrame();
       } else if (Clock::now() < until) {
         std::this_thread::yield();
       } else {
         break;
       }
     }
+    // Frames already buffered are handled here: the receive thread waits on the socket only.
+    while (up && rxBuf_.size() > 0 && !down_.load()) up = readMainFrame();
   } catch (const std::exception& e) {
     error = e.what();
   }

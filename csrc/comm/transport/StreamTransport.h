@@ -13,8 +13,9 @@
 //
 // Threads per lane: one receive thread (never waits on the user, so the socket always drains
 // and two peers can never deadlock on full buffers) and one send thread for queued frames. The
-// latency path skips both: a small message is written by the calling thread itself when nothing
-// is queued, and a thread waiting for this peer's message reads the main lane itself
+// latency path skips both: a small message or a control frame is written by the calling thread
+// itself when nothing is queued (no lock held while writing, and a reading thread never waits
+// for buffer space), and a thread waiting for this peer's message reads the main lane itself
 // (progress()). The main lane has one reader at a time (readMu_); while a waiting thread reads,
 // the socket is out of the receive thread's epoll set, so that thread sleeps instead of being
 // woken by every frame it will not read.
@@ -52,7 +53,7 @@ struct StreamConfig {
   // Connections per pair (tcp: DICOMM_TCP_STREAMS, default min(4, CPUs)), and the smallest
   // rendezvous payload split over them (DICOMM_STRIPE_BYTES).
   int lanes = 1;
-  size_t stripeMin = 2 << 20;
+  size_t stripeMin = 1 << 20;
 
   // The knobs above from the environment; a bad value throws naming the variable.
   void applyEnv();
@@ -91,6 +92,7 @@ class StreamPair : public Pair {
     Frame frame;
     const void* data = nullptr;
     size_t wireBytes = 0;
+    size_t headerSent = 0;  // bytes of `frame` already written (a control frame cut short)
     SendDone done;
   };
   // One connection with its send queue and threads (guarded by the pair's mu_).
@@ -98,7 +100,7 @@ class StreamPair : public Pair {
     Fd fd;
     std::deque<Outgoing> queue;
     std::condition_variable cv;
-    bool writing = false;
+    bool writing = false;  // a thread is writing this lane: the send thread waits its turn
     std::thread rx, tx;
   };
   // A rendezvous receive the peer was told to send (kCts): where it lands, bytes still due.
@@ -112,10 +114,16 @@ class StreamPair : public Pair {
   // Reads one frame from the main lane and handles it (the caller holds readMu_). False once the
   // pair is down (EOF or failure, already reported). Throws TransportError.
   bool readMainFrame();
+  // The main lane through rxBuf_ (caller holds readMu_): exactly n bytes; false on EOF before
+  // the first byte when `eofOk`, else EOF throws.
+  bool readMain(void* dst, size_t n, bool eofOk);
+  ssize_t fillMain(bool block);  // bytes added, 0 on EOF, -1 if it would block (block=false)
+  bool mainReadable();           // a frame has started: buffered bytes, or the socket has some
   void watchMain(bool on);  // the main socket in (true) or out of the receive thread's epoll set
   void laneRxLoop(Lane& lane);
   void txLoop(Lane& lane);
   void writeFrame(Lane& lane, const Outgoing& out);  // throws TransportError
+  void releaseLane(Lane& lane);  // writing = false; wakes the send thread if frames queued
   void receivePayload(const Frame& frame);
   void receivePart(Lane& lane, const Frame& frame);
   void sendRendezvousPayload(Outgoing payload);  // after kCts: one kData or parts on all lanes
@@ -145,6 +153,14 @@ class StreamPair : public Pair {
   Lane& main_;
   Fd mainReady_;                   // epoll set the main receive thread sleeps on
   std::mutex readMu_;              // one reader of the main lane at a time
+  // What the main lane's reader received beyond the frame it handles: a small message arrives
+  // with its header in one recv(). Empty whenever readMu_ is free.
+  struct RxBuffer {
+    std::vector<char> bytes = std::vector<char>(16 << 10);
+    size_t begin = 0, end = 0;
+    size_t size() const { return end - begin; }
+  };
+  RxBuffer rxBuf_;
   std::atomic<std::thread::id> reader_{};  // its holder (close() from it must not relock)
   std::atomic<bool> polling_{false};       // a waiting thread reads the main lane
   std::atomic<bool> down_{false};          // failed or closing: threads and pollers leave
