@@ -79,6 +79,11 @@ void WorkDicomm::onDone(std::function<void(WorkDicomm&)> fn) {
 }
 
 bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
+  if (done_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
   // Poll before sleeping: small messages complete within microseconds (see spinBudget()), and
   // when this thread can read the peer's messages itself, no other thread needs waking at all.
   const auto spinUntil = std::chrono::steady_clock::now() + spinBudget();
