@@ -54,9 +54,10 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
     # ---- ping-pong between ranks 0 and 1 ----
     if rank < 2 and sizes:
         # Warm-up (as nccl-tests' -w): fresh processes and connections run slower for their
-        # first few hundred messages (lazy set-up, page faults, scheduler placement).
+        # first messages (lazy set-up, page faults, and the scheduler spreading the two ranks
+        # over the cores, which takes tens of milliseconds).
         tiny = torch.zeros(2)
-        for _ in range(300):
+        for _ in range(1000):
             if rank == 0:
                 dist.send(tiny, 1 - rank)
                 dist.recv(tiny, 1 - rank)
@@ -65,7 +66,7 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
                 dist.send(tiny, 1 - rank)
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32) if nbytes >= 4 else torch.zeros(nbytes, dtype=torch.uint8)
-        n = _iters(2 * nbytes, budget)
+        n = _iters(2 * nbytes, budget, hi=1000)
         dist.barrier()
         rtts = []
         if rank < 2:
