@@ -52,9 +52,9 @@ def test_peer_killed_mid_op_fails_every_pending_op():
     assert r0["error"] and "recv from rank 2" in r0["error"] and "rank 2" in r0["error"], r0
     assert "closed" in r0["error"] or "broke" in r0["error"], r0
     # Rank 1 may hear of rank 0's abort (set off by rank 2's death) before its own pair to rank 2
-    # breaks; then its error names rank 0 closing. Known attribution gap (see docs/dicomm.md).
+    # breaks: rank 0's notice, read before its connection closes, still names rank 2.
     assert r1["error"] and "allreduce" in r1["error"], r1
-    assert "rank 2" in r1["error"] or "connection to rank 0 closed" in r1["error"], r1
+    assert "rank 2" in r1["error"], r1
     for r in (r0, r1):
         assert r["elapsed"] < 15, r  # well inside the 60 s op timeout: detected, not timed out
         assert r["later"] and "rank 2" in r["later"] and r["later_elapsed"] < 1, r

@@ -158,7 +158,12 @@ Landing Mailbox::arrive(int peer, const Envelope& env) {
     l.data = env.nbytes <= text->size() ? &(*text)[0] : nullptr;
     l.capacity = text->size();
     l.done = [this, peer, text](std::exception_ptr) {
-      peerFailed(peer, "rank " + std::to_string(peer) + " aborted its process group: " + *text);
+      std::string cause = "rank " + std::to_string(peer) + " aborted its process group: " + *text;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        abortNotices_.emplace(peer, cause);
+      }
+      peerFailed(peer, cause);
     };
     return l;
   }
@@ -216,6 +221,12 @@ void Mailbox::arriveWhenPosted(int peer, const Envelope& env, std::function<void
 
 void Mailbox::peerFailed(int peer, const std::string& cause) {
   if (onPeerFailed_) onPeerFailed_(peer, cause);
+}
+
+std::string Mailbox::abortNotice(int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = abortNotices_.find(peer);
+  return it == abortNotices_.end() ? std::string() : it->second;
 }
 
 void Mailbox::peerClosed(int peer, const std::string& cause) {

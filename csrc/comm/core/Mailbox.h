@@ -69,6 +69,7 @@ class Mailbox : public Inbox {
                         std::function<void(Landing)> ready) override;
   void peerFailed(int peer, const std::string& cause) override;
   void peerClosed(int peer, const std::string& cause) override;
+  std::string abortNotice(int peer) override;
 
  private:
   struct Unexpected {
@@ -98,6 +99,7 @@ class Mailbox : public Inbox {
   std::map<Key, std::deque<std::shared_ptr<Unexpected>>> unexpected_;
   std::function<void(int, const std::string&)> onPeerFailed_;
   std::map<int, std::string> closedPeers_;  // peer -> why; receives from them fail at once
+  std::map<int, std::string> abortNotices_;  // peer -> the cause it sent before aborting
 };
 
 }  // namespace dicomm

@@ -691,7 +691,14 @@ void StreamPair::shutdownLanes() {
   watchMain(true);  // even while a waiting thread had the main socket out of the epoll set
 }
 
-void StreamPair::fail(const std::string& cause, bool cleanClose) {
+void StreamPair::fail(const std::string& lost, bool cleanClose) {
+  // A peer that aborted said why first (its notice precedes its close on the main lane).
+  std::string cause = inbox_->abortNotice(peer_);
+  if (cause.empty()) {
+    cause = lost;
+  } else {
+    cleanClose = false;  // its goodbye came from the abort, not from a clean shutdown
+  }
   Orphans orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -19,7 +19,8 @@
 //    from inside a completion callback);
 //  - every error names the peer rank and the cause, e.g. "tcp: connection to rank 3 lost: EOF";
 //  - when a pair breaks, pending sends complete with an error and the transport calls
-//    `Inbox::peerFailed(peer, cause)` once.
+//    `Inbox::peerFailed(peer, cause)` once; the cause is `Inbox::abortNotice(peer)` when the
+//    peer said why it aborted.
 #pragma once
 
 #include <atomic>
@@ -91,6 +92,13 @@ class Inbox {
   // arrived: messages already delivered stay receivable, receives that can no longer be
   // satisfied fail with `cause`. Not an abort. Default: treat as a failure.
   virtual void peerClosed(int peer, const std::string& cause) { peerFailed(peer, cause); }
+  // Why `peer` aborted, if it sent word of it before closing (empty otherwise). A transport
+  // whose pair then breaks reports this instead of the connection loss, which is only its
+  // consequence: "rank 0 aborted its process group: rank 2 died" beats "rank 0 closed".
+  virtual std::string abortNotice(int peer) {
+    (void)peer;
+    return {};
+  }
 };
 
 using SendDone = std::function<void(std::exception_ptr)>;

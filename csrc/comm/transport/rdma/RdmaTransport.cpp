@@ -656,7 +656,10 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
 
 // ---- failure and shutdown -----------------------------------------------------------------
 
-void RdmaPair::fail(const std::string& cause) {
+void RdmaPair::fail(const std::string& lost) {
+  // A peer that aborted said why first: report that rather than the broken connection.
+  const std::string notice = inbox_->abortNotice(peer_);
+  const std::string& cause = notice.empty() ? lost : notice;
   std::deque<Pending> backlog;
   std::map<uint64_t, InFlight> inFlight;
   std::map<uint64_t, LargeSend> largeSends;
