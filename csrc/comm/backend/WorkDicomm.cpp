@@ -15,9 +15,27 @@ WorkDicomm::WorkDicomm(ProcessGroupDicomm* backend, int rank, c10d::OpType type,
       description_(std::move(description)),
       outputs_(std::move(outputs)),
       timeout_(timeout),
-      deadline_(std::chrono::steady_clock::now() + timeout),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::ofTensors())) {}
+      deadline_(std::chrono::steady_clock::now() + timeout) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkDicomm::getFuture() {
+  // Made on first request: most p2p ops never ask, and a future costs an allocation and, on
+  // completion, a walk over the outputs' storages.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    if (completed_) complete(*future_, exception_, outputs_);
+  }
+  return future_;
+}
+
+void WorkDicomm::complete(c10::ivalue::Future& future, const std::exception_ptr& error,
+                          const std::vector<at::Tensor>& outputs) {
+  if (error) {
+    future.setErrorIfNeeded(error);
+  } else {
+    future.markCompleted(c10::IValue(outputs));
+  }
+}
 
 int WorkDicomm::sourceRank() const {
   int s = source_.load();
@@ -33,6 +51,7 @@ std::exception_ptr WorkDicomm::error() const {
 
 void WorkDicomm::markDone(std::exception_ptr error, int source) {
   std::vector<std::function<void(WorkDicomm&)>> callbacks;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (completed_) return;
@@ -57,13 +76,10 @@ void WorkDicomm::markDone(std::exception_ptr error, int source) {
     exception_ = error;
     done_.store(true, std::memory_order_release);
     callbacks.swap(callbacks_);
+    future = future_;  // null if nobody asked yet: getFuture() completes it then
   }
   cv_.notify_all();
-  if (error) {
-    future_->setErrorIfNeeded(error);
-  } else {
-    future_->markCompleted(c10::IValue(outputs_));
-  }
+  if (future) complete(*future, error, outputs_);
   for (auto& cb : callbacks) cb(*this);
 }
 

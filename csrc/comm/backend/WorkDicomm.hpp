@@ -24,7 +24,7 @@ class WorkDicomm : public c10d::Work {
   bool isCompleted() override { return done_.load(std::memory_order_acquire); }
   int sourceRank() const override;
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   void abort() override;
 
   // Completes the work once (later calls are ignored). `error` is reworded to name this op.
@@ -48,7 +48,9 @@ class WorkDicomm : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   std::chrono::milliseconds timeout_;
   std::chrono::steady_clock::time_point deadline_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  static void complete(c10::ivalue::Future& future, const std::exception_ptr& error,
+                       const std::vector<at::Tensor>& outputs);
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by mutex_; made by getFuture()
   std::atomic<bool> done_{false};
   Progress progress_;
   std::atomic<int> source_{-1};
