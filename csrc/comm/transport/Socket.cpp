@@ -223,18 +223,24 @@ bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool
     ssize_t k = ::recv(fd, p + got, n - got, MSG_WAITALL);
     if (k == 0) {
       if (eofOk && got == 0) return false;
-      fail(peer, transport,
-           "connection to rank " + std::to_string(peer) +
-               " closed by the peer (EOF; did that process exit or crash?)");
+      fail(peer, transport, eofCause(peer));
     }
     if (k < 0) {
       if (errno == EINTR) continue;
-      fail(peer, transport,
-           "connection to rank " + std::to_string(peer) + " broke: " + errnoString(errno));
+      fail(peer, transport, brokeCause(peer, errno));
     }
     got += static_cast<size_t>(k);
   }
   return true;
+}
+
+std::string eofCause(int peer) {
+  return "connection to rank " + std::to_string(peer) +
+         " closed by the peer (EOF; did that process exit or crash?)";
+}
+
+std::string brokeCause(int peer, int err) {
+  return "connection to rank " + std::to_string(peer) + " broke: " + errnoString(err);
 }
 
 bool readableNow(int fd) {

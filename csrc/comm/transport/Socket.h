@@ -76,6 +76,11 @@ bool readAll(int fd, void* data, size_t n, int peer, const char* transport, bool
 // Whether a read of `fd` would not block now (data, EOF or an error is waiting).
 bool readableNow(int fd);
 
+// How a lost connection is reported, the same from every reader: "connection to rank 3 closed
+// by the peer (EOF; ...)" and "connection to rank 3 broke: <errno>".
+std::string eofCause(int peer);
+std::string brokeCause(int peer, int err);
+
 // Read with a deadline (used only during connection set-up); throws on timeout.
 void readAllUntil(int fd, void* data, size_t n, Clock::time_point deadline, int peer,
                   const char* transport);

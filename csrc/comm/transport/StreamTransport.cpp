@@ -305,8 +305,7 @@ ssize_t StreamPair::fillMain(bool block) {
   } while (k < 0 && errno == EINTR);
   if (k < 0) {
     if (!block && (errno == EAGAIN || errno == EWOULDBLOCK)) return -1;
-    throw TransportError(peer_, std::string(config_.name) + ": connection to rank " +
-                                    std::to_string(peer_) + " broke: " + errnoString(errno));
+    throw TransportError(peer_, std::string(config_.name) + ": " + brokeCause(peer_, errno));
   }
   b.end += static_cast<size_t>(k);
   return k;
@@ -326,9 +325,7 @@ bool StreamPair::readMain(void* dst, size_t n, bool eofOk) {
       }
       if (fillMain(true) == 0) {
         if (eofOk && !started) return false;
-        throw TransportError(peer_, std::string(config_.name) + ": connection to rank " +
-                                        std::to_string(peer_) +
-                                        " closed by the peer (EOF; did that process exit or crash?)");
+        throw TransportError(peer_, std::string(config_.name) + ": " + eofCause(peer_));
       }
     }
     const size_t k = std::min(n, b.size());
@@ -507,9 +504,10 @@ bool StreamPair::readMainFrame() {
       std::lock_guard<std::mutex> lock(mu_);
       goodbye = peerSaidGoodbye_;
     }
-    fail(std::string(config_.name) + ": connection to rank " + std::to_string(peer_) +
-             (goodbye ? " closed: that rank shut down its process group"
-                      : " closed by the peer (EOF; did that process exit or crash?)"),
+    fail(std::string(config_.name) + ": " +
+             (goodbye ? "connection to rank " + std::to_string(peer_) +
+                            " closed: that rank shut down its process group"
+                      : eofCause(peer_)),
          goodbye);
     return false;
   }
