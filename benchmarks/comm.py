@@ -6,7 +6,9 @@
 Conventions (as nccl-tests): one-way latency = median round trip / 2 of a ping-pong between
 ranks 0 and 1; p2p bandwidth = bytes / one-way time; allreduce algbw = bytes / time and
 busbw = algbw * 2 (n - 1) / n. gloo and dicomm are measured in the same run on the same machine;
-the table prints dicomm/gloo ratios and the issue's targets; a PNG plot goes to --out.
+the table prints dicomm/gloo ratios and the issue's targets; a PNG plot goes to --out. The same
+ping-pong over one plain blocking socket (raw-tcp, no torch) shows where the kernel's loopback
+TCP caps a single stream, which is where gloo sits for medium and large messages.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MiB = 1 << 20
+# Round trips per size before timing (nccl-tests' -w default): first touches of the pages, and
+# the kernel growing a connection's buffers to the message size (TCP auto-tuning).
+WARMUP = 5
 
 
 def _free_port() -> int:
@@ -66,12 +71,12 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
                 dist.send(tiny, 1 - rank)
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32) if nbytes >= 4 else torch.zeros(nbytes, dtype=torch.uint8)
-        n = _iters(2 * nbytes, budget, hi=1000)
+        n = _iters(2 * nbytes, budget, lo=10, hi=1000)  # >= 10 samples: a median of 3 is noise
         dist.barrier()
         rtts = []
         if rank < 2:
             peer = 1 - rank
-            for i in range(n + 2):
+            for i in range(n + WARMUP):
                 t0 = time.perf_counter()
                 if rank == 0:
                     dist.send(buf, peer)
@@ -79,7 +84,7 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
                 else:
                     dist.recv(buf, peer)
                     dist.send(buf, peer)
-                if i >= 2:  # warm-up: first touches of pages, connection buffers
+                if i >= WARMUP:
                     rtts.append(time.perf_counter() - t0)
         if rank == 0:
             one_way = statistics.median(rtts) / 2
@@ -109,22 +114,93 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
         q.put(res)
 
 
-def run(backend: str, transport: str | None, world: int, sizes, ar_sizes, budget: float) -> dict:
+def _raw_tcp_worker(rank, port, sizes, budget, q):
+    """One blocking loopback TCP socket, ping-pong as in _worker: the kernel's ceiling for one
+    stream on this machine (no framing, no threads, no torch), measured beside gloo and dicomm."""
+    if rank == 0:
+        with socket.socket() as ls:
+            ls.bind(("127.0.0.1", port))
+            ls.listen(1)
+            s, _ = ls.accept()
+    else:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s = socket.create_connection(("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(view):
+        s.sendall(view)
+
+    def recv(view):
+        got = 0
+        while got < len(view):
+            k = s.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            if k == 0:
+                raise ConnectionError("raw-tcp peer closed")
+            got += k
+
+    def round_trip(view):
+        if rank == 0:
+            send(view)
+            recv(view)
+        else:
+            recv(view)
+            send(view)
+
+    tiny = memoryview(bytearray(8))
+    for _ in range(1000):  # warm-up, as the torch workers do
+        round_trip(tiny)
+    res = {}
+    for nbytes in sizes:
+        view = memoryview(bytearray(nbytes))
+        rtts = []
+        for i in range(_iters(2 * nbytes, budget, lo=10, hi=1000) + WARMUP):
+            t0 = time.perf_counter()
+            round_trip(view)
+            if i >= WARMUP:
+                rtts.append(time.perf_counter() - t0)
+        one_way = statistics.median(rtts) / 2
+        res[nbytes] = {"lat_us": one_way * 1e6, "bw_GBs": nbytes / one_way / 1e9}
+    s.close()
+    if rank == 0:
+        q.put(res)
+
+
+def _spawn(target, per_rank_args) -> dict:
+    """Start one spawned process per argument tuple (each gets the result queue last) and
+    return what rank 0 puts on the queue."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, transport, sizes, ar_sizes, budget, q))
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(*args, q)) for args in per_rank_args]
     for p in procs:
         p.start()
     try:
-        res = q.get(timeout=1800)
+        return q.get(timeout=1800)
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    return res
+
+
+def run_raw_tcp(sizes, budget: float) -> dict:
+    """Ping-pong of `sizes` over one blocking loopback TCP socket between two processes."""
+    port = _free_port()
+    return _spawn(_raw_tcp_worker, [(r, port, sizes, budget) for r in range(2)])
+
+
+def run(backend: str, transport: str | None, world: int, sizes, ar_sizes, budget: float) -> dict:
+    """gloo or dicomm on `world` spawned local ranks: p2p ping-pong of `sizes` between ranks 0
+    and 1, allreduce of `ar_sizes`; returns rank 0's results."""
+    port = _free_port()
+    return _spawn(_worker, [(r, world, port, backend, transport, sizes, ar_sizes, budget)
+                            for r in range(world)])
 
 
 def fmt_size(n: int) -> str:
@@ -156,21 +232,27 @@ def main(argv=None) -> int:
     for label, backend, transport in p2p_cfgs:
         print(f"[{time.time() - t_start:6.0f}s] p2p  {label:11s} 2 ranks ...", flush=True)
         results["p2p"][label] = run(backend, transport, 2, sizes, [], budget)["p2p"]
+    print(f"[{time.time() - t_start:6.0f}s] p2p  raw-tcp     one blocking socket ...", flush=True)
+    results["p2p"]["raw-tcp"] = run_raw_tcp(sizes, budget)
     for world in worlds:
         for label, backend, transport in [("gloo", "gloo", None), ("dicomm", "dicomm", None)]:
             print(f"[{time.time() - t_start:6.0f}s] allreduce {label:7s} {world} ranks ...", flush=True)
             results["allreduce"][f"{label}/{world}"] = run(backend, transport, world, [], sizes, budget)["allreduce"]
 
     # ---- tables ----
-    print("\nPoint-to-point, 2 ranks (one-way latency us / bandwidth GB/s)")
-    hdr = f"{'size':>9} | {'gloo':>17} | {'dicomm-tcp':>17} | {'dicomm-shm':>17} | {'tcp/gloo':>8} | {'shm/gloo':>8}"
+    print("\nPoint-to-point, 2 ranks (one-way latency us / bandwidth GB/s); raw-tcp: one blocking")
+    print("loopback socket without torch, the kernel's ceiling for a single stream")
+    hdr = (f"{'size':>9} | {'gloo':>17} | {'dicomm-tcp':>17} | {'dicomm-shm':>17} | {'raw-tcp':>17} | "
+           f"{'tcp/gloo':>8} | {'shm/gloo':>8} | {'gloo/raw':>8}")
     print(hdr)
     print("-" * len(hdr))
     P = results["p2p"]
     for s in sizes:
-        g, t, m = P["gloo"][s], P["dicomm-tcp"][s], P["dicomm-shm"][s]
+        g, t, m, r = P["gloo"][s], P["dicomm-tcp"][s], P["dicomm-shm"][s], P["raw-tcp"][s]
         cell = lambda r: f"{r['lat_us']:8.1f} {r['bw_GBs']:8.3f}"
-        print(f"{fmt_size(s):>9} | {cell(g)} | {cell(t)} | {cell(m)} | {t['bw_GBs'] / g['bw_GBs']:8.2f} | {m['bw_GBs'] / g['bw_GBs']:8.2f}")
+        ratio = lambda a, b: f"{a['bw_GBs'] / b['bw_GBs']:8.2f}"
+        print(f"{fmt_size(s):>9} | {cell(g)} | {cell(t)} | {cell(m)} | {cell(r)} | "
+              f"{ratio(t, g)} | {ratio(m, g)} | {ratio(g, r)}")
     print("\nAllreduce float32 (busbw GB/s)")
     hdr = f"{'size':>9} | " + " | ".join(f"{'gloo/' + str(w):>9} {'dicomm/' + str(w):>9} {'ratio':>6}" for w in worlds)
     print(hdr)
