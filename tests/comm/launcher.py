@@ -55,6 +55,15 @@ def _entry(fn, rank, world, port, env, results, init, timeout_s):
         results.put((rank, False, traceback.format_exc()))
 
 
+def error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """Call fn; the message of what it raised, or None when it returned."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the caller asserts on the message
+        return str(e)
+    return None
+
+
 def leave_together(alive: int) -> None:
     """Wait, through the default store, until all `alive` ranks got here; rank 0, which hosts the
     store, leaves last. Fault tests use it so that one survivor's shutdown cannot become a second

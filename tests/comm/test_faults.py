@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from launcher import free_port, leave_together, run_ranks
+from launcher import error_of, free_port, leave_together, run_ranks
 
 
 def peer_dies(rank: int, world: int, _port: int) -> dict:
@@ -20,22 +20,14 @@ def peer_dies(rank: int, world: int, _port: int) -> dict:
         os._exit(3)
     out = {}
     t0 = time.monotonic()
-    try:
-        if rank == 0:
-            dist.recv(torch.empty(4), src=2)
-        else:
-            dist.all_reduce(torch.ones(1000))
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001
-        out["error"] = str(e)
+    if rank == 0:
+        out["error"] = error_of(dist.recv, torch.empty(4), src=2)
+    else:
+        out["error"] = error_of(dist.all_reduce, torch.ones(1000))
     out["elapsed"] = time.monotonic() - t0
     # every later op fails at once, with the same cause
     t1 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(1))
-        out["later"] = None
-    except Exception as e:  # noqa: BLE001
-        out["later"] = str(e)
+    out["later"] = error_of(dist.all_reduce, torch.ones(1))
     out["later_elapsed"] = time.monotonic() - t1
     # Survivors leave together: a rank that shut down early would be a second event that another
     # survivor could hear of before rank 2's death.
@@ -90,21 +82,13 @@ def mismatches(rank: int, world: int, _port: int) -> dict:
         dist.send(torch.arange(10, dtype=torch.float32), 1)
     else:
         guard = torch.full((13,), -1.0)
-        try:
-            dist.recv(guard[:12], 0)
-            out["size"] = None
-        except Exception as e:  # noqa: BLE001
-            out["size"] = str(e)
+        out["size"] = error_of(dist.recv, guard[:12], 0)
         out["guard_intact"] = bool((guard == -1).all())
     # p2p dtype mismatch: float32 sent, int32 expected
     if rank == 0:
         dist.send(torch.ones(4, dtype=torch.float32), 1)
     else:
-        try:
-            dist.recv(torch.empty(4, dtype=torch.int32), 0)
-            out["dtype"] = None
-        except Exception as e:  # noqa: BLE001
-            out["dtype"] = str(e)
+        out["dtype"] = error_of(dist.recv, torch.empty(4, dtype=torch.int32), 0)
     # a rejected message does not break the group: the next ops work
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -116,20 +100,12 @@ def mismatches(rank: int, world: int, _port: int) -> dict:
     if rank == 0:
         sub_backend.abort()
     time.sleep(0.5)  # rank 1 hears rank 0's abort notice
-    try:
-        dist.all_reduce(torch.ones(2), group=sub)
-        out["sub"] = None
-    except Exception as e:  # noqa: BLE001
-        out["sub"] = str(e)
+    out["sub"] = error_of(dist.all_reduce, torch.ones(2), group=sub)
     t = torch.tensor([1.0])
     dist.all_reduce(t)
     out["world_after_sub_abort"] = t.item()
     # collective size mismatch
-    try:
-        dist.all_reduce(torch.ones(100 if rank == 0 else 120))
-        out["coll"] = None
-    except Exception as e:  # noqa: BLE001
-        out["coll"] = str(e)
+    out["coll"] = error_of(dist.all_reduce, torch.ones(100 if rank == 0 else 120))
     return out
 
 
@@ -153,17 +129,11 @@ def times_out(rank: int, world: int, _port: int) -> dict:
     out = {}
     if rank == 0:
         t0 = time.monotonic()
-        try:
-            dist.recv(torch.empty(3), 1, tag=5)  # rank 1 never sends it
-        except Exception as e:  # noqa: BLE001
-            out["error"] = str(e)
+        out["error"] = error_of(dist.recv, torch.empty(3), 1, tag=5)  # rank 1 never sends it
         out["elapsed"] = time.monotonic() - t0
     else:
         time.sleep(4)  # by now rank 0 timed out and told this rank why
-        try:
-            dist.all_reduce(torch.ones(1))
-        except Exception as e:  # noqa: BLE001
-            out["error"] = str(e)
+        out["error"] = error_of(dist.all_reduce, torch.ones(1))
     return out
 
 

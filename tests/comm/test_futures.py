@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher import run_ranks
+from launcher import error_of, run_ranks
 
 
 def futures(rank: int, world: int, _port: int) -> dict:
@@ -37,16 +37,8 @@ def futures(rank: int, world: int, _port: int) -> dict:
         dist.send(torch.ones(4), dst=1)
     else:
         w = dist.irecv(torch.zeros(3), src=0)
-        try:
-            w.wait()
-            out["wait_error"] = None
-        except RuntimeError as e:
-            out["wait_error"] = str(e)
-        try:
-            w.get_future().wait()
-            out["future_error"] = None
-        except RuntimeError as e:
-            out["future_error"] = str(e)
+        out["wait_error"] = error_of(w.wait)
+        out["future_error"] = error_of(lambda: w.get_future().wait())
     return out
 
 

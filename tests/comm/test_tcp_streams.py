@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher import run_ranks
+from launcher import error_of, run_ranks
 
 MiB = 1 << 20
 # The rendezvous protocol starts at 1 MiB; parts are page-aligned, so odd sizes leave a short
@@ -44,11 +44,7 @@ def striped(rank: int, world: int, _port: int) -> dict:
         dist.send(pattern(3 * MiB, 6), dst=1)
     else:
         guard = torch.full((MiB + 1,), 7, dtype=torch.uint8)
-        try:
-            dist.recv(guard[:MiB], src=0)
-            out["rejected"] = None
-        except Exception as e:  # noqa: BLE001
-            out["rejected"] = str(e)
+        out["rejected"] = error_of(dist.recv, guard[:MiB], src=0)
         out["guard_intact"] = bool((guard == 7).all())
         after = torch.empty(3 * MiB, dtype=torch.uint8)
         dist.recv(after, src=0)

@@ -286,50 +286,51 @@ void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dty
   if (parent < 0 && op == ReduceKind::kAvg) finishAvg(buf, numel, dtype, n);
 }
 
-void gather(CollectiveContext& ctx, const void* in, size_t numel, c10::ScalarType dtype, void* out,
-            int root) {
+namespace {
+
+// Gather and scatter are one pattern, mirrored: the root moves slice p of `rootBuffer` to or
+// from rank p (its own slice by memcpy), every other rank its one buffer `mine` to or from the
+// root. `toRoot` says which way the data flows (gather: true); only the receiving side's buffer
+// is written, so the callers may pass their read-only buffer here.
+void rootedExchange(CollectiveContext& ctx, bool toRoot, char* rootBuffer, void* mine,
+                    size_t numel, c10::ScalarType dtype, int root) {
   Communicator& comm = *ctx.comm;
   const int n = comm.size(), r = comm.rank();
   const size_t bytes = numel * c10::elementSize(dtype);
+  const auto tag = collectiveTag(ctx.seq, 0, 0, 0);
+  const bool receives = (r == root) == toRoot;  // root of a gather, non-root of a scatter
+  auto move = [&](int peer, void* buf) -> Pending {
+    if (receives) return {comm.irecv(peer, tag, buf, bytes, dt(dtype)), peer, "receive from"};
+    return {comm.isend(peer, tag, buf, bytes, dt(dtype)), peer, "send to"};
+  };
   std::vector<Pending> ps;
-  if (r == root) {
-    char* o = static_cast<char*>(out);
+  if (r != root) {
+    ps.push_back(move(root, mine));
+  } else {
     for (int p = 0; p < n; ++p) {
-      if (p == r) {
-        if (bytes && o + p * bytes != in) std::memcpy(o + p * bytes, in, bytes);
-      } else {
-        ps.push_back({comm.irecv(p, collectiveTag(ctx.seq, 0, 0, 0), o + p * bytes, bytes, dt(dtype)),
-                      p, "receive from"});
+      char* slice = rootBuffer + p * bytes;
+      if (p != r) {
+        ps.push_back(move(p, slice));
+      } else if (bytes && slice != mine) {
+        std::memcpy(toRoot ? slice : mine, toRoot ? mine : slice, bytes);
       }
     }
-  } else {
-    ps.push_back({comm.isend(root, collectiveTag(ctx.seq, 0, 0, 0), in, bytes, dt(dtype)), root,
-                  "send to"});
   }
   awaitAll(ctx, ps);
 }
 
+}  // namespace
+
+void gather(CollectiveContext& ctx, const void* in, size_t numel, c10::ScalarType dtype, void* out,
+            int root) {
+  rootedExchange(ctx, /*toRoot=*/true, static_cast<char*>(out), const_cast<void*>(in), numel,
+                 dtype, root);
+}
+
 void scatter(CollectiveContext& ctx, const void* in, void* out, size_t numel,
              c10::ScalarType dtype, int root) {
-  Communicator& comm = *ctx.comm;
-  const int n = comm.size(), r = comm.rank();
-  const size_t bytes = numel * c10::elementSize(dtype);
-  std::vector<Pending> ps;
-  if (r == root) {
-    const char* i = static_cast<const char*>(in);
-    for (int p = 0; p < n; ++p) {
-      if (p == r) {
-        if (bytes && out != i + p * bytes) std::memcpy(out, i + p * bytes, bytes);
-      } else {
-        ps.push_back({comm.isend(p, collectiveTag(ctx.seq, 0, 0, 0), i + p * bytes, bytes, dt(dtype)),
-                      p, "send to"});
-      }
-    }
-  } else {
-    ps.push_back({comm.irecv(root, collectiveTag(ctx.seq, 0, 0, 0), out, bytes, dt(dtype)), root,
-                  "receive from"});
-  }
-  awaitAll(ctx, ps);
+  rootedExchange(ctx, /*toRoot=*/false, static_cast<char*>(const_cast<void*>(in)), out, numel,
+                 dtype, root);
 }
 
 void alltoall(CollectiveContext& ctx, const void* in, const std::vector<size_t>& sendOffsets,

@@ -172,12 +172,8 @@ Landing Mailbox::arrive(int peer, const Envelope& env) {
     std::lock_guard<std::mutex> lock(mu_);
     r = takePosted(peer, env);
     if (!r) {
-      auto m = std::make_shared<Unexpected>();
-      m->peer = peer;
-      m->envelope = env;
+      auto m = queueUnexpectedLocked(peer, env);
       m->data.reset(new char[env.nbytes ? env.nbytes : 1]);
-      m->order = nextOrder_++;
-      unexpected_[{peer, env.tag}].push_back(m);
       Landing landing;
       landing.data = m->data.get();
       landing.capacity = env.nbytes;
@@ -197,6 +193,15 @@ Landing Mailbox::arrive(int peer, const Envelope& env) {
   return landingFor(r, peer, env);
 }
 
+std::shared_ptr<Mailbox::Unexpected> Mailbox::queueUnexpectedLocked(int peer, const Envelope& env) {
+  auto m = std::make_shared<Unexpected>();
+  m->peer = peer;
+  m->envelope = env;
+  m->order = nextOrder_++;
+  unexpected_[{peer, env.tag}].push_back(m);
+  return m;
+}
+
 void Mailbox::arriveWhenPosted(int peer, const Envelope& env, std::function<void(Landing)> ready) {
   if (isControlTag(env.tag)) {
     ready(arrive(peer, env));
@@ -207,12 +212,7 @@ void Mailbox::arriveWhenPosted(int peer, const Envelope& env, std::function<void
     std::lock_guard<std::mutex> lock(mu_);
     r = takePosted(peer, env);
     if (!r) {
-      auto m = std::make_shared<Unexpected>();
-      m->peer = peer;
-      m->envelope = env;
-      m->order = nextOrder_++;
-      m->deferred = std::move(ready);
-      unexpected_[{peer, env.tag}].push_back(m);
+      queueUnexpectedLocked(peer, env)->deferred = std::move(ready);
       return;
     }
   }

@@ -85,6 +85,8 @@ class Mailbox : public Inbox {
   using Key = std::pair<int, uint64_t>;
 
   std::exception_ptr mismatch(const RecvRequest& request, int peer, const Envelope& env) const;
+  // A message no receive has claimed yet, queued in arrival order (lock held).
+  std::shared_ptr<Unexpected> queueUnexpectedLocked(int peer, const Envelope& envelope);
   // Match `envelope` against posted receives (lock held); null when none matches.
   std::shared_ptr<RecvRequest> takePosted(int peer, const Envelope& envelope);
   // The landing of a matched receive (lock not held); fails it on a size/dtype mismatch.

@@ -660,38 +660,44 @@ void RdmaPair::fail(const std::string& lost) {
   // A peer that aborted said why first: report that rather than the broken connection.
   const std::string notice = inbox_->abortNotice(peer_);
   const std::string& cause = notice.empty() ? lost : notice;
-  std::deque<Pending> backlog;
-  std::map<uint64_t, InFlight> inFlight;
-  std::map<uint64_t, LargeSend> largeSends;
-  std::map<uint32_t, LargeRecv> largeRecvs;
+  Orphans orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_ || closing_) return;
     failed_ = true;
     failure_ = cause;
-    backlog.swap(backlog_);
-    inFlight.swap(inFlight_);
-    largeSends.swap(largeSends_);
-    largeRecvs.swap(largeRecvs_);
+    orphans = takePendingLocked();
     // Stop the NIC touching user buffers before their owners hear about the failure.
     ibv_qp_attr a{};
     a.qp_state = IBV_QPS_ERR;
     ibv_modify_qp(qp_.get(), &a, IBV_QP_STATE);
   }
-  auto err = error(cause);
+  orphans.failAll(error(cause));
+  inbox_->peerFailed(peer_, cause);
+}
+
+RdmaPair::Orphans RdmaPair::takePendingLocked() {
+  Orphans o;
+  o.backlog.swap(backlog_);
+  o.inFlight.swap(inFlight_);
+  o.largeSends.swap(largeSends_);
+  o.largeRecvs.swap(largeRecvs_);
+  return o;
+}
+
+void RdmaPair::Orphans::failAll(const std::exception_ptr& error) {
   for (auto& p : backlog) {
-    if (p.done) p.done(err);
+    if (p.done) p.done(error);
   }
   for (auto& kv : inFlight) {
-    if (kv.second.done) kv.second.done(err);
+    if (kv.second.done) kv.second.done(error);
   }
   for (auto& kv : largeSends) {
-    if (kv.second.done) kv.second.done(err);
+    if (kv.second.done) kv.second.done(error);
   }
   for (auto& kv : largeRecvs) {
-    if (kv.second.landing.done) kv.second.landing.done(err);
+    if (kv.second.landing.done) kv.second.landing.done(error);
   }
-  inbox_->peerFailed(peer_, cause);
 }
 
 void RdmaPair::close() {
@@ -733,30 +739,12 @@ void RdmaPair::close() {
   stop_.store(true);
   // Closed from a completion callback: the loop sees stop_ and exits; the destructor joins.
   if (progress_.joinable() && progress_.get_id() != std::this_thread::get_id()) progress_.join();
-  std::deque<Pending> backlog;
-  std::map<uint64_t, InFlight> inFlight;
-  std::map<uint64_t, LargeSend> largeSends;
-  std::map<uint32_t, LargeRecv> largeRecvs;
+  Orphans orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    backlog.swap(backlog_);
-    inFlight.swap(inFlight_);
-    largeSends.swap(largeSends_);
-    largeRecvs.swap(largeRecvs_);
+    orphans = takePendingLocked();
   }
-  auto err = error("rdma: pair to rank " + std::to_string(peer_) + " closed locally");
-  for (auto& p : backlog) {
-    if (p.done) p.done(err);
-  }
-  for (auto& kv : inFlight) {
-    if (kv.second.done) kv.second.done(err);
-  }
-  for (auto& kv : largeSends) {
-    if (kv.second.done) kv.second.done(err);
-  }
-  for (auto& kv : largeRecvs) {
-    if (kv.second.landing.done) kv.second.landing.done(err);
-  }
+  orphans.failAll(error("rdma: pair to rank " + std::to_string(peer_) + " closed locally"));
 }
 
 // ---- RdmaTransport ------------------------------------------------------------------------

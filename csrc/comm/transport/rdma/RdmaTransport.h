@@ -142,6 +142,15 @@ class RdmaPair : public Pair {
   void answerRts(const Ctrl& rts, Landing landing, Deferred& deferred);
   void fail(const std::string& cause);
   std::exception_ptr error(const std::string& what) const;
+  // Every pending completion, taken out of the pair (under mu_) to be failed outside the lock.
+  struct Orphans {
+    std::deque<Pending> backlog;
+    std::map<uint64_t, InFlight> inFlight;
+    std::map<uint64_t, LargeSend> largeSends;
+    std::map<uint32_t, LargeRecv> largeRecvs;
+    void failAll(const std::exception_ptr& error);
+  };
+  Orphans takePendingLocked();
   char* sendSlot(int i) const { return sendBuf_.get() + static_cast<size_t>(i) * slotBytes_; }
   char* recvSlot(int i) const { return recvBuf_.get() + static_cast<size_t>(i) * slotBytes_; }
 
