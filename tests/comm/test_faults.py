@@ -144,3 +144,33 @@ def test_op_timeout_is_honoured_and_reported_to_peers():
     assert "recv from rank 1" in r0["error"] and "timed out after 2000 ms" in r0["error"], r0
     assert 1.5 < r0["elapsed"] < 6, r0
     assert "rank 0 aborted its process group" in r1["error"] and "timed out" in r1["error"], r1
+
+
+def writes_into_an_abort(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    dist.barrier()
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 is sending by now
+        backend.abort()
+        time.sleep(1.0)
+        return {}
+    x = torch.ones(16384)  # 64 KiB: written whole by the calling thread, as fast as it can
+
+    def send_until_it_fails():
+        while True:
+            dist.send(x, 0)
+
+    return {"error": error_of(send_until_it_fails)}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_write_broken_by_a_peers_abort_reports_the_abort(transport: str):
+    # The write that finds rank 0's socket closed may fail before rank 1 has read rank 0's abort
+    # notice; the error must still carry the notice (the root cause), not "Broken pipe".
+    r1 = run_ranks(writes_into_an_abort, 2, env={"DICOMM_TRANSPORT": transport}, op_timeout_s=20)[1]
+    assert r1["error"] and "send to rank 0" in r1["error"], r1
+    assert "rank 0 aborted its process group" in r1["error"] and "abort() was called" in r1["error"], r1
+

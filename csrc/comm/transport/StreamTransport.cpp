@@ -156,8 +156,8 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
     }
     releaseLane(main_);
     if (!error.empty()) {
-      fail(error);
-      if (!remote) out.done(makeError(peer_, error));
+      auto cause = failWrite(error);
+      if (!remote) out.done(cause);
     } else if (!remote) {
       out.done(nullptr);
     }
@@ -213,8 +213,8 @@ void StreamPair::txLoop(Lane& lane) {
     lane.writing = false;
     if (!error.empty()) {
       lock.unlock();
-      if (out.done) out.done(makeError(peer_, error));
-      fail(error);
+      auto cause = failWrite(error);
+      if (out.done) out.done(cause);
       return;
     }
   }
@@ -378,8 +378,8 @@ void StreamPair::queueControl(Kind kind, uint64_t seq, int32_t status) {
     const int err = errno;
     if (k < 0 && err != EAGAIN && err != EWOULDBLOCK) {
       releaseLane(main_);
-      fail(std::string(config_.name) + ": send to rank " + std::to_string(peer_) +
-           " failed: " + errnoString(err));
+      failWrite(std::string(config_.name) + ": send to rank " + std::to_string(peer_) +
+                " failed: " + errnoString(err));
       return;
     }
     if (k == static_cast<ssize_t>(sizeof(Frame))) {
@@ -689,6 +689,21 @@ void StreamPair::shutdownLanes() {
   watchMain(true);  // even while a waiting thread had the main socket out of the epoll set
 }
 
+std::exception_ptr StreamPair::failWrite(const std::string& cause) {
+  // A write fails because the peer closed its end. A peer that aborted sent its notice first, so
+  // the main lane's reader is about to report that root cause: give it a moment to take the
+  // pair down before this write's own error does. (Not when this thread is the reader.)
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (reader_.load() != std::this_thread::get_id()) {
+      downCv_.wait_for(lock, kReaderGrace, [&] { return failed_ || closing_; });
+    }
+  }
+  fail(cause);  // nothing when the reader already failed the pair
+  std::lock_guard<std::mutex> lock(mu_);
+  return closedError();
+}
+
 void StreamPair::fail(const std::string& lost, bool cleanClose) {
   // A peer that aborted said why first (its notice precedes its close on the main lane).
   std::string cause = inbox_->abortNotice(peer_);
@@ -705,6 +720,7 @@ void StreamPair::fail(const std::string& lost, bool cleanClose) {
     failure_ = cause;
     orphans = takePendingLocked();
   }
+  downCv_.notify_all();
   shutdownLanes();
   orphans.failAll(makeError(peer_, cause));
   if (cleanClose) {
@@ -745,6 +761,7 @@ void StreamPair::close() {
     closing_ = true;
     orphans = takePendingLocked();
   }
+  downCv_.notify_all();
   shutdownLanes();
   for (auto& lane : lanes_) {
     for (std::thread* t : {&lane->rx, &lane->tx}) {

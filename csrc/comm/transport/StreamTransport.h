@@ -132,6 +132,10 @@ class StreamPair : public Pair {
   void queueControl(Kind kind, uint64_t seq, int32_t status = 0);
   void readInto(Lane& lane, void* dst, size_t n, bool keep);
   void fail(const std::string& cause, bool cleanClose = false);
+  // fail() for a write that broke; returns the error for the op that was writing (the pair's
+  // failure, which may be the peer's abort notice rather than this write's errno).
+  std::exception_ptr failWrite(const std::string& cause);
+  static constexpr std::chrono::milliseconds kReaderGrace{500};
   std::exception_ptr failure() const;
   std::exception_ptr closedError() const;
   void shutdownLanes();
@@ -166,6 +170,7 @@ class StreamPair : public Pair {
   std::atomic<bool> down_{false};          // failed or closing: threads and pollers leave
 
   std::mutex mu_;
+  std::condition_variable downCv_;  // failed_ or closing_ became true
   std::map<uint64_t, SendDone> awaitingAck_;
   std::map<uint64_t, Outgoing> awaitingCts_;  // sent kRts, payload waits for kCts
   std::map<uint64_t, Expected> expected_;     // sent kCts, kData/kPart will land here
