@@ -138,6 +138,32 @@ def check_all(rank: int, world: int, _port: int) -> dict:
     dist.broadcast_object_list(lst, src=0)
     assert lst == [{"from": 0, "payload": list(range(5))}], lst
     checks += 2
+    # coalesced collectives (FSDP's path): one Work for a batch of gathers or reduce-scatters
+    sizes = (5, 300)
+    xs = [rank_input(rank, n, torch.float32) for n in sizes]
+    gathered = [torch.empty(world * n) for n in sizes]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, x in zip(gathered, xs):
+            dist.all_gather_into_tensor(o, x)
+    cm.wait()
+    for o, n in zip(gathered, sizes):
+        close(o, torch.cat([rank_input(r, n, torch.float32) for r in range(world)]),
+              f"coalesced all_gather_into_tensor n={n}")
+    srcs = [torch.cat([rank_input(100 * rank + b, n, torch.float32) for b in range(world)]) for n in sizes]
+    scattered = [torch.empty(n) for n in sizes]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, x in zip(scattered, srcs):
+            dist.reduce_scatter_tensor(o, x)
+    cm.wait()
+    for o, n in zip(scattered, sizes):
+        close(o, reference([rank_input(100 * r + rank, n, torch.float32) for r in range(world)], "sum"),
+              f"coalesced reduce_scatter_tensor n={n}")
+    lists = [[torch.empty(n) for _ in range(world)] for n in sizes]
+    dist.all_gather_coalesced(lists, xs)
+    for lst, n in zip(lists, sizes):
+        for r in range(world):
+            close(lst[r], rank_input(r, n, torch.float32), f"all_gather_coalesced n={n} slot {r}")
+    checks += 3
     # point to point: ring with send/recv, isend/irecv, batch_isend_irecv, tags, any source
     right, left = (rank + 1) % world, (rank - 1) % world
     for numel in (1, 4096, 300_000):  # inline, medium, and cross-memory-attach sizes

@@ -278,6 +278,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::endCoalescing() {
   return group;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::asOneBatch(const std::function<void()>& issue) {
+  const bool nested = coalescing_;
+  if (!nested) startCoalescing();
+  try {
+    issue();
+  } catch (...) {
+    if (!nested) endCoalescing();  // what was issued still runs; later ops are not swallowed
+    throw;
+  }
+  return nested ? c10::intrusive_ptr<c10d::Work>() : endCoalescing();
+}
+
 // ---- point to point -----------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::pointToPoint(bool isSend,
@@ -468,15 +480,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allgather_coalesced(
     const c10d::AllgatherOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(), "dicomm allgather_coalesced: ", outputs.size(),
               " output lists for ", inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  bool wasCoalescing = coalescing_;
-  if (!wasCoalescing) startCoalescing();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<std::vector<at::Tensor>> o{outputs[i]};
-    std::vector<at::Tensor> in{inputs[i]};
-    allgather(o, in, opts);
-  }
-  return wasCoalescing ? c10::intrusive_ptr<c10d::Work>() : endCoalescing();
+  return asOneBatch([&] {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      std::vector<std::vector<at::Tensor>> o{outputs[i]};
+      std::vector<at::Tensor> in{inputs[i]};
+      allgather(o, in, opts);
+    }
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allgather_into_tensor_coalesced(
@@ -484,10 +494,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allgather_into_tensor_coalesc
     const c10d::AllgatherOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(), "dicomm all_gather_into_tensor_coalesced: ",
               outputs.size(), " outputs for ", inputs.size(), " inputs");
-  bool wasCoalescing = coalescing_;
-  if (!wasCoalescing) startCoalescing();
-  for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
-  return wasCoalescing ? c10::intrusive_ptr<c10d::Work>() : endCoalescing();
+  return asOneBatch([&] {
+    for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::gather(
@@ -619,10 +628,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce_scatter_tensor_coalesc
     const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(), "dicomm reduce_scatter_tensor_coalesced: ",
               outputs.size(), " outputs for ", inputs.size(), " inputs");
-  bool wasCoalescing = coalescing_;
-  if (!wasCoalescing) startCoalescing();
-  for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
-  return wasCoalescing ? c10::intrusive_ptr<c10d::Work>() : endCoalescing();
+  return asOneBatch([&] {
+    for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::alltoall_base(

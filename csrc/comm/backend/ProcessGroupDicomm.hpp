@@ -124,6 +124,9 @@ class ProcessGroupDicomm : public c10d::Backend {
   };
 
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
+  // The ops `issue` starts as one coalesced batch (one Work), or as part of the caller's batch
+  // when one is open (then no Work: the caller's endCoalescing() returns it).
+  c10::intrusive_ptr<c10d::Work> asOneBatch(const std::function<void()>& issue);
   c10::intrusive_ptr<WorkDicomm> makeWork(c10d::OpType type, std::string description,
                                           std::vector<at::Tensor> outputs,
                                           std::chrono::milliseconds timeout);
