@@ -7,8 +7,8 @@ Conventions (as nccl-tests): one-way latency = median round trip / 2 of a ping-p
 ranks 0 and 1; p2p bandwidth = bytes / one-way time; allreduce algbw = bytes / time and
 busbw = algbw * 2 (n - 1) / n. gloo and dicomm are measured in the same run on the same machine;
 the table prints dicomm/gloo ratios and the issue's targets; a PNG plot goes to --out. The same
-ping-pong over one plain blocking socket (raw-tcp, no torch) shows where the kernel's loopback
-TCP caps a single stream, which is where gloo sits for medium and large messages.
+ping-pong over one plain blocking socket (raw-tcp, no torch) shows what a single loopback TCP
+stream moves on this machine without any framework around it.
 """
 from __future__ import annotations
 
@@ -43,6 +43,27 @@ def _iters(nbytes: int, budget_s: float, est_bw: float = 1e9, lo: int = 3, hi: i
     return max(lo, min(hi, int(budget_s / est)))
 
 
+def _warm_up(round_trip, tiny) -> None:
+    """1000 untimed round trips (as nccl-tests' -w): fresh processes and connections run slower
+    for their first messages (lazy set-up, page faults, and the scheduler spreading the two
+    ranks over the cores, which takes tens of milliseconds)."""
+    for _ in range(1000):
+        round_trip(tiny)
+
+
+def _time_ping_pong(round_trip, buf, nbytes: int, budget: float) -> dict:
+    """One-way latency (median round trip / 2) and bandwidth of `round_trip(buf)`, timed over at
+    least 10 round trips (a median of 3 is noise) after WARMUP untimed ones."""
+    rtts = []
+    for i in range(_iters(2 * nbytes, budget, lo=10, hi=1000) + WARMUP):
+        t0 = time.perf_counter()
+        round_trip(buf)
+        if i >= WARMUP:
+            rtts.append(time.perf_counter() - t0)
+    one_way = statistics.median(rtts) / 2
+    return {"lat_us": one_way * 1e6, "bw_GBs": nbytes / one_way / 1e9}
+
+
 def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if transport:
@@ -57,38 +78,25 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     res = {"p2p": {}, "allreduce": {}}
     # ---- ping-pong between ranks 0 and 1 ----
+    peer = 1 - rank
+
+    def round_trip(t):
+        if rank == 0:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+
     if rank < 2 and sizes:
-        # Warm-up (as nccl-tests' -w): fresh processes and connections run slower for their
-        # first messages (lazy set-up, page faults, and the scheduler spreading the two ranks
-        # over the cores, which takes tens of milliseconds).
-        tiny = torch.zeros(2)
-        for _ in range(1000):
-            if rank == 0:
-                dist.send(tiny, 1 - rank)
-                dist.recv(tiny, 1 - rank)
-            else:
-                dist.recv(tiny, 1 - rank)
-                dist.send(tiny, 1 - rank)
+        _warm_up(round_trip, torch.zeros(2))
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32) if nbytes >= 4 else torch.zeros(nbytes, dtype=torch.uint8)
-        n = _iters(2 * nbytes, budget, lo=10, hi=1000)  # >= 10 samples: a median of 3 is noise
         dist.barrier()
-        rtts = []
         if rank < 2:
-            peer = 1 - rank
-            for i in range(n + WARMUP):
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, peer)
-                    dist.recv(buf, peer)
-                else:
-                    dist.recv(buf, peer)
-                    dist.send(buf, peer)
-                if i >= WARMUP:
-                    rtts.append(time.perf_counter() - t0)
-        if rank == 0:
-            one_way = statistics.median(rtts) / 2
-            res["p2p"][nbytes] = {"lat_us": one_way * 1e6, "bw_GBs": nbytes / one_way / 1e9}
+            timed = _time_ping_pong(round_trip, buf, nbytes, budget)
+            if rank == 0:
+                res["p2p"][nbytes] = timed
         del buf
     # ---- allreduce ----
     for nbytes in ar_sizes:
@@ -115,8 +123,8 @@ def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
 
 
 def _raw_tcp_worker(rank, port, sizes, budget, q):
-    """One blocking loopback TCP socket, ping-pong as in _worker: the kernel's ceiling for one
-    stream on this machine (no framing, no threads, no torch), measured beside gloo and dicomm."""
+    """One blocking loopback TCP socket, ping-pong as in _worker: what one plain stream moves on
+    this machine (no framing, no threads, no torch), measured beside gloo and dicomm."""
     if rank == 0:
         with socket.socket() as ls:
             ls.bind(("127.0.0.1", port))
@@ -153,20 +161,8 @@ def _raw_tcp_worker(rank, port, sizes, budget, q):
             recv(view)
             send(view)
 
-    tiny = memoryview(bytearray(8))
-    for _ in range(1000):  # warm-up, as the torch workers do
-        round_trip(tiny)
-    res = {}
-    for nbytes in sizes:
-        view = memoryview(bytearray(nbytes))
-        rtts = []
-        for i in range(_iters(2 * nbytes, budget, lo=10, hi=1000) + WARMUP):
-            t0 = time.perf_counter()
-            round_trip(view)
-            if i >= WARMUP:
-                rtts.append(time.perf_counter() - t0)
-        one_way = statistics.median(rtts) / 2
-        res[nbytes] = {"lat_us": one_way * 1e6, "bw_GBs": nbytes / one_way / 1e9}
+    _warm_up(round_trip, memoryview(bytearray(8)))
+    res = {n: _time_ping_pong(round_trip, memoryview(bytearray(n)), n, budget) for n in sizes}
     s.close()
     if rank == 0:
         q.put(res)
@@ -241,7 +237,7 @@ def main(argv=None) -> int:
 
     # ---- tables ----
     print("\nPoint-to-point, 2 ranks (one-way latency us / bandwidth GB/s); raw-tcp: one blocking")
-    print("loopback socket without torch, the kernel's ceiling for a single stream")
+    print("loopback socket without torch (what one plain stream moves here)")
     hdr = (f"{'size':>9} | {'gloo':>17} | {'dicomm-tcp':>17} | {'dicomm-shm':>17} | {'raw-tcp':>17} | "
            f"{'tcp/gloo':>8} | {'shm/gloo':>8} | {'gloo/raw':>8}")
     print(hdr)
