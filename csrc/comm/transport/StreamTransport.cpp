@@ -84,7 +84,8 @@ StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig
         return lanes;
       }()),
       main_(*lanes_.at(0)),
-      mainReady_(::epoll_create1(EPOLL_CLOEXEC)) {
+      mainReady_(::epoll_create1(EPOLL_CLOEXEC)),
+      dataLanesOpen_(static_cast<int>(lanes_.size()) - 1) {
   if (!mainReady_) {
     throw TransportError(peer, std::string(config_.name) + ": epoll_create1 for rank " +
                                    std::to_string(peer) + " failed: " + errnoString(errno));
@@ -501,8 +502,14 @@ bool StreamPair::readMainFrame() {
   if (!readMain(&frame, sizeof(frame), /*eofOk=*/true)) {
     bool goodbye;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       goodbye = peerSaidGoodbye_;
+      // A peer that shut down cleanly wrote every part it sent before its goodbye, but parts on
+      // the data lanes may still be on their way: let those lanes drain to their own EOF first,
+      // or a message the peer completed would be failed here.
+      if (goodbye) {
+        downCv_.wait_for(lock, kDrainGrace, [&] { return dataLanesOpen_ == 0 || failed_ || closing_; });
+      }
     }
     fail(std::string(config_.name) + ": " +
              (goodbye ? "connection to rank " + std::to_string(peer_) +
@@ -638,6 +645,16 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
 }
 
 void StreamPair::laneRxLoop(Lane& lane) {
+  struct Closed {  // on every way out: the main lane's reader may wait for this lane (kDrainGrace)
+    StreamPair* pair;
+    ~Closed() {
+      {
+        std::lock_guard<std::mutex> lock(pair->mu_);
+        --pair->dataLanesOpen_;
+      }
+      pair->downCv_.notify_all();
+    }
+  } closed{this};
   try {
     while (true) {
       Frame frame;

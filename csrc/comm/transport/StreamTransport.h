@@ -136,6 +136,8 @@ class StreamPair : public Pair {
   // failure, which may be the peer's abort notice rather than this write's errno).
   std::exception_ptr failWrite(const std::string& cause);
   static constexpr std::chrono::milliseconds kReaderGrace{500};
+  // How long a clean goodbye waits for the data lanes to deliver what was sent before it.
+  static constexpr std::chrono::seconds kDrainGrace{10};
   std::exception_ptr failure() const;
   std::exception_ptr closedError() const;
   void shutdownLanes();
@@ -174,6 +176,7 @@ class StreamPair : public Pair {
   std::map<uint64_t, SendDone> awaitingAck_;
   std::map<uint64_t, Outgoing> awaitingCts_;  // sent kRts, payload waits for kCts
   std::map<uint64_t, Expected> expected_;     // sent kCts, kData/kPart will land here
+  int dataLanesOpen_;                         // data lanes whose receive thread still runs
   uint64_t nextSeq_ = 1;
   bool closing_ = false;
   bool failed_ = false;
