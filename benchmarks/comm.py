@@ -5,10 +5,15 @@
 
 Conventions (as nccl-tests): one-way latency = median round trip / 2 of a ping-pong between
 ranks 0 and 1; p2p bandwidth = bytes / one-way time; allreduce algbw = bytes / time and
-busbw = algbw * 2 (n - 1) / n. gloo and dicomm are measured in the same run on the same machine;
-the table prints dicomm/gloo ratios and the issue's targets; a PNG plot goes to --out. The same
-ping-pong over one plain blocking socket (raw-tcp, no torch) shows what a single loopback TCP
-stream moves on this machine without any framework around it.
+busbw = algbw * 2 (n - 1) / n. The table prints dicomm/gloo ratios and the issue's targets; a
+PNG plot goes to --out. The same ping-pong over one plain blocking socket (raw-tcp, no torch
+framing) shows what a single loopback TCP stream moves on this machine.
+
+Every contender runs in the same processes, on groups side by side (gloo, dicomm over tcp, over
+shm, and the raw socket), and they take turns: each size is timed in ROUNDS rounds, each round
+running every contender once in an order rotated from round to round. A shared VM drifts by 2x
+within a minute (where the scheduler puts the ranks, steal time); taking turns makes that drift
+hit every contender alike instead of whichever ran during a bad minute.
 """
 from __future__ import annotations
 
@@ -22,14 +27,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MiB = 1 << 20
-# Round trips per size before timing (nccl-tests' -w default): first touches of the pages, and
-# the kernel growing a connection's buffers to the message size (TCP auto-tuning).
-WARMUP = 5
+ROUNDS = 5
 
 
 def _free_port() -> int:
@@ -38,93 +42,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _iters(nbytes: int, budget_s: float, est_bw: float = 1e9, lo: int = 3, hi: int = 300) -> int:
+def _iters(nbytes: int, budget_s: float, lo: int, hi: int, est_bw: float = 1e9) -> int:
     est = 60e-6 + nbytes / est_bw
     return max(lo, min(hi, int(budget_s / est)))
 
 
-def _warm_up(round_trip, tiny) -> None:
-    """1000 untimed round trips (as nccl-tests' -w): fresh processes and connections run slower
-    for their first messages (lazy set-up, page faults, and the scheduler spreading the two
-    ranks over the cores, which takes tens of milliseconds)."""
-    for _ in range(1000):
-        round_trip(tiny)
+def _take_turns(contenders: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
+    """Call each contender's sampler once per round, the order rotated every round; return each
+    contender's samples from all rounds. Every rank must call this with the same contenders."""
+    names = list(contenders)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            samples[name].extend(contenders[name]())
+    return samples
 
 
-def _time_ping_pong(round_trip, buf, nbytes: int, budget: float) -> dict:
-    """One-way latency (median round trip / 2) and bandwidth of `round_trip(buf)`, timed over at
-    least 10 round trips (a median of 3 is noise) after WARMUP untimed ones."""
-    rtts = []
-    for i in range(_iters(2 * nbytes, budget, lo=10, hi=1000) + WARMUP):
-        t0 = time.perf_counter()
-        round_trip(buf)
-        if i >= WARMUP:
-            rtts.append(time.perf_counter() - t0)
-    one_way = statistics.median(rtts) / 2
-    return {"lat_us": one_way * 1e6, "bw_GBs": nbytes / one_way / 1e9}
+def _ping_pong_sampler(round_trip: Callable, nbytes: int, budget: float) -> Callable[[], list[float]]:
+    """A sampler timing round trips of `nbytes` (at least 4 per call, so 4 x ROUNDS in all, after untimed warm-up ones:
+    the contender's threads slept while the others ran)."""
+    timed = _iters(2 * nbytes, budget / ROUNDS, lo=4, hi=400)
+    warm = _iters(2 * nbytes, budget / ROUNDS / 10, lo=1, hi=20)
 
-
-def _worker(rank, world, port, backend, transport, sizes, ar_sizes, budget, q):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    if transport:
-        os.environ["DICOMM_TRANSPORT"] = transport
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    if backend == "dicomm":
-        import dicomm  # noqa: F401
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
-    res = {"p2p": {}, "allreduce": {}}
-    # ---- ping-pong between ranks 0 and 1 ----
-    peer = 1 - rank
-
-    def round_trip(t):
-        if rank == 0:
-            dist.send(t, peer)
-            dist.recv(t, peer)
-        else:
-            dist.recv(t, peer)
-            dist.send(t, peer)
-
-    if rank < 2 and sizes:
-        _warm_up(round_trip, torch.zeros(2))
-    for nbytes in sizes:
-        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32) if nbytes >= 4 else torch.zeros(nbytes, dtype=torch.uint8)
-        dist.barrier()
-        if rank < 2:
-            timed = _time_ping_pong(round_trip, buf, nbytes, budget)
-            if rank == 0:
-                res["p2p"][nbytes] = timed
-        del buf
-    # ---- allreduce ----
-    for nbytes in ar_sizes:
-        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-        n = _iters(4 * nbytes, budget, est_bw=1e9, lo=2, hi=200)
-        dist.all_reduce(t)  # warm-up
-        times = []
-        for _ in range(3):
-            dist.barrier()
+    def sample() -> list[float]:
+        rtts = []
+        for i in range(warm + timed):
             t0 = time.perf_counter()
-            for _ in range(n):
-                dist.all_reduce(t)
-            times.append((time.perf_counter() - t0) / n)
-        tt = statistics.median(times)
-        algbw = t.numel() * 4 / tt / 1e9
-        if rank == 0:
-            res["allreduce"][nbytes] = {"time_us": tt * 1e6, "algbw_GBs": algbw,
-                                        "busbw_GBs": algbw * 2 * (world - 1) / world}
-        del t
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        q.put(res)
+            round_trip()
+            if i >= warm:
+                rtts.append(time.perf_counter() - t0)
+        return rtts
+
+    return sample
 
 
-def _raw_tcp_worker(rank, port, sizes, budget, q):
-    """One blocking loopback TCP socket, ping-pong as in _worker: what one plain stream moves on
-    this machine (no framing, no threads, no torch), measured beside gloo and dicomm."""
+def _raw_socket(rank: int, port: int) -> socket.socket:
+    """A plain blocking loopback TCP connection between ranks 0 and 1 (TCP_NODELAY, as gloo)."""
     if rank == 0:
         with socket.socket() as ls:
             ls.bind(("127.0.0.1", port))
@@ -141,29 +95,119 @@ def _raw_tcp_worker(rank, port, sizes, budget, q):
                     raise
                 time.sleep(0.05)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
 
-    def send(view):
-        s.sendall(view)
 
-    def recv(view):
-        got = 0
-        while got < len(view):
-            k = s.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-            if k == 0:
-                raise ConnectionError("raw-tcp peer closed")
-            got += k
+def _worker(rank, world, port, raw_port, sizes, ar_sizes, budget, q):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
 
-    def round_trip(view):
+    import dicomm  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+
+    def dicomm_group(transport: str | None):
+        # The transport is read when a group connects: set it for this group only.
+        saved = os.environ.pop("DICOMM_TRANSPORT", None)
+        if transport:
+            os.environ["DICOMM_TRANSPORT"] = transport
+        group = dist.new_group(backend="dicomm")
+        os.environ.pop("DICOMM_TRANSPORT", None)
+        if saved is not None:
+            os.environ["DICOMM_TRANSPORT"] = saved
+        return group
+
+    def log(text: str) -> None:
         if rank == 0:
-            send(view)
-            recv(view)
-        else:
-            recv(view)
-            send(view)
+            print(f"[{time.strftime('%H:%M:%S')}] {world} ranks: {text}", flush=True)
 
-    _warm_up(round_trip, memoryview(bytearray(8)))
-    res = {n: _time_ping_pong(round_trip, memoryview(bytearray(n)), n, budget) for n in sizes}
-    s.close()
+    res: dict = {"p2p": {}, "allreduce": {}}
+    if sizes and world == 2:
+        # gloo gets a group of its own too: ops on a new group cost the same Python path for all.
+        groups = {"gloo": dist.new_group(backend="gloo"), "dicomm-tcp": dicomm_group("tcp"),
+                  "dicomm-shm": dicomm_group("shm")}
+        raw = _raw_socket(rank, raw_port)
+        peer = 1 - rank
+
+        def torch_round_trip(buf, group):
+            def round_trip():
+                if rank == 0:
+                    dist.send(buf, peer, group=group)
+                    dist.recv(buf, peer, group=group)
+                else:
+                    dist.recv(buf, peer, group=group)
+                    dist.send(buf, peer, group=group)
+            return round_trip
+
+        def raw_round_trip(buf):
+            view = memoryview(buf.numpy()).cast("B")
+
+            def recv():
+                got = 0
+                while got < len(view):
+                    k = raw.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+                    if k == 0:
+                        raise ConnectionError("raw-tcp peer closed")
+                    got += k
+
+            def round_trip():
+                if rank == 0:
+                    raw.sendall(view)
+                    recv()
+                else:
+                    recv()
+                    raw.sendall(view)
+            return round_trip
+
+        def contenders(buf, nbytes: int) -> dict:
+            out = {label: _ping_pong_sampler(torch_round_trip(buf, g), nbytes, budget)
+                   for label, g in groups.items()}
+            out["raw-tcp"] = _ping_pong_sampler(raw_round_trip(buf), nbytes, budget)
+            return out
+
+        # Fresh processes and connections run slower for their first messages (lazy set-up,
+        # page faults, the scheduler spreading the ranks over the cores): as nccl-tests' -w.
+        tiny = torch.zeros(2)
+        for sample in contenders(tiny, 8).values():
+            for _ in range(50):
+                sample()
+        for nbytes in sizes:
+            log(f"p2p {fmt_size(nbytes)}")
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+            for label, rtts in _take_turns(contenders(buf, nbytes), ROUNDS).items():
+                one_way = statistics.median(rtts) / 2
+                res["p2p"].setdefault(label, {})[nbytes] = {"lat_us": one_way * 1e6,
+                                                             "bw_GBs": nbytes / one_way / 1e9}
+        raw.close()
+
+    ar_groups = {"gloo": dist.new_group(backend="gloo"), "dicomm": dicomm_group(None)}
+    for nbytes in ar_sizes:
+        log(f"allreduce {fmt_size(nbytes)}")
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        n = _iters(4 * nbytes, budget / ROUNDS, lo=2, hi=200)
+
+        def sampler(group):
+            def sample() -> list[float]:
+                dist.all_reduce(t, group=group)  # warm-up: this group's threads slept meanwhile
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    dist.all_reduce(t, group=group)
+                return [(time.perf_counter() - t0) / n]
+            return sample
+
+        times = _take_turns({label: sampler(g) for label, g in ar_groups.items()}, ROUNDS)
+        for label, ts in times.items():
+            tt = statistics.median(ts)
+            algbw = t.numel() * 4 / tt / 1e9
+            res["allreduce"].setdefault(f"{label}/{world}", {})[nbytes] = {
+                "time_us": tt * 1e6, "algbw_GBs": algbw, "busbw_GBs": algbw * 2 * (world - 1) / world}
+        del t
+    dist.barrier()
+    dist.destroy_process_group()
     if rank == 0:
         q.put(res)
 
@@ -185,18 +229,12 @@ def _spawn(target, per_rank_args) -> dict:
                 p.kill()
 
 
-def run_raw_tcp(sizes, budget: float) -> dict:
-    """Ping-pong of `sizes` over one blocking loopback TCP socket between two processes."""
-    port = _free_port()
-    return _spawn(_raw_tcp_worker, [(r, port, sizes, budget) for r in range(2)])
-
-
-def run(backend: str, transport: str | None, world: int, sizes, ar_sizes, budget: float) -> dict:
-    """gloo or dicomm on `world` spawned local ranks: p2p ping-pong of `sizes` between ranks 0
-    and 1, allreduce of `ar_sizes`; returns rank 0's results."""
-    port = _free_port()
-    return _spawn(_worker, [(r, world, port, backend, transport, sizes, ar_sizes, budget)
-                            for r in range(world)])
+def run(world: int, sizes, ar_sizes, budget: float) -> dict:
+    """gloo and dicomm on `world` spawned local ranks, taking turns: p2p ping-pong of `sizes`
+    between ranks 0 and 1 (world 2 only: gloo, dicomm over tcp and shm, one raw socket) and
+    allreduce of `ar_sizes`; returns rank 0's results."""
+    port, raw_port = _free_port(), _free_port()
+    return _spawn(_worker, [(r, world, port, raw_port, sizes, ar_sizes, budget) for r in range(world)])
 
 
 def fmt_size(n: int) -> str:
@@ -221,19 +259,14 @@ def main(argv=None) -> int:
     budget = 0.5 if args.quick else 1.5
     worlds = [int(w) for w in args.ranks.split(",")]
 
-    # (label, backend, transport)
-    p2p_cfgs = [("gloo", "gloo", None), ("dicomm-tcp", "dicomm", "tcp"), ("dicomm-shm", "dicomm", "shm")]
     results: dict = {"p2p": {}, "allreduce": {}}
-    t_start = time.time()
-    for label, backend, transport in p2p_cfgs:
-        print(f"[{time.time() - t_start:6.0f}s] p2p  {label:11s} 2 ranks ...", flush=True)
-        results["p2p"][label] = run(backend, transport, 2, sizes, [], budget)["p2p"]
-    print(f"[{time.time() - t_start:6.0f}s] p2p  raw-tcp     one blocking socket ...", flush=True)
-    results["p2p"]["raw-tcp"] = run_raw_tcp(sizes, budget)
     for world in worlds:
-        for label, backend, transport in [("gloo", "gloo", None), ("dicomm", "dicomm", None)]:
-            print(f"[{time.time() - t_start:6.0f}s] allreduce {label:7s} {world} ranks ...", flush=True)
-            results["allreduce"][f"{label}/{world}"] = run(backend, transport, world, [], sizes, budget)["allreduce"]
+        r = run(world, sizes if world == 2 else [], sizes, budget)
+        results["p2p"].update(r["p2p"])
+        results["allreduce"].update(r["allreduce"])
+    if not results["p2p"]:
+        r = run(2, sizes, [], budget)
+        results["p2p"].update(r["p2p"])
 
     # ---- tables ----
     print("\nPoint-to-point, 2 ranks (one-way latency us / bandwidth GB/s); raw-tcp: one blocking")
