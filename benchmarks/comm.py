@@ -253,8 +253,7 @@ def main(argv=None) -> int:
 
     top = 64 * MiB if args.quick else 256 * MiB
     sizes = [8] + [1 << k for k in range(6, 29, 3) if (1 << k) <= top]
-    if 64 * MiB not in sizes and top >= 64 * MiB:
-        sizes.append(64 * MiB)
+    sizes += [64 * MiB, top]  # the 64 MiB targets, and the largest size asked for
     sizes = sorted(set(sizes))
     budget = 0.5 if args.quick else 1.5
     worlds = [int(w) for w in args.ranks.split(",")]
