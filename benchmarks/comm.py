@@ -60,8 +60,8 @@ def _take_turns(contenders: dict[str, Callable[[], list[float]]], rounds: int) -
 
 
 def _ping_pong_sampler(round_trip: Callable, nbytes: int, budget: float) -> Callable[[], list[float]]:
-    """A sampler timing round trips of `nbytes` (at least 4 per call, so 4 x ROUNDS in all, after untimed warm-up ones:
-    the contender's threads slept while the others ran)."""
+    """A sampler timing round trips of `nbytes`: at least 4 per call (4 x ROUNDS in all), after a
+    few untimed ones, since the contender's threads slept while the others ran."""
     timed = _iters(2 * nbytes, budget / ROUNDS, lo=4, hi=400)
     warm = _iters(2 * nbytes, budget / ROUNDS / 10, lo=1, hi=20)
 
@@ -171,9 +171,9 @@ def _worker(rank, world, port, raw_port, sizes, ar_sizes, budget, q):
         # Fresh processes and connections run slower for their first messages (lazy set-up,
         # page faults, the scheduler spreading the ranks over the cores): as nccl-tests' -w.
         tiny = torch.zeros(2)
-        for sample in contenders(tiny, 8).values():
-            for _ in range(50):
-                sample()
+        for round_trip in [torch_round_trip(tiny, g) for g in groups.values()] + [raw_round_trip(tiny)]:
+            for _ in range(1000):
+                round_trip()
         for nbytes in sizes:
             log(f"p2p {fmt_size(nbytes)}")
             buf = torch.zeros(nbytes, dtype=torch.uint8)
