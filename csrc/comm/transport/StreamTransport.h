@@ -17,8 +17,8 @@
 // itself when nothing is queued (no lock held while writing, and a reading thread never waits
 // for buffer space), and a thread waiting for this peer's message reads the main lane itself
 // (progress()). The main lane has one reader at a time (readMu_); while a waiting thread reads,
-// the socket is out of the receive thread's epoll set, so that thread sleeps instead of being
-// woken by every frame it will not read.
+// the socket's events are masked in the receive thread's epoll set, so that thread sleeps
+// instead of being woken by every frame it will not read.
 #pragma once
 
 #include <sys/types.h>
@@ -124,7 +124,7 @@ class StreamPair : public Pair {
   bool readMain(void* dst, size_t n, bool eofOk);
   ssize_t fillMain(bool block);  // bytes added, 0 on EOF, -1 if it would block (block=false)
   bool mainReadable();           // a frame has started: buffered bytes, or the socket has some
-  void watchMain(bool on);  // the main socket in (true) or out of the receive thread's epoll set
+  void watchMain(bool on);  // unmask (true) or mask the main socket in the receive thread's epoll set
   void laneRxLoop(Lane& lane);
   void txLoop(Lane& lane);
   void writeFrame(Lane& lane, const Outgoing& out);  // throws TransportError
