@@ -111,3 +111,95 @@ def test_peer_dies_while_a_thread_polls_its_connection(transport: str) -> None:
     assert r0["error"] is not None, "recv from a dead peer returned"
     assert "recv from rank 1" in r0["error"] and "rank 1" in r0["error"].split("failed:", 1)[1]
     assert r0["seconds"] < 10, f"failure took {r0['seconds']:.1f} s to surface"
+
+
+def wait_unpolled(work, limit_s: float = 10.0) -> float:
+    """Seconds until `work` completes, watched with is_completed() only: no wait(), so no
+    thread polls the connection for it."""
+    t0 = time.monotonic()
+    while not work.is_completed():
+        if time.monotonic() - t0 > limit_s:
+            raise TimeoutError(f"not completed after {limit_s} s without a waiter")
+        time.sleep(0.0005)
+    return time.monotonic() - t0
+
+
+def ping_pong(rank: int, n: int) -> None:
+    """`n` polled round trips: each waiter leaves its connection parked for the next message."""
+    import torch.distributed as dist
+
+    t = torch.zeros(2)
+    for _ in range(n):
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+
+
+def parked_then_unpolled(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    ping_pong(rank, 50)
+    # A small message nobody polls for, sent while the receiver's connection is parked.
+    if rank == 0:
+        dist.send(pattern(8, 1), dst=1, tag=7)
+    else:
+        got = torch.empty(8, dtype=torch.uint8)
+        out["small_s"] = wait_unpolled(dist.irecv(got, src=0, tag=7))
+        out["small_ok"] = torch.equal(got, pattern(8, 1))
+    ping_pong(rank, 50)
+    # A rendezvous message neither side waits on: its answers (CTS, then the payload) need the
+    # receive threads of both parked connections.
+    n = 3 * MiB + 3
+    if rank == 0:
+        out["large_s"] = wait_unpolled(dist.isend(pattern(n, 2), dst=1, tag=8))
+    else:
+        got = torch.empty(n, dtype=torch.uint8)
+        out["large_s"] = wait_unpolled(dist.irecv(got, src=0, tag=8))
+        out["large_ok"] = torch.equal(got, pattern(n, 2))
+    ping_pong(rank, 50)
+    # A collective right after polled point-to-point traffic.
+    x = torch.tensor([rank + 1.0])
+    dist.all_reduce(x)
+    out["allreduce"] = x.item()
+    return out
+
+
+def dies_while_parked(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+
+    ping_pong(rank, 50)
+    if rank == 1:
+        time.sleep(0.2)
+        os._exit(3)
+    pending = dist.irecv(torch.zeros(2), src=1, tag=9)  # nobody polls for it
+    seconds = wait_unpolled(pending)
+    try:
+        pending.wait()
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e), "seconds": seconds}
+
+
+# Parking hands a connection's reading to the thread that just waited on it; what arrives for
+# nobody's wait must still be read (by the receive thread, within 1 ms of the last poll).
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_parked_connections_deliver_what_nobody_polls_for(transport: str) -> None:
+    results = run_ranks(parked_then_unpolled, 2, env={"DICOMM_TRANSPORT": transport}, op_timeout_s=60)
+    r0, r1 = results[0], results[1]
+    assert r1["small_ok"] and r1["large_ok"]
+    assert r0["allreduce"] == r1["allreduce"] == 3.0
+    for who, key in ((r1, "small_s"), (r0, "large_s"), (r1, "large_s")):
+        assert who[key] < 2.0, f"{key}: {who[key]:.3f} s ({transport})"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_peer_dies_while_a_connection_is_parked(transport: str) -> None:
+    results = run_ranks(dies_while_parked, 2, env={"DICOMM_TRANSPORT": transport}, op_timeout_s=60,
+                        expect_exit={1})
+    r0 = results[0]
+    assert r0["error"] is not None and "rank 1" in r0["error"], r0
+    assert r0["seconds"] < 5.0, f"the failure took {r0['seconds']:.2f} s to surface"

@@ -145,6 +145,7 @@ void ProcessGroupDicomm::collectiveLoop() {
     ctx.op = q.work->description();
     ctx.chunkBytes = options_.chunkBytes;
     ctx.abort = [this](const std::string& cause) { abortWith(cause); };
+    comm_->unpark(-1);  // collectives are read by the transports' threads, not by pollers
     try {
       q.task(ctx);
       q.work->markDone(nullptr);
@@ -309,10 +310,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::pointToPoint(bool isSend,
   auto view = std::make_shared<HostView>(t, options_.staging, /*load=*/isSend);
   const int32_t dtype = static_cast<int32_t>(view->dtype());
   if (peer >= 0 && !coalescing_) {
-    Communicator* comm = comm_.get();
-    work->setProgress([comm, peer](const std::atomic<bool>& done, auto until) {
-      return comm->progress(peer, done, until);
-    });
+    work->pollPeer(comm_.get(), peer);
+  } else {
+    comm_->unpark(peer);  // nobody will poll for this op: the transports' threads read
   }
   if (isSend) {
     comm_->isend(peer, p2pTag(tag), view->data(), view->nbytes(), dtype,

@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "comm/backend/ProcessGroupDicomm.hpp"
+#include "comm/core/Communicator.h"
 #include "comm/transport/Env.h"
 
 namespace dicomm {
@@ -104,8 +105,9 @@ bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
   // when this thread can read the peer's messages itself, no other thread needs waking at all.
   const auto spinUntil = std::chrono::steady_clock::now() + spinBudget();
   while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-    if (!progress_ || !progress_(done_, spinUntil)) std::this_thread::yield();
+    if (!comm_ || !comm_->progress(peer_, done_, spinUntil)) std::this_thread::yield();
   }
+  if (comm_ && !done_.load(std::memory_order_acquire)) comm_->unpark(peer_);  // it reads for us
   auto until = deadline_;
   if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);
   {

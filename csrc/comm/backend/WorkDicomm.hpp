@@ -13,6 +13,7 @@
 
 namespace dicomm {
 
+class Communicator;
 class ProcessGroupDicomm;
 
 class WorkDicomm : public c10d::Work {
@@ -31,11 +32,12 @@ class WorkDicomm : public c10d::Work {
   void markDone(std::exception_ptr error, int source = -1);
   // Runs `fn` once the work is done (immediately if it already is).
   void onDone(std::function<void(WorkDicomm&)> fn);
-  // How wait() may drive the transport itself while it polls (Pair::progress): set for ops
-  // whose completion arrives from one known peer.
-  using Progress = std::function<bool(const std::atomic<bool>& done,
-                                      std::chrono::steady_clock::time_point until)>;
-  void setProgress(Progress progress) { progress_ = std::move(progress); }
+  // The one peer whose messages complete this op: wait() reads them itself while it polls
+  // (Communicator::progress), and hands reading back to the transport before it sleeps.
+  void pollPeer(Communicator* comm, int peer) {
+    comm_ = comm;
+    peer_ = peer;
+  }
 
   const std::string& description() const { return description_; }
   std::chrono::steady_clock::time_point deadline() const { return deadline_; }
@@ -52,7 +54,8 @@ class WorkDicomm : public c10d::Work {
                        const std::vector<at::Tensor>& outputs);
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by mutex_; made by getFuture()
   std::atomic<bool> done_{false};
-  Progress progress_;
+  Communicator* comm_ = nullptr;  // with peer_: set by pollPeer()
+  int peer_ = -1;
   std::atomic<int> source_{-1};
   std::vector<std::function<void(WorkDicomm&)>> callbacks_;  // guarded by mutex_
 };

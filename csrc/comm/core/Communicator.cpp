@@ -206,6 +206,17 @@ bool Communicator::progress(int peer, const std::atomic<bool>& done,
   return pairs_[peer]->progress(done, until);
 }
 
+void Communicator::unpark(int peer) {
+  if (closed_) return;
+  if (peer >= 0) {
+    if (peer < size() && pairs_[peer]) pairs_[peer]->unpark();
+    return;
+  }
+  for (auto& pair : pairs_) {
+    if (pair) pair->unpark();
+  }
+}
+
 void Communicator::setFailureHandler(std::function<void(int, const std::string&)> handler) {
   onFailure_ = std::move(handler);
 }

@@ -55,6 +55,9 @@ class Communicator {
   // Handle `peer`'s incoming messages on this thread until `done` or `until` (Pair::progress);
   // false when that is not possible now (the caller waits instead).
   bool progress(int peer, const std::atomic<bool>& done, std::chrono::steady_clock::time_point until);
+  // Hand reading back to the transports' own threads (Pair::unpark) for `peer`, or every peer
+  // when -1: before waiting for messages without polling for them.
+  void unpark(int peer);
 
   // Stop every transport thread, then fail all pending receives with `error`. Not callable from
   // a transport thread. Idempotent.

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -85,16 +86,18 @@ StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig
       }()),
       main_(*lanes_.at(0)),
       mainReady_(::epoll_create1(EPOLL_CLOEXEC)),
+      parkBell_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
       dataLanesOpen_(static_cast<int>(lanes_.size()) - 1) {
-  if (!mainReady_) {
-    throw TransportError(peer, std::string(config_.name) + ": epoll_create1 for rank " +
-                                   std::to_string(peer) + " failed: " + errnoString(errno));
-  }
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  if (::epoll_ctl(mainReady_.get(), EPOLL_CTL_ADD, main_.fd.get(), &ev) != 0) {
-    throw TransportError(peer, std::string(config_.name) + ": epoll_ctl for rank " +
-                                   std::to_string(peer) + " failed: " + errnoString(errno));
+  auto watch = [&](int fd) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    return ::epoll_ctl(mainReady_.get(), EPOLL_CTL_ADD, fd, &ev) == 0;
+  };
+  if (!mainReady_ || !parkBell_ || !watch(main_.fd.get()) || !watch(parkBell_.get())) {
+    throw TransportError(peer, std::string(config_.name) + ": setting up the receive thread's "
+                                   "epoll set for rank " + std::to_string(peer) + " failed: " +
+                                   errnoString(errno));
   }
   for (auto& lane : lanes_) {
     Lane* l = lane.get();
@@ -128,6 +131,7 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
   out.frame.address = reinterpret_cast<uint64_t>(data);
   out.wireBytes = (remote || rts) ? 0 : envelope.nbytes;
   out.done = std::move(done);
+  if (remote || rts) unpark();  // the answer (kAck, kCts) must be read even if nobody polls
 
   std::unique_lock<std::mutex> lock(mu_);
   if (failed_ || closing_) {
@@ -442,6 +446,7 @@ void StreamPair::receivePayload(const Frame& frame) {
         if (l.done) l.done(gone);
         return;
       }
+      unpark();  // the payload may come on the main lane
       queueControl(kCts, seq);
     });
     return;
@@ -580,32 +585,84 @@ void StreamPair::watchMain(bool on) {
   // it yields until the poller, which meets the same error on its next read, lets go.
   epoll_event ev{};
   ev.events = on ? EPOLLIN : 0;
+  ev.data.fd = main_.fd.get();
   ::epoll_ctl(mainReady_.get(), EPOLL_CTL_MOD, main_.fd.get(), &ev);
+}
+
+void StreamPair::unmaskLocked() {
+  if (masked_.load()) {
+    watchMain(true);
+    masked_ = false;
+  }
+  unparkWanted_ = false;
+}
+
+bool StreamPair::parkOver(bool alarm) const {
+  if (alarm || unparkWanted_.load()) return true;
+  return Clock::now().time_since_epoch() - std::chrono::nanoseconds(parkedAt_.load()) >= kParkGrace;
+}
+
+void StreamPair::unpark() {
+  if (!masked_.load()) return;
+  unparkWanted_ = true;
+  // A thread inside readMainFrame() (this one, or another holding readMu_) sees the flag when it
+  // lets go. Should the holder let go between its check and this try_lock, the receive thread
+  // still takes over after kParkGrace.
+  if (reader_.load() == std::this_thread::get_id()) return;
+  std::unique_lock<std::mutex> reading(readMu_, std::try_to_lock);
+  if (reading) unmaskLocked();
 }
 
 void StreamPair::mainRxLoop() {
   const int fd = main_.fd.get();
   try {
     while (!down_.load()) {
-      // Poll a little before sleeping (see spinBudget()), unless a waiting thread reads.
-      if (config_.spin.count() > 0) {
+      // Poll a little before sleeping (see spinBudget()), unless a waiting thread reads or parked.
+      if (config_.spin.count() > 0 && !masked_.load()) {
         const auto until = Clock::now() + config_.spin;
         while (!polling_.load(std::memory_order_relaxed) && !readableNow(fd) &&
                Clock::now() < until) {
           std::this_thread::yield();
         }
       }
+      // While masked, wake when a parking poller's grace would end (never sooner than 1 ms).
+      // sleepsUntimed_ is set before masked_ is read, and a poller sets masked_ before it reads
+      // sleepsUntimed_ (at park): one of the two sees the other, so a park is never slept
+      // through.
+      sleepsUntimed_ = true;
+      int timeoutMs = -1;
+      if (masked_.load()) {
+        sleepsUntimed_ = false;
+        const auto left = std::chrono::nanoseconds(parkedAt_.load()) + kParkGrace -
+                          Clock::now().time_since_epoch();
+        timeoutMs = static_cast<int>(std::max<int64_t>(
+            1, std::chrono::ceil<std::chrono::milliseconds>(left).count()));
+      }
       epoll_event ev;
-      if (::epoll_wait(mainReady_.get(), &ev, 1, -1) < 0 && errno != EINTR) {
+      const int n = ::epoll_wait(mainReady_.get(), &ev, 1, timeoutMs);
+      sleepsUntimed_ = false;
+      if (n < 0 && errno != EINTR) {
         throw TransportError(peer_, std::string(config_.name) + ": waiting for frames from rank " +
                                         std::to_string(peer_) + " failed: " + errnoString(errno));
       }
+      const bool bell = n > 0 && ev.data.fd == parkBell_.get();
+      if (bell) {
+        uint64_t rings;
+        (void)!::read(parkBell_.get(), &rings, sizeof(rings));
+      }
+      // With the socket masked, epoll reports only an error or hang-up on it.
+      const bool alarm = n > 0 && !bell;
       std::unique_lock<std::mutex> reading(readMu_, std::try_to_lock);
       if (!reading) {
-        std::this_thread::yield();  // a waiting thread is reading; its epoll removal is imminent
+        std::this_thread::yield();  // a waiting thread is reading
         continue;
       }
-      if (down_.load() || !mainReadable()) continue;
+      if (down_.load()) continue;
+      if (masked_.load()) {
+        if (!parkOver(alarm)) continue;
+        unmaskLocked();
+      }
+      if (!mainReadable()) continue;
       reader_ = std::this_thread::get_id();
       bool more;
       do {
@@ -626,7 +683,10 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
   if (!reading || down_.load()) return false;
   reader_ = std::this_thread::get_id();
   polling_ = true;
-  watchMain(false);
+  if (!masked_.load()) {
+    watchMain(false);
+    masked_ = true;
+  }
   std::string error;
   try {
     bool up = true;
@@ -644,7 +704,18 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
   } catch (const std::exception& e) {
     error = e.what();
   }
-  watchMain(true);
+  // Park only after a success: a waiter that ran out of time sleeps next, and the receive thread
+  // must read for it.
+  if (error.empty() && done.load() && !down_.load() && !unparkWanted_.load()) {
+    parkedAt_ = Clock::now().time_since_epoch().count();
+    if (sleepsUntimed_.load()) {
+      // Once per run of parks: the receive thread must time the grace from now on.
+      const uint64_t one = 1;
+      (void)!::write(parkBell_.get(), &one, sizeof(one));
+    }
+  } else {
+    unmaskLocked();
+  }
   polling_ = false;
   reader_ = std::thread::id();
   reading.unlock();
@@ -711,7 +782,7 @@ void StreamPair::shutdownLanes() {
     lane->cv.notify_all();
     ::shutdown(lane->fd.get(), SHUT_RDWR);  // wakes the lane's threads
   }
-  watchMain(true);  // even while a waiting thread had the main socket's events masked
+  watchMain(true);  // even while a poller had the main socket's events masked, or parked it
 }
 
 std::exception_ptr StreamPair::failWrite(const std::string& cause) {

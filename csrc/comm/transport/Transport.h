@@ -129,6 +129,11 @@ class Pair {
     (void)until;
     return false;
   }
+  // A progress() that completed its op may leave the transport's own receive thread parked for
+  // a moment, expecting the caller back for the next message; a frame that nobody polls for is
+  // then handled late, though within a bound the transport keeps (tcp/shm: 1 ms). unpark() hands
+  // reading back to the transport now: called before waiting on this peer without polling.
+  virtual void unpark() {}
   // Queue `envelope` + `envelope.nbytes` bytes at `data` for the peer. `data` stays valid and
   // unchanged until `done` runs. Thread-safe; messages leave in the order send() was called.
   virtual void send(const Envelope& envelope, const void* data, MemoryKind memory,
