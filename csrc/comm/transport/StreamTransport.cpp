@@ -691,7 +691,10 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
   try {
     bool up = true;
     while (up && !done.load(std::memory_order_acquire) && !down_.load()) {
-      if (mainReadable()) {
+      // poll() first: it reads the socket's state without taking the socket's lock, so a
+      // spinning recv() does not hold that lock when the peer's segment lands (a segment that
+      // finds it held waits in the backlog until the recv lets go, one round later).
+      if ((rxBuf_.size() > 0 || readableNow(main_.fd.get())) && mainReadable()) {
         up = readMainFrame();
       } else if (Clock::now() < until) {
         std::this_thread::yield();
