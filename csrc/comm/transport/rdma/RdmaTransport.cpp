@@ -452,7 +452,8 @@ void RdmaPair::handleSendCompletion(const ibv_wc& wc, Deferred& deferred) {
   }
   if (!known) return;  // already failed by fail()/close()
   if (wc.status != IBV_WC_SUCCESS) {
-    std::string cause = wcError(f.op, "to", peer_, wc);
+    // The op's own error names the root cause too, as the pair's failure will.
+    std::string cause = rootCause(wcError(f.op, "to", peer_, wc));
     if (f.done) deferred.push_back([done = std::move(f.done), e = error(cause)] { done(e); });
     deferred.push_back([this, cause] { fail(cause); });
     return;
@@ -656,10 +657,14 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
 
 // ---- failure and shutdown -----------------------------------------------------------------
 
-void RdmaPair::fail(const std::string& lost) {
+std::string RdmaPair::rootCause(const std::string& lost) const {
   // A peer that aborted said why first: report that rather than the broken connection.
-  const std::string notice = inbox_->abortNotice(peer_);
-  const std::string& cause = notice.empty() ? lost : notice;
+  std::string notice = inbox_->abortNotice(peer_);
+  return notice.empty() ? lost : notice;
+}
+
+void RdmaPair::fail(const std::string& lost) {
+  const std::string cause = rootCause(lost);
   Orphans orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -141,6 +141,8 @@ class RdmaPair : public Pair {
   // A receive matched an announced (RTS) message: register its buffer and answer CTS.
   void answerRts(const Ctrl& rts, Landing landing, Deferred& deferred);
   void fail(const std::string& cause);
+  // The peer's abort notice when it sent one (the root cause), else `lost`.
+  std::string rootCause(const std::string& lost) const;
   std::exception_ptr error(const std::string& what) const;
   // Every pending completion, taken out of the pair (under mu_) to be failed outside the lock.
   struct Orphans {
