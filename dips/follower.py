@@ -311,12 +311,15 @@ class Follower:
             self.opt.step(self.theta, delta, self.momentum)
             self.version = version
             self.bases[version] = {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}
-            keep = {int(v) for v in msg.get("keep", [])} | {version}
-            for v in [v for v in self.bases if v not in keep]:
-                del self.bases[v]
             for push in list(msg["weights"]) + list(msg.get("drop", [])):
                 if self.sealed.pop(push, None) is not None:
                     self.applied_at[push] = version
+            # A push still waiting for its round needs its base whatever the leader's list says:
+            # a restarted follower replaying old rounds gets the list of the round run now.
+            keep = {int(v) for v in msg.get("keep", [])} | {version}
+            keep |= {rec["base"] for rec in [*self.sealed.values(), *self.staged.values()]}
+            for v in [v for v in self.bases if v not in keep]:
+                del self.bases[v]
             snapshot = {"version": version, "theta": {n: t.clone() for n, t in self.theta.items()},
                         "momentum": {n: t.clone() for n, t in self.momentum.items()},
                         "bases": {str(v): b for v, b in self.bases.items()}}

@@ -127,3 +127,24 @@ def test_data_parallel_cluster_with_gloo(tmp_path):
         st = leader.status()
         assert st["version"] == 3
         assert st["tokens"] == 3 * 4 * 2 * 8 * 32           # tokens of both ranks, 3 pushes
+
+
+def test_replayed_round_keeps_the_base_of_a_push_still_waiting(tmp_path):
+    """A restarted follower replays rounds with the leader's current list of versions to keep; a
+    sealed push that a later round applies must keep its base through the replay. (Seen in CI:
+    the replay of round 5 dropped base 4, and round 6's push on base 4 could never apply.)"""
+    with in_process_ps(tmp_path, n_followers=1) as (_, followers, _token):
+        f = followers[0]
+        wait_for(lambda: f.version == 0, 30, "the follower's registration")
+        with f.lock:
+            base = f.bases[0]
+            # A push on base 0, sealed, waiting for round 2: its values are base 0 minus 1.
+            f.sealed["waiting"] = {"base": 0, "params": {n: (t.float() - 1).to(t.dtype) for n, t in base.items()}}
+            theta0 = {n: t.clone() for n, t in f.theta.items()}
+        f._apply({"version": 1, "weights": {}, "drop": [], "keep": [1]})  # replayed: lists only 1
+        assert 0 in f.bases, "round 1 dropped the base a sealed push still needs"
+        f._apply({"version": 2, "weights": {"waiting": 1.0}, "drop": [], "keep": [2]})
+        assert f.version == 2 and sorted(f.bases) == [2], "the base outlived the push that needed it"
+        # Round 2 applied the push's pseudo-gradient (+1 everywhere, in BF16 terms) to theta.
+        moved = [bool((f.theta[n] != theta0[n]).any()) for n in theta0]
+        assert all(moved)
