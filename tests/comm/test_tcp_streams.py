@@ -132,8 +132,54 @@ def test_messages_sent_before_a_clean_shutdown_arrive_whole():
         assert r0["damaged"] == [], r0
 
 
+def congestion(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)  # the connections carry traffic under the algorithm they report
+    return {"algorithm": backend.congestion_of(1 - rank), "allreduce": t.item()}
+
+
+def _host_address() -> str | None:
+    """This host's first non-loopback IPv4 address, if it has one."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing address
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+@pytest.mark.timeout(120)
+def test_host_local_connections_use_reno_unless_told_otherwise():
+    system = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    cases = [({}, "reno"),  # auto, over loopback
+             ({"DICOMM_TCP_CONGESTION": "system"}, system),
+             ({"DICOMM_TCP_CONGESTION": "reno"}, "reno")]
+    host = _host_address()
+    if host:  # auto, over this host's own address: both ends are still this host
+        cases.append(({"DICOMM_LISTEN_HOST": host}, "reno"))
+    for extra, want in cases:
+        results = run_ranks(congestion, 2, env={"DICOMM_TRANSPORT": "tcp", **extra}, op_timeout_s=30)
+        for r, out in results.items():
+            assert out == {"algorithm": want, "allreduce": 3.0}, (extra, r, out)
+
+
 def bad_setting(rank: int, world: int, _port: int) -> dict:
     return {}
+
+
+@pytest.mark.timeout(60)
+def test_unknown_congestion_control_is_refused_with_the_variable_named():
+    with pytest.raises(Exception) as info:
+        run_ranks(bad_setting, 2, env={"DICOMM_TRANSPORT": "tcp", "DICOMM_TCP_CONGESTION": "warp9"},
+                  op_timeout_s=10, wall_timeout_s=40)
+    assert "DICOMM_TCP_CONGESTION='warp9'" in str(info.value), str(info.value)[-500:]
+    assert "tcp_allowed_congestion_control" in str(info.value)
 
 
 @pytest.mark.timeout(60)

@@ -37,6 +37,8 @@ PYBIND11_MODULE(_C, m) {
            "Name of the transport that serves `peer` ('self' for this rank).")
       .def("connections_of", &dicomm::ProcessGroupDicomm::connectionsOf, py::arg("peer"),
            "Connections the pair to `peer` stripes large messages over (0 for this rank).")
+      .def("congestion_of", &dicomm::ProcessGroupDicomm::congestionOf, py::arg("peer"),
+           "TCP congestion control of the connections to `peer` ('' when not TCP).")
       .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
       .def_property_readonly("timeout_seconds",
                              [](const dicomm::ProcessGroupDicomm& pg) {

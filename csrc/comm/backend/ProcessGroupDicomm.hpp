@@ -113,6 +113,7 @@ class ProcessGroupDicomm : public c10d::Backend {
   std::string abortCause() const;
   std::string transportOf(int peer) const { return comm_->transportOf(peer); }
   int connectionsOf(int peer) const { return comm_->connectionsOf(peer); }
+  std::string congestionOf(int peer) const { return comm_->congestionOf(peer); }
   const DicommOptions& options() const { return options_; }
 
  private:

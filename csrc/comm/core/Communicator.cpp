@@ -200,6 +200,11 @@ int Communicator::connectionsOf(int peer) const {
   return pair ? pair->connections() : 0;
 }
 
+std::string Communicator::congestionOf(int peer) const {
+  const auto& pair = pairs_.at(peer);
+  return pair ? pair->congestion() : "";
+}
+
 bool Communicator::progress(int peer, const std::atomic<bool>& done,
                             std::chrono::steady_clock::time_point until) {
   if (closed_ || peer < 0 || peer >= size() || !pairs_[peer]) return false;

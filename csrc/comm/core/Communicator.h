@@ -43,6 +43,8 @@ class Communicator {
   std::string transportOf(int peer) const;
   // Connections the pair to `peer` uses (tcp stripes large messages over several; 0 for self).
   int connectionsOf(int peer) const;
+  // The TCP congestion control of the pair to `peer` ("" when it is not TCP, or for self).
+  std::string congestionOf(int peer) const;
 
   // Called once, on a transport thread, when a pair breaks. The owner decides what to abort.
   void setFailureHandler(std::function<void(int peer, const std::string& cause)> handler);

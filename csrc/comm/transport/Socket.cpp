@@ -12,6 +12,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <thread>
 
 #include "comm/transport/Transport.h"
@@ -169,13 +170,53 @@ Fd acceptUntil(int listenFd, Clock::time_point deadline) {
   }
 }
 
-void tuneSocket(int fd, bool tcp, int bufferBytes) {
+void tuneSocket(int fd, bool tcp, int bufferBytes, const std::string& congestion) {
   int one = 1;
   if (tcp) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (tcp && !congestion.empty()) {
+    setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion.data(), congestion.size());
+  }
   if (bufferBytes > 0) {
     setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bufferBytes, sizeof(bufferBytes));
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bufferBytes, sizeof(bufferBytes));
   }
+}
+
+std::string congestionControl(int fd) {
+  char name[64] = {0};
+  socklen_t len = sizeof(name) - 1;
+  if (getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return "";
+  return std::string(name, strnlen(name, len));
+}
+
+int congestionAllowed(const std::string& algorithm) {
+  Fd probe(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!probe) return errno;
+  if (setsockopt(probe.get(), IPPROTO_TCP, TCP_CONGESTION, algorithm.data(), algorithm.size()) != 0) {
+    return errno;
+  }
+  return 0;
+}
+
+bool hostLocal(int fd) {
+  sockaddr_storage mine{}, theirs{};
+  socklen_t myLen = sizeof(mine), theirLen = sizeof(theirs);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &myLen) != 0 ||
+      getpeername(fd, reinterpret_cast<sockaddr*>(&theirs), &theirLen) != 0 ||
+      mine.ss_family != theirs.ss_family) {
+    return false;
+  }
+  if (theirs.ss_family == AF_INET) {
+    const in_addr a = reinterpret_cast<const sockaddr_in&>(mine).sin_addr;
+    const in_addr b = reinterpret_cast<const sockaddr_in&>(theirs).sin_addr;
+    return (ntohl(b.s_addr) >> 24) == 127 || a.s_addr == b.s_addr;
+  }
+  if (theirs.ss_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6&>(mine).sin6_addr;
+    const in6_addr& b = reinterpret_cast<const sockaddr_in6&>(theirs).sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&b) || std::memcmp(&a, &b, sizeof(a)) == 0;
+  }
+  return false;
 }
 
 void writeAll(int fd, const void* data, size_t n, int peer, const char* transport) {

@@ -64,8 +64,18 @@ Fd dial(const std::string& address, Clock::time_point deadline, int peer);
 Fd acceptUntil(int listenFd, Clock::time_point deadline);
 
 // Tune a connected socket: TCP_NODELAY; `bufferBytes` > 0 fixes the kernel buffers (which turns
-// off their auto-tuning; on loopback, buffers larger than the cache slow a stream down).
-void tuneSocket(int fd, bool tcp, int bufferBytes);
+// off their auto-tuning; on loopback, buffers larger than the cache slow a stream down); a
+// non-empty `congestion` sets the TCP congestion control.
+void tuneSocket(int fd, bool tcp, int bufferBytes, const std::string& congestion);
+
+// The TCP congestion control of connected socket `fd` ("" if it has none: not TCP).
+std::string congestionControl(int fd);
+// 0 if this process may set `algorithm` on a TCP socket, else the errno the kernel refuses with
+// (ENOENT: not available, EPERM: not in net.ipv4.tcp_allowed_congestion_control).
+int congestionAllowed(const std::string& algorithm);
+// Whether both ends of connected TCP socket `fd` are on this host: the peer is a loopback
+// address or the very address this end has.
+bool hostLocal(int fd);
 
 // Exact I/O. Throw TransportError naming `peer` and the errno / EOF.
 void writeAll(int fd, const void* data, size_t n, int peer, const char* transport);

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
 #include <cstring>
 #include <vector>
 
@@ -62,7 +64,23 @@ void StreamConfig::applyEnv() {
         envLong("DICOMM_RENDEZVOUS_BYTES", rendezvousThreshold, 0, 1L << 40));
     lanes = static_cast<int>(envLong("DICOMM_TCP_STREAMS", defaultLanes(), 1, 16));
     stripeMin = static_cast<size_t>(envLong("DICOMM_STRIPE_BYTES", stripeMin, 4096, 1L << 40));
+    const char* cc = std::getenv("DICOMM_TCP_CONGESTION");
+    if (cc && *cc) congestion = cc;
+    if (congestion != "auto" && congestion != "system") {
+      if (const int err = congestionAllowed(congestion)) {
+        throw std::invalid_argument(
+            "dicomm: DICOMM_TCP_CONGESTION='" + congestion + "': the kernel refuses it (" +
+            errnoString(err) + "); expected 'auto', 'system' or an algorithm listed in " +
+            "/proc/sys/net/ipv4/tcp_allowed_congestion_control");
+      }
+    }
   }
+}
+
+std::string StreamConfig::congestionFor(int fd) const {
+  if (!tcp || congestion == "system") return "";
+  if (congestion == "auto") return hostLocal(fd) ? "reno" : "";
+  return congestion;
 }
 
 int StreamConfig::defaultLanes() {
@@ -176,6 +194,10 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
   main_.queue.push_back(std::move(out));
   lock.unlock();
   main_.cv.notify_one();
+}
+
+std::string StreamPair::congestion() const {
+  return config_.tcp ? congestionControl(main_.fd.get()) : "";
 }
 
 void StreamPair::releaseLane(Lane& lane) {
@@ -992,7 +1014,9 @@ std::unique_ptr<Pair> StreamTransport::connect(int peer) {
       fds.push_back(takeAccepted(peer, lane, deadline, &extra));
     }
   }
-  for (auto& fd : fds) tuneSocket(fd.get(), config_.tcp, config_.socketBuffer);
+  for (auto& fd : fds) {
+    tuneSocket(fd.get(), config_.tcp, config_.socketBuffer, config_.congestionFor(fd.get()));
+  }
   Fd& fd = fds[0];
 
   bool remoteOk = false;

@@ -118,6 +118,8 @@ class Pair {
   }
   // Connections this pair stripes large payloads over (1 for most transports).
   virtual int connections() const { return 1; }
+  // The TCP congestion control of its connections ("" for transports that are not TCP).
+  virtual std::string congestion() const { return ""; }
   // Receive and handle the peer's messages on the calling thread until `done` is set or `until`
   // passes. A thread about to wait for this peer's message reads it itself instead of being
   // woken by the transport's receive thread: on a VM a wake-up costs more than a small
