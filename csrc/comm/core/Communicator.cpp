@@ -137,6 +137,7 @@ Communicator::Communicator(CommunicatorOptions options)
   // Choose a transport per peer: the most preferred one both ranks can use and that reaches.
   pairTransport_.assign(size, "self");
   std::map<std::string, bool> needed;
+  int localRanks = 1;
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     const std::string key = prefix + "info/" + std::to_string(p);
@@ -145,6 +146,7 @@ Communicator::Communicator(CommunicatorOptions options)
     size_t nl = info.find('\n');
     std::string peerHost = info.substr(0, nl);
     std::vector<std::string> peerUsable = split(info.substr(nl + 1));
+    if (peerHost == myHost) ++localRanks;
     std::string chosen;
     for (auto& [name, factory] : byPreference()) {
       bool mine = std::count(myUsable.begin(), myUsable.end(), name) > 0;
@@ -173,6 +175,7 @@ Communicator::Communicator(CommunicatorOptions options)
   ctx.inbox = &mailbox_;
   ctx.listenHost = options_.listenHost;
   ctx.authKey = authKey;
+  ctx.localRanks = localRanks;
   std::map<std::string, Transport*> started;
   for (auto& kv : needed) {
     transports_.push_back(registry.at(kv.first).create());

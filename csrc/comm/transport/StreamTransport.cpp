@@ -299,10 +299,9 @@ void StreamPair::sendRendezvousPayload(Outgoing payload) {
 
 void StreamPair::pullRemote(const Frame& frame, void* dst) {
   const size_t n = frame.envelope.nbytes;
-  // Two threads copy a large payload: one process_vm_readv stream stays well under memcpy speed.
-  constexpr size_t kSplitAt = 4 << 20;
+  constexpr size_t kSplitAt = 4 << 20;  // two threads (see StreamConfig::parallelPull)
   int err = 0;
-  if (n >= kSplitAt) {
+  if (config_.parallelPull && n >= kSplitAt) {
     size_t half = (n / 2 + 4095) & ~size_t(4095);
     int err2 = 0;
     std::thread helper([&] {
@@ -910,6 +909,7 @@ std::string StreamTransport::addressKey(int rank) const {
 
 void StreamTransport::start(const TransportContext& context) {
   ctx_ = context;
+  config_.parallelPull = std::thread::hardware_concurrency() >= static_cast<unsigned>(ctx_.localRanks);
   if (config_.tcp) {
     listener_ = listenTcp(ctx_.listenHost);
   } else {

@@ -155,6 +155,7 @@ struct TransportContext {
   Inbox* inbox = nullptr;                 // outlives every Pair
   std::string listenHost = "127.0.0.1";   // address to bind (DICOMM_LISTEN_HOST)
   std::vector<uint8_t> authKey;           // shared secret peers must prove (from the store)
+  int localRanks = 1;                     // ranks of this group on this host, this one included
 };
 
 // One transport instance per process group. Typical lifetime:
