@@ -77,28 +77,32 @@ def _ping_pong_sampler(round_trip: Callable, nbytes: int, budget: float) -> Call
     return sample
 
 
-def _raw_socket(rank: int, port: int) -> socket.socket:
-    """A plain blocking loopback TCP connection between ranks 0 and 1 (TCP_NODELAY, as gloo)."""
+def _raw_socket(rank: int) -> socket.socket:
+    """A plain blocking loopback TCP connection between ranks 0 and 1 (TCP_NODELAY, as gloo).
+
+    Rank 0 listens on a port the kernel picks and tells rank 1 over the default group: a port
+    picked earlier and bound later can be taken meanwhile (by a dicomm or gloo listener)."""
+    import torch.distributed as dist
+
+    port = [0]
     if rank == 0:
         with socket.socket() as ls:
-            ls.bind(("127.0.0.1", port))
+            ls.bind(("127.0.0.1", 0))
             ls.listen(1)
+            port[0] = ls.getsockname()[1]
+            dist.broadcast_object_list(port, src=0)
+            ls.settimeout(60)
             s, _ = ls.accept()
+            s.settimeout(None)
     else:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                s = socket.create_connection(("127.0.0.1", port))
-                break
-            except ConnectionRefusedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        dist.broadcast_object_list(port, src=0)
+        s = socket.create_connection(("127.0.0.1", port[0]), timeout=60)
+        s.settimeout(None)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return s
 
 
-def _worker(rank, world, port, raw_port, sizes, ar_sizes, budget, q):
+def _worker(rank, world, port, sizes, ar_sizes, budget, q):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     import torch.distributed as dist
@@ -129,7 +133,7 @@ def _worker(rank, world, port, raw_port, sizes, ar_sizes, budget, q):
         # gloo gets a group of its own too: ops on a new group cost the same Python path for all.
         groups = {"gloo": dist.new_group(backend="gloo"), "dicomm-tcp": dicomm_group("tcp"),
                   "dicomm-shm": dicomm_group("shm")}
-        raw = _raw_socket(rank, raw_port)
+        raw = _raw_socket(rank)
         peer = 1 - rank
 
         def torch_round_trip(buf, group):
@@ -233,8 +237,8 @@ def run(world: int, sizes, ar_sizes, budget: float) -> dict:
     """gloo and dicomm on `world` spawned local ranks, taking turns: p2p ping-pong of `sizes`
     between ranks 0 and 1 (world 2 only: gloo, dicomm over tcp and shm, one raw socket) and
     allreduce of `ar_sizes`; returns rank 0's results."""
-    port, raw_port = _free_port(), _free_port()
-    return _spawn(_worker, [(r, world, port, raw_port, sizes, ar_sizes, budget) for r in range(world)])
+    port = _free_port()
+    return _spawn(_worker, [(r, world, port, sizes, ar_sizes, budget) for r in range(world)])
 
 
 def fmt_size(n: int) -> str:
