@@ -5,6 +5,7 @@
 #include "device/Generator.h"
 #include "device/Guard.h"
 #include "device/Shim.h"
+#include "device/SpeedEmulation.h"
 #include "device/vendor/Vendor.h"
 
 #include <torch/extension.h>
@@ -62,6 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     checkDevice(d);
     vendor().synchronize(d);
   });
+  m.def("emulated_time_debt_ns", &emulatedTimeDebtNs, "device time owed by the emulated chip, not yet slept off");
   m.def("set_chip_profile", [](const std::string& name, int64_t memory_bytes, double slowdown, int mantissa_bits,
                                bool flush_denormals) {
     setChipProfile(ChipProfile{name, memory_bytes, slowdown, mantissa_bits, flush_denormals});

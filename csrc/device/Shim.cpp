@@ -5,6 +5,7 @@
 #include "device/ChipProfile.h"
 #include "device/Generator.h"
 #include "device/Guard.h"
+#include "device/SpeedEmulation.h"
 #include "device/vendor/Vendor.h"
 
 #include <ATen/native/CPUFallback.h>
@@ -12,7 +13,6 @@
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
-#include <chrono>
 #include <mutex>
 #include <set>
 
@@ -179,14 +179,6 @@ void cpuFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack);
 }
 
-void emulateSpeed(std::chrono::steady_clock::time_point start) {
-  const double slowdown = chipProfile().slowdown;
-  auto elapsed = std::chrono::steady_clock::now() - start;
-  auto until = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(elapsed * slowdown);
-  // Spin: the kernels here are micro- to milliseconds, below sleep's resolution.
-  while (std::chrono::steady_clock::now() < until) {
-  }
-}
 
 }  // namespace
 
@@ -268,12 +260,12 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
     }
   }
 
-  const auto start = std::chrono::steady_clock::now();
+  const KernelClock start = kernelClockNow();
   {
     KernelAllocationScope scope(device);
     op.redispatchBoxed(c10::DispatchKeySet(kernel_key), stack);
   }
-  if (chip.slowdown > 1.0) emulateSpeed(start);
+  chargeKernel(start, chip.slowdown);
 
   syncWrittenArguments(table, device);
   std::vector<std::pair<c10::StorageImpl*, c10::Storage>> adopted;

@@ -3,6 +3,8 @@
 // when an op returns; events and streams still keep their API contract (see Event.cpp).
 #include "device/vendor/Vendor.h"
 
+#include "device/SpeedEmulation.h"
+
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -31,10 +33,12 @@ class EmuVendor final : public Vendor {
     return std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   }
   void free(void* ptr, int) override { std::free(ptr); }
-  void memcpy(void* dst, const void* src, std::size_t bytes, CopyKind, int) override {
+  void memcpy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int) override {
+    // A copy to the host waits for the device, as on hardware: the chip's slowness lands here.
+    if (kind == CopyKind::DeviceToHost) settleEmulatedTime();
     if (bytes) std::memcpy(dst, src, bytes);
   }
-  void synchronize(int) override {}
+  void synchronize(int) override { settleEmulatedTime(); }
   void* mallocHost(std::size_t bytes) override {
     void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
     // Page-lock like a real pinned buffer; without the privilege the buffer still works.

@@ -1,0 +1,31 @@
+#pragma once
+// How an emulated chip is made slower than the host without holding a core.
+//
+// A kernel on a chip with slowdown k should take k times its host time. The extra (k - 1) parts
+// accrue as the device's time debt, which is slept off once it reaches a millisecond and in full
+// at every synchronisation point (synchronize, a copy to the host). Ranks outnumber cores here,
+// so a spin would steal the core another rank's kernel needs and the emulated speeds would stop
+// meaning anything; a sleep leaves the core to them.
+//
+// The host time of a kernel is the calling thread's CPU time when ATen runs one intra-op thread
+// (each pipeline rank does), so a rank preempted by its neighbours is not charged for their
+// work; with more intra-op threads it is the wall time, which a thread's CPU time undercounts.
+#include <cstdint>
+
+namespace ditorch {
+
+struct KernelClock {
+  int64_t wall_ns;
+  int64_t cpu_ns;
+};
+
+// Read before a kernel runs.
+KernelClock kernelClockNow();
+// After the kernel: charge its host time times (slowdown - 1) and sleep off whole milliseconds.
+void chargeKernel(const KernelClock& start, double slowdown);
+// Sleep off all outstanding debt (the device is idle once this returns).
+void settleEmulatedTime();
+// Outstanding debt in nanoseconds (for tests and traces).
+int64_t emulatedTimeDebtNs();
+
+}  // namespace ditorch
