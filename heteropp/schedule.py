@@ -1,28 +1,37 @@
-"""Schedules as data: per-stage lists of actions that the simulator (and later the HeteroPP
-runtime) interpret, in the spirit of ``torch.distributed.pipelining``'s action format.
+"""Schedules as data: per-stage lists of actions that the simulator and the HeteroPP runtime
+both interpret, in ``torch.distributed.pipelining``'s action format.
 
-An action is written ``{stage}{kind}{microbatch}``, e.g. ``0F3`` or ``2SEND_B1``. Kinds:
+An action is written ``{stage}{kind}{microbatch}``, e.g. ``0F3`` or ``2SEND_B1``. Kinds, named
+as torch.distributed.pipelining names them:
 
-- ``F``  forward;  ``R`` backward-recompute (re-run the forward before the backward);
-- ``B``  backward-input (input gradients);  ``W`` backward-weight (weight gradients);
-- ``BW`` the full backward (B and W fused, as plain 1F1B runs it);
+- ``F``  forward;  ``I`` backward-input (input gradients);  ``W`` backward-weight;
+- ``B``  the full backward (I and W fused, as plain 1F1B runs it);
 - ``SEND_F``/``RECV_F`` the activation to/from the next/previous stage;
-- ``SEND_B``/``RECV_B`` the gradient to/from the previous/next stage.
+- ``SEND_B``/``RECV_B`` the gradient to/from the previous/next stage;
+- ``R``  backward-recompute: re-run the forward before the backward (our addition; torch hides
+  recomputation inside the backward, where neither a simulator nor a trace can see it).
 
 Every rank of a stage (all its TP and DP ranks) runs its stage's list; all DP replicas run
 the same lists. ``blocking_p2p`` says whether a SEND/RECV blocks the stage until the message
 has arrived (Megatron's 1F1B) or only orders the messages (the compute waits for its input).
+Schedules are read from and written to torch's CSV form (one row per stage, one action a cell).
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 import re
+from pathlib import Path
 from typing import Sequence
 
-COMPUTE_KINDS = ("F", "R", "B", "W", "BW")
+COMPUTE_KINDS = ("F", "R", "I", "W", "B")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE_KINDS + COMM_KINDS
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|R|B|W)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|R|I|W|B)(\d+)$")
+
+
+class ScheduleError(ValueError):
+    """Action lists that no pipeline can run as written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,36 +76,140 @@ class Schedule:
         return s
 
     def validate(self, recompute: Sequence[bool] | None = None) -> None:
-        """Each stage runs each micro-batch's forward once and its backward once, in a legal order."""
+        """Each stage runs each micro-batch's forward once and its backward once, every action
+        after what it depends on, and the lists together run to the end without deadlock.
+        Raises ScheduleError naming the stage and the action."""
         if len(self.actions) != self.num_stages:
-            raise ValueError(f"schedule {self.name!r}: {len(self.actions)} action lists for {self.num_stages} stages")
-        S, b = self.num_stages, self.num_microbatches
+            raise ScheduleError(f"schedule {self.name!r}: {len(self.actions)} action lists for {self.num_stages} stages")
         for s, lst in enumerate(self.actions):
-            seen: dict[tuple[str, int], int] = {}
-            for pos, a in enumerate(lst):
-                if a.stage != s:
-                    raise ValueError(f"schedule {self.name!r}: action {a} in the list of stage {s}")
-                if not 0 <= a.mb < b:
-                    raise ValueError(f"schedule {self.name!r}: action {a} names micro-batch {a.mb}, expected 0..{b - 1}")
-                if (a.kind, a.mb) in seen:
-                    raise ValueError(f"schedule {self.name!r}: action {a} appears twice in stage {s}")
-                seen[(a.kind, a.mb)] = pos
-            for m in range(b):
-                if ("F", m) not in seen:
-                    raise ValueError(f"schedule {self.name!r}: stage {s} never runs {s}F{m}")
-                fused = ("BW", m) in seen
-                split = ("B", m) in seen and ("W", m) in seen
-                if fused == split:
-                    raise ValueError(f"schedule {self.name!r}: stage {s} needs either {s}BW{m} or both {s}B{m} and {s}W{m}")
-                back = seen[("BW", m)] if fused else seen[("B", m)]
-                if back < seen[("F", m)] or (split and seen[("W", m)] < back):
-                    raise ValueError(f"schedule {self.name!r}: stage {s} runs the backward of micro-batch {m} out of order")
-                if recompute is not None and recompute[s] != (("R", m) in seen):
-                    raise ValueError(f"schedule {self.name!r}: stage {s} recompute={recompute[s]} but {s}R{m} is "
-                                     f"{'missing' if recompute[s] else 'present'}")
-                for kind, needed in (("RECV_F", s > 0), ("SEND_F", s < S - 1), ("RECV_B", s < S - 1), ("SEND_B", s > 0)):
-                    if needed != ((kind, m) in seen):
-                        raise ValueError(f"schedule {self.name!r}: stage {s} {'lacks' if needed else 'has a stray'} {s}{kind}{m}")
+            self._validate_stage(s, lst, recompute)
+        self._validate_progress()
+
+    def _validate_stage(self, s: int, lst: list["Action"], recompute: Sequence[bool] | None) -> None:
+        S, b, name = self.num_stages, self.num_microbatches, self.name
+        seen: dict[tuple[str, int], int] = {}
+        for pos, a in enumerate(lst):
+            if a.stage != s:
+                raise ScheduleError(f"schedule {name!r}: action {a} in the list of stage {s}")
+            if not 0 <= a.mb < b:
+                raise ScheduleError(f"schedule {name!r}: action {a} names micro-batch {a.mb}, expected 0..{b - 1}")
+            if (a.kind, a.mb) in seen:
+                raise ScheduleError(f"schedule {name!r}: action {a} appears twice in stage {s}")
+            seen[(a.kind, a.mb)] = pos
+
+        def before(first: str, then: str, m: int) -> None:
+            if seen[(first, m)] > seen[(then, m)]:
+                raise ScheduleError(f"schedule {name!r}: stage {s} runs {s}{then}{m} before {s}{first}{m}, which it needs")
+
+        for m in range(b):
+            if ("F", m) not in seen:
+                raise ScheduleError(f"schedule {name!r}: stage {s} never runs {s}F{m}")
+            fused = ("B", m) in seen
+            split = ("I", m) in seen and ("W", m) in seen
+            if fused == split:
+                raise ScheduleError(f"schedule {name!r}: stage {s} needs either {s}B{m} or both {s}I{m} and {s}W{m}")
+            back = "B" if fused else "I"
+            if recompute is not None and recompute[s] != (("R", m) in seen):
+                raise ScheduleError(f"schedule {name!r}: stage {s} recompute={recompute[s]} but {s}R{m} is "
+                                    f"{'missing' if recompute[s] else 'present'}")
+            for kind, needed in (("RECV_F", s > 0), ("SEND_F", s < S - 1), ("RECV_B", s < S - 1), ("SEND_B", s > 0)):
+                if needed != ((kind, m) in seen):
+                    raise ScheduleError(f"schedule {name!r}: stage {s} {'lacks' if needed else 'has a stray'} {s}{kind}{m}")
+            before("F", back, m)
+            if split:
+                before("I", "W", m)
+            if ("R", m) in seen:
+                before("F", "R", m)
+                before("R", back, m)
+            if s > 0:
+                before("RECV_F", "F", m)
+                before(back, "SEND_B", m)
+            if s < S - 1:
+                before("F", "SEND_F", m)
+                before("RECV_B", back, m)
+
+    def _validate_progress(self) -> None:
+        """Run the lists abstractly: a compute action waits for the message it consumes, which
+        exists once its sender has passed the SEND. Sends never block (the runtime posts them
+        asynchronously), so a stage can only stall at a compute action; if all stall, deadlock."""
+        S = self.num_stages
+        pos = [0] * S
+        sent: set[tuple[int, str, int]] = set()  # (receiving stage, direction, mb)
+        progress = True
+        while progress:
+            progress = False
+            for s in range(S):
+                lst = self.actions[s]
+                while pos[s] < len(lst):
+                    a = lst[pos[s]]
+                    if a.kind == "F" and s > 0 and (s, "F", a.mb) not in sent:
+                        break
+                    if a.kind in ("B", "I") and s < S - 1 and (s, "B", a.mb) not in sent:
+                        break
+                    if a.kind == "SEND_F":
+                        sent.add((s + 1, "F", a.mb))
+                    elif a.kind == "SEND_B":
+                        sent.add((s - 1, "B", a.mb))
+                    pos[s] += 1
+                    progress = True
+        stuck = [f"stage {s} at {self.actions[s][pos[s]]}" for s in range(S) if pos[s] < len(self.actions[s])]
+        if stuck:
+            raise ScheduleError(f"schedule {self.name!r} deadlocks: every stage waits for a message no stage will "
+                                f"send ({'; '.join(stuck)})")
+
+    # -- torch.distributed.pipelining's CSV form ---------------------------------------------------
+    def to_csv(self, path: str | Path) -> Path:
+        """One row per stage, one action per cell (what torch's ``_dump_csv`` writes)."""
+        path = Path(path)
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([[str(a) for a in lst] for lst in self.actions])
+        return path
+
+    @classmethod
+    def from_csv(cls, path: str | Path, name: str | None = None, blocking_p2p: bool = False) -> "Schedule":
+        """Read torch's CSV form. A compute-only file (no SEND/RECV, as torch's
+        ``_load_csv`` takes) gets its transfers placed next to the compute that makes or
+        needs them; empty cells (bubbles) are skipped. The result is validated."""
+        path = Path(path)
+        with open(path, newline="") as f:
+            rows = [[c.strip() for c in row if c.strip()] for row in csv.reader(f)]
+        if not rows:
+            raise ScheduleError(f"{path}: no rows; expected one row of actions per stage")
+        actions = []
+        for s, row in enumerate(rows):
+            parsed = []
+            for cell in row:
+                try:
+                    parsed.append(Action.parse(cell))
+                except ValueError as exc:
+                    raise ScheduleError(f"{path} row {s}: {exc}") from None
+            actions.append(parsed)
+        mbs = [a.mb for lst in actions for a in lst]
+        if not mbs:
+            raise ScheduleError(f"{path}: no actions")
+        sched = cls(name or path.stem, len(actions), max(mbs) + 1, actions, blocking_p2p)
+        if not any(a.kind in COMM_KINDS for lst in actions for a in lst):
+            sched.actions = [_with_transfers(s, len(actions), lst) for s, lst in enumerate(actions)]
+        sched.validate()
+        return sched
+
+
+def _with_transfers(s: int, S: int, compute: list[Action]) -> list[Action]:
+    """Place each transfer next to its compute: RECV_F before F, SEND_F after it, RECV_B before
+    the backward (before R when recomputing), SEND_B after the backward that makes the gradient."""
+    out: list[Action] = []
+    recomputes = {a.mb for a in compute if a.kind == "R"}
+    for a in compute:
+        if a.kind == "F" and s > 0:
+            out.append(Action(s, "RECV_F", a.mb))
+        if s < S - 1 and (a.kind == "R" or (a.kind in ("B", "I") and a.mb not in recomputes)):
+            out.append(Action(s, "RECV_B", a.mb))
+        out.append(a)
+        if a.kind == "F" and s < S - 1:
+            out.append(Action(s, "SEND_F", a.mb))
+        if a.kind in ("B", "I") and s > 0:
+            out.append(Action(s, "SEND_B", a.mb))
+    return out
 
 
 def _forward(s: int, S: int, m: int) -> list[Action]:
@@ -112,12 +225,12 @@ def _backward(s: int, S: int, m: int, recompute: bool, split: bool) -> list[Acti
     if recompute:
         out.append(Action(s, "R", m))
     if split:  # send the input gradient as soon as it exists; the weight gradient overlaps the send
-        out.append(Action(s, "B", m))
+        out.append(Action(s, "I", m))
         if s > 0:
             out.append(Action(s, "SEND_B", m))
         out.append(Action(s, "W", m))
     else:
-        out.append(Action(s, "BW", m))
+        out.append(Action(s, "B", m))
         if s > 0:
             out.append(Action(s, "SEND_B", m))
     return out
@@ -139,7 +252,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int, recompute: Sequence[bool
     """1F1B (PipeDream-flush / DAPPLE): stage s runs ``warmup[s]`` forwards (default S - s - 1),
     then alternates one forward and one backward, then drains the backwards.
 
-    ``split_backward`` gives the paper's fine-grained variant: B, SEND_B, then W."""
+    ``split_backward`` gives the paper's fine-grained variant: I, SEND_B, then W."""
     S, b = num_stages, num_microbatches
     rc = list(recompute or [False] * S)
     acts = []

@@ -53,8 +53,8 @@ class StageModel:
     name: str = ""
 
     def duration(self, kind: str) -> float:
-        return {"F": self.fwd, "R": self.recompute_time, "B": self.bwd_input, "W": self.bwd_weight,
-                "BW": self.bwd_input + self.bwd_weight}[kind]
+        return {"F": self.fwd, "R": self.recompute_time, "I": self.bwd_input, "W": self.bwd_weight,
+                "B": self.bwd_input + self.bwd_weight}[kind]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +210,7 @@ class Simulator:
         self.end[r][s] = self.now
         if a.kind == "F":
             self.fdone[r][s] += 1
-        if a.kind in ("BW", "W"):
+        if a.kind in ("B", "W"):
             self.mem[r][s] -= st.act_bytes + (st.full_act_bytes if st.recompute else 0.0)
         self._step(r, s)
 
@@ -313,7 +313,7 @@ class Simulator:
     def _ready(self, r: int, s: int, a: Action) -> bool:
         if a.kind == "F":
             return s == 0 or (r, s, "F", a.mb) in self.arrived
-        if a.kind in ("B", "BW", "R"):
+        if a.kind in ("I", "B", "R"):
             return s == self.S - 1 or (r, s, "B", a.mb) in self.arrived
         return True
 
@@ -326,7 +326,7 @@ class Simulator:
             self.bnext[r][s] += 1
             out = [Action(s, "RECV_B", m)] if s < S - 1 else []
             out += [Action(s, "R", m)] if st.recompute else []
-            out.append(Action(s, "BW", m))
+            out.append(Action(s, "B", m))
             return out + ([Action(s, "SEND_B", m)] if s > 0 else [])
         m = self.fnext[r][s]
         if m < b and (s == 0 or (r, s, "F", m) in self.arrived):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from .simulator import SimResult
 
-_COLORS = {"F": "#4C72B0", "R": "#8C8C8C", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52"}
+_COLORS = {"F": "#4C72B0", "R": "#8C8C8C", "I": "#DD8452", "W": "#55A868", "B": "#C44E52"}
 
 
 def plot_timeline(result: SimResult, path: str | Path, title: str = "", stage_labels: list[str] | None = None,

@@ -37,7 +37,7 @@ def test_link_latency_and_bandwidth_delay_the_pipeline():
     # two stages, one message each way per micro-batch of 1e9 bytes at 1e9 B/s plus 0.5 s
     S, b = 2, 1
     res = simulate(_uniform(S, b=b, nbytes=1e9, bandwidth=1e9, latency=0.5), one_f_one_b(S, b, blocking_p2p=False))
-    # F0 (1) -> send 1.5 -> F1 (1) + BW1 (2) -> send 1.5 -> BW0 (2)
+    # F0 (1) -> send 1.5 -> F1 (1) + B1 (2) -> send 1.5 -> B0 (2)
     assert res.iteration_time == pytest.approx(1 + 1.5 + 3 + 1.5 + 2)
 
 
@@ -115,8 +115,8 @@ def test_cost_model_and_simulator_agree_on_a_paper_plan():
 def test_schedule_validation_errors():
     s = one_f_one_b(2, 2)
     d = s.to_dict()
-    d["actions"][0] = [a for a in d["actions"][0] if a != "0BW1"]
-    with pytest.raises(ValueError, match="0BW1"):
+    d["actions"][0] = [a for a in d["actions"][0] if a != "0B1"]
+    with pytest.raises(ValueError, match="0B1"):
         Schedule.from_dict(d)
     with pytest.raises(ValueError, match="bad action"):
         Schedule.from_dict({**s.to_dict(), "actions": [["0X1"], []]})
