@@ -25,3 +25,12 @@ def sample_batch(data: torch.Tensor, batch: int, seq: int, generator: torch.Gene
         raise ValueError(f"seq={seq} does not fit a corpus of {len(data)} tokens")
     starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=generator)
     return torch.stack([data[i: i + seq + 1] for i in starts.tolist()])
+
+
+def step_batch(data: torch.Tensor, batch: int, seq: int, seed: int, step: int) -> torch.Tensor:
+    """The batch of training step ``step``: a function of (seed, step) alone, so a run resumed
+    from a checkpoint, a pipeline run and a single-process reference all see the same tokens."""
+    if step < 0:
+        raise ValueError(f"step={step} must be >= 0")
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return sample_batch(data, batch, seq, generator)

@@ -106,20 +106,37 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         c = self.config
-        q = self.wq(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        groups = c.n_heads // c.n_kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        # Explicit attention (not SDPA) so every op is an ordinary ATen op on any backend.
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(c.head_dim)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-        probs = F.softmax(scores.float(), dim=-1).type_as(q)
-        out = (probs @ v).transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim)
-        return self.wo(out)
+        q = self.wq(x).view(b, s, c.n_heads, c.head_dim)
+        k = self.wk(x).view(b, s, c.n_kv_heads, c.head_dim)
+        v = self.wv(x).view(b, s, c.n_kv_heads, c.head_dim)
+        return self.wo(causal_attention(q, k, v, cos, sin))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+    """Rotary + grouped-query causal attention of projected heads.
+
+    q: (b, s, heads, head_dim); k, v: (b, s, kv_heads, head_dim) with kv_heads dividing heads
+    (query head h reads kv head h // (heads / kv_heads)). Returns (b, s, heads * head_dim).
+    A tensor-parallel rank calls it with its own contiguous slice of the heads.
+    """
+    b, s, heads, head_dim = q.shape
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    groups = heads // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    # Explicit attention (not SDPA) so every op is an ordinary ATen op on any backend.
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = F.softmax(scores.float(), dim=-1).type_as(q)
+    return (probs @ v).transpose(1, 2).reshape(b, s, heads * head_dim)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU activation of the MLP: silu(x W1) * (x W3)."""
+    return F.silu(gate) * up
 
 
 class FeedForward(nn.Module):
@@ -130,7 +147,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):

@@ -1,0 +1,115 @@
+"""Train one model over a HeteroPP plan: ``torchrun --nproc-per-node N -m ditorch.train --plan plan.json``.
+
+Every rank takes its stage, chip, TP and DP place from the plan; all groups run on ``dicomm``.
+``--reference`` runs the same model on the same batches in one CPU process in fp32 instead,
+for ``ditorch mre``. Multi-host runs use torchrun's rendezvous (``--nnodes``, ``--rdzv-endpoint``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from heteropp.runtime.boundary import RESHARD_MODES
+    from heteropp.runtime.trainer import PRECISIONS, SCHEDULES
+
+    p = argparse.ArgumentParser(prog="python -m ditorch.train", description=__doc__.splitlines()[0])
+    p.add_argument("--plan", required=True, help="plan.json written by `ditorch plan`")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="bf16 autocast on the chips, or fp32")
+    p.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} or a CSV of actions "
+                                                    "(torch.distributed.pipelining's form); default: the plan's")
+    p.add_argument("--reshard", choices=RESHARD_MODES, default="srag",
+                   help="stage boundaries: send-receive + all-gather (srag) or whole tensors from one rank")
+    p.add_argument("--zero1", action="store_true", help="ZeRO-1: shard AdamW's state over each stage's DP group")
+    p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE)")
+    # Not "--log": torchrun's parser reads it as an abbreviation of its own --log-dir and stops.
+    p.add_argument("--loss-log", type=Path, default=None, help="per-step loss log (JSON lines) for `ditorch mre`")
+    p.add_argument("--trace", type=Path, default=None, help="Chrome trace JSON of every rank's actions")
+    p.add_argument("--save", type=Path, default=None, help="checkpoint directory (written at the end)")
+    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint written under any plan")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    p.add_argument("--reference", action="store_true", help="run the single-process CPU fp32 reference instead")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from heteropp.plan import Plan, PlanError
+    from heteropp.runtime.trainer import TrainOptions
+
+    try:
+        plan = Plan.from_json(args.plan)
+        options = TrainOptions(
+            steps=args.steps, lr=args.lr, seed=args.seed, precision=args.precision, schedule=args.schedule,
+            reshard=args.reshard, memory_scale=args.memory_scale, log=args.loss_log, trace=args.trace, save=args.save,
+            save_every=args.save_every, resume=args.resume, zero1=args.zero1, progress=not args.quiet)
+    except (PlanError, ValueError, OSError) as exc:
+        print(f"ditorch.train: {exc}", file=sys.stderr)
+        return 2
+    if args.reference:
+        return _reference(plan, options)
+    return _distributed(plan, options, args.timeout)
+
+
+def _reference(plan, options) -> int:
+    import torch
+
+    from heteropp.runtime.reference import train_reference
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    print(f"reference: {plan.model.name}, {plan.model.n_layers} layers, one CPU process, fp32, {options.steps} steps")
+    train_reference(plan, options)
+    return 0
+
+
+def _distributed(plan, options, timeout: float) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import ditorch  # noqa: F401  (the dipu device and the dicomm backend)
+    from heteropp.plan import PlanError
+    from heteropp.runtime.trainer import PipelineTrainer
+
+    # Ranks outnumber cores here; one intra-op thread each keeps them from fighting over cores
+    # and lets the chip emulation charge each kernel its own CPU time.
+    torch.set_num_threads(int(os.environ.get("DITORCH_THREADS_PER_RANK", "1")))
+    dist.init_process_group("dicomm", timeout=datetime.timedelta(seconds=timeout))
+    rank = dist.get_rank()
+    try:
+        trainer = PipelineTrainer(plan, options)
+        if options.resume:
+            trainer.resume(options.resume)
+        if rank == 0:
+            _describe(trainer)
+        trainer.train()
+    except (PlanError, ValueError, KeyError) as exc:
+        print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a peer or transport failure: name this rank, then leave
+        print(f"ditorch.train: rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # the group is broken; a clean shutdown would wait on the dead peer
+    dist.destroy_process_group()
+    return 0
+
+
+def _describe(trainer) -> None:
+    plan, o = trainer.plan, trainer.options
+    print(f"ditorch.train: {plan.model.name} ({plan.model.n_layers} layers) over {plan.num_stages} stages, "
+          f"{plan.num_chips} ranks, DP {plan.dp}, {plan.num_microbatches} micro-batches of {plan.model.seq} tokens, "
+          f"schedule {trainer.schedule.name}, {o.precision}, reshard {o.reshard}")
+    for i, s in enumerate(plan.stages):
+        print(f"  stage {i}: chip {s.chip} ranks {list(range(*s.rank_range))} tp {s.tp} dp {s.dp} "
+              f"layers {list(s.layer_range)}{' recompute' if s.recompute else ''}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Runs one stage's action list for one training step: the interpreter of heteropp.schedule.
+
+Actions and what they do here:
+
+- ``RECV_F``/``RECV_B``: post the receive; the compute that consumes it waits for it (the
+  wait shows in the trace as a WAIT event), so transfers overlap whatever runs in between.
+- ``F``: forward. On a recompute stage it runs without building the graph and keeps only its
+  input; ``R`` re-runs it with the graph just before the backward.
+- ``B``: full backward; ``I``: input gradients now, weight gradients of every projection queued;
+  ``W``: the queued weight gradients.
+- ``SEND_F``/``SEND_B``: post the send once the device has finished the tensor.
+
+On the last stage ``F`` computes the micro-batch's mean token loss; its backward is seeded
+with ``loss_scale`` (1 / micro-batches of the global batch), so the summed gradients are the
+gradient of the global batch's mean loss.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from heteropp.schedule import Action
+
+from .boundary import BACKWARD, FORWARD, PendingRecv, StageBoundary
+from .stage_model import StageModule
+from .trace import TraceRecorder, now
+
+
+class StageExecutor:
+    """Interprets ``actions`` (this stage's list) on ``module``."""
+
+    def __init__(self, module: StageModule, actions: Sequence[Action], prev: StageBoundary | None,
+                 next_: StageBoundary | None, recompute: bool, device: torch.device, loss_scale: float,
+                 autocast_dtype: torch.dtype | None = None, trace: TraceRecorder | None = None):
+        self.module, self.actions = module, list(actions)
+        self.prev, self.next = prev, next_
+        self.recompute, self.device, self.loss_scale = recompute, device, loss_scale
+        self.autocast_dtype = autocast_dtype
+        self.trace = trace or TraceRecorder(0, 0, enabled=False)
+        self._sync = getattr(torch.get_device_module(device.type), "synchronize", lambda: None)
+
+    def run(self, step: int, tokens: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> list[float]:
+        """One step over the list; returns the last stage's per-micro-batch losses (else [])."""
+        self._step = step
+        self._tokens, self._targets = tokens, targets
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._recvs: dict[tuple[str, int], PendingRecv] = {}
+        self._sends: list = []
+        losses: dict[int, float] = {}
+        for a in self.actions:
+            self._action_start = now()
+            getattr(self, "_do_" + a.kind)(a.mb, losses)
+            self.trace.record(str(a), a.kind, self._action_start, now(), step=step, mb=a.mb)
+        for w in self._sends:
+            w.wait()
+        if self.module.store.pending:
+            raise RuntimeError(f"stage {self.trace.stage}: weight gradients of micro-batches {self.module.store.pending} "
+                               f"were never computed (an I without its W)")
+        return [losses[m] for m in sorted(losses)]
+
+    # -- transfers ---------------------------------------------------------------------------
+    def _do_RECV_F(self, mb: int, losses) -> None:
+        self._recvs[(FORWARD, mb)] = self.prev.post_recv(FORWARD, mb)
+
+    def _do_RECV_B(self, mb: int, losses) -> None:
+        self._recvs[(BACKWARD, mb)] = self.next.post_recv(BACKWARD, mb)
+
+    def _do_SEND_F(self, mb: int, losses) -> None:
+        self._sync()
+        self._sends += self.next.send(FORWARD, mb, self._outputs[mb].detach())
+
+    def _do_SEND_B(self, mb: int, losses) -> None:
+        self._sync()
+        grad = self._inputs.pop(mb).grad
+        self._sends += self.prev.send(BACKWARD, mb, grad)
+
+    def _received(self, direction: str, mb: int) -> torch.Tensor:
+        """Wait for a posted receive; the wait is its own trace event, the compute starts after."""
+        start = now()
+        t = self._recvs.pop((direction, mb)).wait()
+        self._action_start = now()
+        self.trace.record(f"{self.trace.stage}WAIT_{direction}{mb}", "WAIT", start, self._action_start,
+                          step=self._step, mb=mb)
+        return t
+
+    # -- compute -----------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            return self.module(x, self._targets[mb] if self.module.is_last else None)
+
+    def _do_F(self, mb: int, losses) -> None:
+        if self.module.is_first:
+            x = self._tokens[mb]
+        else:
+            x = self._received(FORWARD, mb)
+            x.requires_grad_(not self.recompute)
+        self._inputs[mb] = x
+        with torch.set_grad_enabled(not self.recompute):
+            out = self._forward(mb, x)
+        self._sync()
+        if self.module.is_last:
+            losses[mb] = out.item()
+        self._outputs[mb] = out
+
+    def _do_R(self, mb: int, losses) -> None:
+        x = self._inputs[mb]
+        if not self.module.is_first:
+            x.requires_grad_(True)
+        self._outputs[mb] = self._forward(mb, x)
+        self._sync()
+
+    def _backward(self, mb: int) -> None:
+        out = self._outputs.pop(mb)
+        if self.module.is_last:
+            grad = torch.full_like(out, self.loss_scale)
+        else:
+            grad = self._received(BACKWARD, mb)
+        torch.autograd.backward(out, grad)
+        self._sync()
+        if self.module.is_first:
+            self._inputs.pop(mb)
+
+    def _do_B(self, mb: int, losses) -> None:
+        self._backward(mb)
+
+    def _do_I(self, mb: int, losses) -> None:
+        with self.module.store.deferring(mb):
+            self._backward(mb)
+
+    def _do_W(self, mb: int, losses) -> None:
+        self.module.store.flush(mb)
+        self._sync()

@@ -1,0 +1,155 @@
+"""One pipeline stage of the LLaMA model at its own TP size: its slice of the layers, the
+embedding on the first stage, the final norm, head and loss on the last.
+
+Parameter names are the full model's (``layers.5.attn.wq.weight``), so a stage's state is a
+subset of ``Llama.state_dict()`` with some tensors cut along one dimension; ``shard_dim``
+says which. That one rule serves cutting a full initialization, loading a checkpoint written
+under another plan and gathering shards back for saving.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ditorch.models.llama import LlamaConfig, RMSNorm, causal_attention, rotary_tables, swiglu
+
+from .tensor_parallel import (
+    ShardedLinear, TPGroup, VocabParallelEmbedding, WeightGradStore, copy_to_tp, reduce_from_tp,
+    vocab_parallel_cross_entropy,
+)
+
+# Column-parallel (output features split: dim 0), row-parallel (input features split: dim 1),
+# vocab-parallel (rows of the embedding and the head: dim 0); the norms are replicated.
+_SHARD_DIM = [
+    (re.compile(r"layers\.\d+\.(attn\.(wq|wk|wv)|ffn\.(w1|w3))\.weight$"), 0),
+    (re.compile(r"layers\.\d+\.(attn\.wo|ffn\.w2)\.weight$"), 1),
+    (re.compile(r"(embed|head)\.weight$"), 0),
+]
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension a parameter of the full model is split along under TP (None: replicated)."""
+    for pattern, dim in _SHARD_DIM:
+        if pattern.match(name):
+            return dim
+    return None
+
+
+def cut(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's piece of the full parameter ``name``."""
+    dim = shard_dim(name)
+    if dim is None or tp == 1:
+        return full
+    if full.shape[dim] % tp:
+        raise ValueError(f"{name}: dimension {dim} of size {full.shape[dim]} does not split over tp={tp}")
+    return full.chunk(tp, dim)[tp_rank]
+
+
+def check_divisible(config: LlamaConfig, tp: int, where: str) -> None:
+    """Every split the stage makes must be exact; name the first that is not."""
+    for what, n in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("ffn_dim", config.ffn_dim),
+                    ("vocab_size", config.vocab_size)):
+        if n % tp:
+            raise ValueError(f"{where}: tp={tp} does not divide the model's {what}={n}")
+
+
+class TPAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore):
+        super().__init__()
+        self.tp = tp
+        hd = config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.n_heads // tp.size, config.n_kv_heads // tp.size, hd
+        self.wq = ShardedLinear(config.dim, self.heads * hd, store)
+        self.wk = ShardedLinear(config.dim, self.kv_heads * hd, store)
+        self.wv = ShardedLinear(config.dim, self.kv_heads * hd, store)
+        self.wo = ShardedLinear(self.heads * hd, config.dim, store)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        x = copy_to_tp(x, self.tp)
+        q = self.wq(x).view(b, s, self.heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        return reduce_from_tp(self.wo(causal_attention(q, k, v, cos, sin)), self.tp)
+
+
+class TPFeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore):
+        super().__init__()
+        self.tp = tp
+        f = config.ffn_dim // tp.size
+        self.w1 = ShardedLinear(config.dim, f, store)
+        self.w3 = ShardedLinear(config.dim, f, store)
+        self.w2 = ShardedLinear(f, config.dim, store)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp)
+        return reduce_from_tp(self.w2(swiglu(self.w1(x), self.w3(x))), self.tp)
+
+
+class TPBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = TPAttention(config, tp, store)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = TPFeedForward(config, tp, store)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class StageModule(nn.Module):
+    """Layers ``[first, last)`` of the model on one TP rank.
+
+    ``forward(x)`` takes token ids (b, s) on the first stage and the hidden state (b, s, dim)
+    elsewhere; it returns the hidden state, or on the last stage the per-token loss against
+    ``targets`` (b, s) as a mean over the micro-batch's tokens.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_range: tuple[int, int], is_first: bool, is_last: bool,
+                 tp: TPGroup, store: WeightGradStore | None = None):
+        super().__init__()
+        check_divisible(config, tp.size, f"stage with layers {list(layer_range)}")
+        self.config, self.tp, self.is_first, self.is_last = config, tp, is_first, is_last
+        self.layer_range = layer_range
+        self.store = store or WeightGradStore()
+        if is_first:
+            self.embed = VocabParallelEmbedding(config.vocab_size, config.dim, tp)
+        self.layers = nn.ModuleDict({str(i): TPBlock(config, tp, self.store) for i in range(*layer_range)})
+        if is_last:
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.head = ShardedLinear(config.dim, config.vocab_size // tp.size, self.store)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x)
+        cos, sin = rotary_tables(self.config, x.shape[1], x.device)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if not self.is_last:
+            return x
+        logits = self.head(copy_to_tp(self.norm(x), self.tp))
+        if targets is None:
+            raise ValueError("the last stage needs the micro-batch's targets to compute its loss")
+        losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), self.tp)
+        return losses.mean()
+
+    @torch.no_grad()
+    def load_full(self, full_state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy this rank's cut of each full-model tensor ``full_state`` holds."""
+        missing = []
+        for name, p in self.named_parameters():
+            if name not in full_state:
+                missing.append(name)
+                continue
+            piece = cut(name, full_state[name], self.tp.size, self.tp.rank)
+            if piece.shape != p.shape:
+                raise ValueError(f"{name}: the checkpoint's tensor {tuple(full_state[name].shape)} cuts to "
+                                 f"{tuple(piece.shape)} at tp={self.tp.size}, the stage expects {tuple(p.shape)}")
+            p.copy_(piece)
+        if strict and missing:
+            raise KeyError(f"the full state lacks {len(missing)} tensor(s) of this stage, e.g. {missing[:3]}")

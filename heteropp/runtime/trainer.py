@@ -1,0 +1,265 @@
+"""Training one model over a HeteroPP plan: each rank builds its stage on its chip, runs its
+stage's action list every step, then reduces gradients over its DP group, clips by the global
+norm across all stages and steps its optimizer.
+
+Call after ``torch.distributed.init_process_group`` (``ditorch.train`` does both).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ditorch.datasets import step_batch, text_corpus
+from ditorch.models.llama import Llama, LlamaConfig
+from heteropp.plan import Plan, PlanError
+from heteropp.schedule import Schedule, fine_grained, gpipe, one_f_one_b
+
+from .boundary import RESHARD_MODES, StageBoundary
+from .executor import StageExecutor
+from .layout import PipelineLayout, RankPlace, StageGroups
+from .stage_model import StageModule, shard_dim
+from .trace import TraceRecorder, now, write_chrome_trace
+
+SCHEDULES = ("1f1b", "gpipe", "fine-grained")
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    """What a run does beyond the plan. The reference run (reference.py) reads the same."""
+
+    steps: int = 50
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    precision: str = "bf16"  # bf16 autocast on the chips, or fp32
+    schedule: str | None = None  # a name in SCHEDULES or a torch-style CSV; default: the plan's
+    reshard: str = "srag"
+    memory_scale: float | None = None  # default: $DITORCH_MEMORY_SCALE
+    log: Path | None = None
+    trace: Path | None = None
+    save: Path | None = None
+    save_every: int = 0
+    resume: Path | None = None
+    zero1: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: expected at least 1")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
+        if self.reshard not in RESHARD_MODES:
+            raise ValueError(f"reshard={self.reshard!r}: expected one of {RESHARD_MODES}")
+        if not self.lr > 0 or not self.clip > 0:
+            raise ValueError(f"lr={self.lr}, clip={self.clip}: both must be > 0")
+
+
+def model_config(plan: Plan) -> LlamaConfig:
+    m = plan.model
+    return LlamaConfig(vocab_size=m.vocab, dim=m.hidden, n_layers=m.n_layers, n_heads=m.heads,
+                       n_kv_heads=m.kv_heads, ffn_dim=m.ffn, max_seq_len=m.seq)
+
+
+def full_initialization(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The full model's initial weights, as a single-process run makes them from ``seed``."""
+    torch.manual_seed(seed)
+    return Llama(config).state_dict()
+
+
+def make_optimizer(params, options: TrainOptions) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+
+
+def global_batch_size(plan: Plan) -> int:
+    """Sequences per step: micro-batches of every DP replica."""
+    return plan.num_microbatches * plan.dp * plan.micro_batch_size
+
+
+def build_schedule(plan: Plan, schedule: str | None) -> Schedule:
+    """The action lists every replica runs: a generated schedule or one read from a CSV."""
+    S, b = plan.num_stages, plan.num_microbatches
+    rc = [s.recompute for s in plan.stages]
+    name = schedule or plan.schedule
+    generators = {"1f1b": one_f_one_b, "gpipe": gpipe, "fine-grained": fine_grained}
+    if name in generators:
+        sched = generators[name](S, b, rc)
+    elif name.endswith(".csv") and Path(name).is_file():
+        sched = Schedule.from_csv(name)
+    else:
+        raise ValueError(f"schedule {name!r}: expected one of {SCHEDULES} or a CSV file of actions")
+    if (sched.num_stages, sched.num_microbatches) != (S, b):
+        raise PlanError(f"schedule {name!r} has {sched.num_stages} stages x {sched.num_microbatches} micro-batches, "
+                        f"the plan {S} x {b}")
+    sched.validate(rc)
+    return sched
+
+
+def check_stage_memory(plan: Plan, stage: int, capacity_bytes: int, scale: float) -> None:
+    """Refuse a stage whose planned peak does not fit the emulated chip's memory."""
+    need = plan.stage_memory(stage) * scale
+    if need > capacity_bytes:
+        s = plan.stages[stage]
+        raise PlanError(f"stage {stage} (chip {s.chip}, tp {s.tp}, {s.layers} layers, recompute {s.recompute}) needs "
+                        f"{need / 2**20:.1f} MiB per chip by the plan's estimate (x memory scale {scale:g}) but the chip "
+                        f"holds {capacity_bytes / 2**20:.1f} MiB")
+
+
+class PipelineTrainer:
+    """This rank's part of a plan-driven training run."""
+
+    def __init__(self, plan: Plan, options: TrainOptions):
+        import ditorch
+
+        self.plan, self.options = plan, options
+        self.layout = PipelineLayout(plan)
+        self.layout.check_world(dist.get_world_size())
+        self.place: RankPlace = self.layout.place(dist.get_rank())
+        self.stage_plan = plan.stages[self.place.stage]
+        self.config = model_config(plan)
+        try:
+            profile = ditorch.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
+        except ValueError as exc:
+            raise PlanError(f"stage {self.place.stage}: {exc}") from None
+        self.profile = profile
+        scale = ditorch.current_chip()[1]
+        check_stage_memory(plan, self.place.stage, profile.capacity_bytes(scale), scale)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device("dipu", local % torch.dipu.device_count())
+        torch.dipu.set_device(self.device)
+        self.schedule = build_schedule(plan, options.schedule)
+        self.groups = StageGroups.create(self.layout, self.place)
+        self.module = self._build_module()
+        self.optimizer = make_optimizer(self.module.parameters(), options)
+        self.trace = TraceRecorder(self.place.rank, self.place.stage, enabled=options.trace is not None)
+        self.executor = StageExecutor(
+            self.module, self.schedule.actions[self.place.stage], *self._boundaries(),
+            recompute=self.stage_plan.recompute, device=self.device,
+            loss_scale=1.0 / global_batch_size(plan),
+            autocast_dtype=torch.bfloat16 if options.precision == "bf16" else None, trace=self.trace)
+        self.data, _ = text_corpus()
+        self.start_step = 0
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _build_module(self) -> StageModule:
+        i, S = self.place.stage, self.plan.num_stages
+        with torch.device(self.device):
+            module = StageModule(self.config, self.stage_plan.layer_range, i == 0, i == S - 1, self.groups.tp)
+        module.load_full(full_initialization(self.config, self.options.seed))
+        return module
+
+    def _boundaries(self) -> tuple[StageBoundary | None, StageBoundary | None]:
+        i, d, S = self.place.stage, self.place.dp_index, self.plan.num_stages
+        shape = (self.plan.micro_batch_size, self.plan.model.seq, self.config.dim)
+
+        def boundary(lo: int) -> StageBoundary:
+            return StageBoundary(self.layout.tp_ranks(lo, d), self.layout.tp_ranks(lo + 1, d), self.place.rank,
+                                 self.groups.tp, shape, torch.float32, self.device, self.options.reshard)
+
+        return (boundary(i - 1) if i > 0 else None), (boundary(i) if i < S - 1 else None)
+
+    # -- one step ----------------------------------------------------------------------------
+    def _microbatches(self, step: int) -> tuple[list | None, list | None]:
+        M, mbs = self.plan.num_microbatches, self.plan.micro_batch_size
+        batch = step_batch(self.data, global_batch_size(self.plan), self.plan.model.seq, self.options.seed, step)
+        rows = batch[self.place.dp_index * M * mbs:(self.place.dp_index + 1) * M * mbs]
+        mbatches = [rows[m * mbs:(m + 1) * mbs] for m in range(M)]
+        tokens = [b[:, :-1].to(self.device) for b in mbatches] if self.module.is_first else None
+        targets = [b[:, 1:].to(self.device) for b in mbatches] if self.module.is_last else None
+        return tokens, targets
+
+    def _owned(self, name: str) -> bool:
+        """Whether this rank counts ``name`` in the global norm: each element once over all ranks."""
+        return self.place.dp_index == 0 and (shard_dim(name) is not None or self.place.tp_index == 0)
+
+    def _reduce_gradients(self) -> None:
+        grads = [p.grad for p in self.module.parameters()]
+        if self.groups.dp is None:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.groups.dp)
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+    def step(self, step: int) -> float:
+        """Run one training step; returns the global batch's mean loss (on every rank)."""
+        tokens, targets = self._microbatches(step)
+        losses = self.executor.run(step, tokens, targets)
+        t_update = now()
+        self._reduce_gradients()
+        sumsq = sum((p.grad.double().pow(2).sum() for n, p in self.module.named_parameters() if self._owned(n)),
+                    torch.zeros((), dtype=torch.float64, device=self.device))
+        loss_sum = sum(losses) if self.module.is_last and self.place.tp_index == 0 else 0.0
+        totals = torch.stack([sumsq, torch.tensor(loss_sum, dtype=torch.float64, device=self.device)])
+        dist.all_reduce(totals)
+        total_norm, loss_total = math.sqrt(totals[0].item()), totals[1].item()
+        coef = min(1.0, self.options.clip / (total_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        for p in self.module.parameters():
+            p.grad.mul_(coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.dipu.synchronize()
+        self.trace.record(f"{self.place.stage}UPDATE", "UPDATE", t_update, now(), step=step)
+        return loss_total / (self.plan.num_microbatches * self.plan.dp)
+
+    # -- the run -----------------------------------------------------------------------------
+    def train(self) -> list[float]:
+        """All steps; rank 0 logs, shows progress and writes the trace. Returns the losses."""
+        from ditorch.tools import LossLogger
+
+        o = self.options
+        log = LossLogger(o.log, append=self.start_step > 0) if o.log and dist.get_rank() == 0 else None
+        tokens_per_step = global_batch_size(self.plan) * self.plan.model.seq
+        losses, start = [], time.perf_counter()
+        try:
+            for step in range(self.start_step, o.steps):
+                loss = self.step(step)
+                losses.append(loss)
+                if log is not None:
+                    log.log(step + 1, loss, (step + 1) * tokens_per_step)
+                if o.progress and dist.get_rank() == 0:
+                    self._progress(step + 1, loss, tokens_per_step * len(losses) / (time.perf_counter() - start))
+                if o.save and o.save_every and (step + 1) % o.save_every == 0:
+                    self.save(o.save, step + 1)
+        finally:
+            if log is not None:
+                log.close()
+        if o.save:
+            self.save(o.save, o.steps)
+        if o.trace:
+            self._write_trace(o.trace)
+        return losses
+
+    def _progress(self, step: int, loss: float, rate: float) -> None:
+        n = self.options.steps
+        bar = "#" * (30 * step // n)
+        end = "\n" if step == n or not sys.stdout.isatty() else "\r"
+        print(f"  [{bar:<30}] step {step:>4}/{n}  loss {loss:.4f}  {rate:,.0f} tok/s", end=end, flush=True)
+
+    def _write_trace(self, path: Path) -> None:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(self.trace.events(), gathered, dst=0)
+        if dist.get_rank() == 0:
+            names = [f"{s.chip} tp{s.tp}" + (" recompute" if s.recompute else "") for s in self.plan.stages]
+            write_chrome_trace(path, [e for evs in gathered for e in evs], names)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, directory: Path, step: int) -> None:
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(directory, step, self)
+
+    def resume(self, directory: Path) -> int:
+        """Load a checkpoint written under any plan; training continues after its step."""
+        from .checkpoint import load_checkpoint
+
+        self.start_step = load_checkpoint(directory, self)
+        return self.start_step
