@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (over all stages)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="bf16 autocast on the chips, or fp32")
     p.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} or a CSV of actions "
                                                     "(torch.distributed.pipelining's form); default: the plan's")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = Plan.from_json(args.plan)
         options = TrainOptions(
-            steps=args.steps, lr=args.lr, seed=args.seed, precision=args.precision, schedule=args.schedule,
+            steps=args.steps, lr=args.lr, clip=args.clip, seed=args.seed, precision=args.precision, schedule=args.schedule,
             reshard=args.reshard, memory_scale=args.memory_scale, log=args.loss_log, trace=args.trace, save=args.save,
             save_every=args.save_every, resume=args.resume, zero1=args.zero1, progress=not args.quiet)
     except (PlanError, ValueError, OSError) as exc:

@@ -1,0 +1,63 @@
+"""Small plans and a launcher for runtime tests: each run is a real ``torchrun -m ditorch.train``."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from heteropp.cluster import ClusterSpec
+from heteropp.model_spec import ModelSpec
+from heteropp.plan import Plan, StagePlan
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+         "max_seq_len": 32}
+# Chips with exact fp32 numerics and host speed (the runtime, not the chip model, is under test),
+# and the paper's A and C for the mixed-precision runs.
+EXACT_CHIPS = {
+    "X": {"memory_gb": 96, "relative_speed": 2.0, "chips_per_node": 8, "nics_per_node": 8},
+    "Y": {"memory_gb": 64, "relative_speed": 2.0, "chips_per_node": 8, "nics_per_node": 8},
+    "Z": {"memory_gb": 32, "relative_speed": 2.0, "chips_per_node": 8, "nics_per_node": 8},
+}
+
+
+def _cluster(names) -> ClusterSpec:
+    memory = {"X": 96, "Y": 64, "Z": 32, "A": 96, "B": 64, "C": 32, "D": 32}
+    chip = lambda n: {"count": 8, "memory_gb": memory[n], "chips_per_node": 8, "tp_max": 4, "intra_node_gbps": 10,
+                      "hbm_gbps": 100, "nic_gbps": 1, "effective_tflops": 1}
+    return ClusterSpec.from_dict({"chips": {n: chip(n) for n in names},
+                                  "links": {"inter_node": {"bandwidth_gbps": 1}, "inter_cluster": {"bandwidth_gbps": 1}}})
+
+
+def make_plan(stages: list[tuple[str, int, int, bool]], dp: int = 1, microbatches: int = 4,
+              model: dict | None = None, schedule: str = "1f1b") -> Plan:
+    """stages: (chip, tp, layers, recompute) in pipeline order."""
+    spec = ModelSpec.from_dict(model or MODEL, name="test-llama")
+    out, layer, rank = [], 0, 0
+    for chip, tp, layers, rc in stages:
+        out.append(StagePlan(chip=chip, tp=tp, dp=dp, layers=layers, first_layer=layer, recompute=rc, first_rank=rank))
+        layer += layers
+        rank += tp * dp
+    plan = Plan(model=spec, cluster=_cluster(sorted({s[0] for s in stages})),
+                global_batch_tokens=microbatches * dp * spec.seq, dp=dp, stages=tuple(out), schedule=schedule)
+    plan.validate()
+    return plan
+
+
+def chip_file(tmp: Path) -> Path:
+    path = tmp / "chips.yaml"
+    path.write_text(yaml.safe_dump({"chips": EXACT_CHIPS}))
+    return path
+
+
+def torchrun(plan_path: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nproc -m ditorch.train --plan plan_path *args``."""
+    full_env = dict(os.environ, DITORCH_PROFILE_FILE=str(chip_file(tmp)), DITORCH_MEMORY_SCALE="0.001",
+                    PYTHONPATH=str(ROOT), **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "ditorch.train", "--plan", str(plan_path), "--quiet", *args]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
