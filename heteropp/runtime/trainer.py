@@ -104,13 +104,28 @@ def build_schedule(plan: Plan, schedule: str | None) -> Schedule:
 
 
 def check_stage_memory(plan: Plan, stage: int, capacity_bytes: int, scale: float) -> None:
-    """Refuse a stage whose planned peak does not fit the emulated chip's memory."""
-    need = plan.stage_memory(stage) * scale
+    """Refuse a stage whose planned peak does not fit this chip's memory (as emulated: the
+    profile's capacity times the memory scale)."""
+    need = plan.stage_memory(stage)
     if need > capacity_bytes:
         s = plan.stages[stage]
         raise PlanError(f"stage {stage} (chip {s.chip}, tp {s.tp}, {s.layers} layers, recompute {s.recompute}) needs "
-                        f"{need / 2**20:.1f} MiB per chip by the plan's estimate (x memory scale {scale:g}) but the chip "
-                        f"holds {capacity_bytes / 2**20:.1f} MiB")
+                        f"{need / 2**20:.2f} MiB per chip by the plan's estimate but the chip holds "
+                        f"{capacity_bytes / 2**20:.2f} MiB (memory scale {scale:g})")
+
+
+def check_plan_fits(plan: Plan, memory_scale: float | None) -> None:
+    """Every stage's chip can be emulated here and holds the stage. Each rank checks all stages,
+    so a bad plan stops every rank with the same message before any group is made."""
+    from ditorch_ext.profiles import memory_scale_from_env, resolve
+
+    scale = memory_scale_from_env() if memory_scale is None else memory_scale
+    for i, s in enumerate(plan.stages):
+        try:
+            profile = resolve(s.chip)
+        except ValueError as exc:
+            raise PlanError(f"stage {i}: {exc}") from None
+        check_stage_memory(plan, i, profile.capacity_bytes(scale), scale)
 
 
 class PipelineTrainer:
@@ -125,13 +140,8 @@ class PipelineTrainer:
         self.place: RankPlace = self.layout.place(dist.get_rank())
         self.stage_plan = plan.stages[self.place.stage]
         self.config = model_config(plan)
-        try:
-            profile = ditorch.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
-        except ValueError as exc:
-            raise PlanError(f"stage {self.place.stage}: {exc}") from None
-        self.profile = profile
-        scale = ditorch.current_chip()[1]
-        check_stage_memory(plan, self.place.stage, profile.capacity_bytes(scale), scale)
+        check_plan_fits(plan, options.memory_scale)
+        self.profile = ditorch.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
         torch.dipu.set_device(self.device)

@@ -25,7 +25,7 @@ EXACT_CHIPS = {
 
 
 def _cluster(names) -> ClusterSpec:
-    memory = {"X": 96, "Y": 64, "Z": 32, "A": 96, "B": 64, "C": 32, "D": 32}
+    memory = {"X": 96, "Y": 64, "Z": 32, "Q": 16, "A": 96, "B": 64, "C": 32, "D": 32}
     chip = lambda n: {"count": 8, "memory_gb": memory[n], "chips_per_node": 8, "tp_max": 4, "intra_node_gbps": 10,
                       "hbm_gbps": 100, "nic_gbps": 1, "effective_tflops": 1}
     return ClusterSpec.from_dict({"chips": {n: chip(n) for n in names},
@@ -57,7 +57,8 @@ def torchrun(plan_path: Path, nproc: int, args: list[str], tmp: Path, timeout: f
              env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node nproc -m ditorch.train --plan plan_path *args``."""
     full_env = dict(os.environ, DITORCH_PROFILE_FILE=str(chip_file(tmp)), DITORCH_MEMORY_SCALE="0.001",
-                    PYTHONPATH=str(ROOT), **(env or {}))
+                    PYTHONPATH=str(ROOT))
+    full_env.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "ditorch.train", "--plan", str(plan_path), "--quiet", *args]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=tmp)

@@ -1,0 +1,106 @@
+"""Checkpoints resume under another plan on the same loss curve; bad plans fail before training
+with errors naming the stage and the value; a killed rank ends the run with an error, never a hang."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from plans import ROOT, chip_file, make_plan, torchrun
+
+STEPS = 6
+
+
+def _losses(path) -> dict[int, float]:
+    return {(d := json.loads(line))["step"]: d["loss"] for line in path.read_text().splitlines()}
+
+
+def test_resume_under_another_plan_continues_the_curve(tmp_path):
+    """3 steps under TP 2 -> TP 1, then 3 more under TP 1 -> TP 2 (with recompute) on other
+    chips, equal the 6 steps of one uninterrupted run."""
+    first = make_plan([("X", 2, 2, False), ("Y", 1, 2, False)])
+    second = make_plan([("Z", 1, 1, False), ("Y", 2, 3, True)])
+    first.to_json(tmp_path / "first.json")
+    second.to_json(tmp_path / "second.json")
+    common = ["--precision", "fp32", "--clip", "0.05"]
+    whole = torchrun(tmp_path / "first.json", 3, ["--steps", str(STEPS), "--loss-log", "whole.jsonl", *common], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    part1 = torchrun(tmp_path / "first.json", 3, ["--steps", "3", "--save", "ckpt", *common], tmp_path)
+    assert part1.returncode == 0, part1.stderr[-3000:]
+    part2 = torchrun(tmp_path / "second.json", 3, ["--steps", str(STEPS), "--resume", "ckpt", "--loss-log",
+                                                   "resumed.jsonl", *common], tmp_path)
+    assert part2.returncode == 0, part2.stderr[-3000:]
+    whole_losses, resumed = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(whole_losses[step], rel=1e-5), step
+
+
+def _expect_refusal(tmp_path, plan, nproc, pattern, args=(), env=None):
+    plan.to_json(tmp_path / "plan.json")
+    run = torchrun(tmp_path / "plan.json", nproc, ["--steps", "2", *args], tmp_path, env=env, timeout=120)
+    assert run.returncode != 0
+    assert re.search(pattern, run.stderr), run.stderr[-3000:]
+
+
+def test_bad_plans_fail_before_training(tmp_path):
+    two = make_plan([("X", 2, 2, False), ("Y", 1, 2, False)])
+    _expect_refusal(tmp_path, two, 2, r"the plan needs exactly 3 ranks .* world size 2")
+    # memory: at this scale X holds 3.9 MiB and Z 1.3 MiB; the plan puts 1.7 MiB on Z
+    small = make_plan([("X", 1, 2, False), ("Z", 1, 2, False)])
+    assert 1.31 * 2**20 < small.stage_memory(1) < small.stage_memory(0) < 3.9 * 2**20
+    _expect_refusal(tmp_path, small, 2, r"stage 1 \(chip Z.*needs 1.70 MiB .* holds 1.31 MiB",
+                    env={"DITORCH_MEMORY_SCALE": "4e-5"})
+    # a chip the process cannot emulate
+    unknown = make_plan([("X", 1, 2, False), ("Q", 1, 2, False)])
+    _expect_refusal(tmp_path, unknown, 2, r"stage 1: unknown chip 'Q'")
+    # a model the stage cannot split: ffn 120 over tp 4 is fine, 4 KV heads over 4 too, 250 vocab is not
+    odd = make_plan([("X", 4, 2, False), ("Y", 1, 2, False)],
+                    model={"vocab_size": 250, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4,
+                           "ffn_dim": 128, "max_seq_len": 32})
+    _expect_refusal(tmp_path, odd, 5, r"tp=4 does not divide the model's vocab_size=250")
+
+
+def test_a_killed_rank_fails_every_other_rank_naming_it(tmp_path):
+    """Ranks started by hand (no torchrun to tear the job down): kill rank 1 mid-run; ranks 0
+    and 2 exit with an error naming rank 1 well before the run's timeout."""
+    plan = make_plan([("X", 1, 2, False), ("Y", 1, 1, False), ("Z", 1, 1, False)], microbatches=8)
+    plan.to_json(tmp_path / "plan.json")
+    port = __import__("socket").socket()
+    port.bind(("127.0.0.1", 0))
+    master_port = port.getsockname()[1]
+    port.close()
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(master_port), PYTHONPATH=str(ROOT), DITORCH_PROFILE_FILE=str(chip_file(tmp_path)),
+                   DITORCH_MEMORY_SCALE="0.001")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ditorch.train", "--plan", "plan.json", "--steps", "1000", "--precision", "fp32",
+             "--timeout", "120", "--loss-log", f"r{rank}.jsonl"], cwd=tmp_path, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.monotonic() + 90
+        log = tmp_path / "r0.jsonl"
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            time.sleep(0.2)
+        assert log.exists(), "the run never reached step 2"
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        for rank in (0, 2):
+            _, err = procs[rank].communicate(timeout=60)
+            assert procs[rank].returncode != 0
+            assert f"rank {rank} failed" in err and "rank 1" in err.split(f"rank {rank} failed", 1)[1], err[-2000:]
+        assert time.monotonic() - killed_at < 60
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
