@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     s.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     s.add_argument("--timeline", default=None, help="write the timeline as a PNG here")
     s.add_argument("--schedule-out", default=None, help="write the per-stage action lists (JSON) here")
+    s.add_argument("--schedule-csv", default=None, help="run these action lists (torch.distributed.pipelining's CSV)")
+    s.add_argument("--measured", default=None, help="a runtime trace (--trace of ditorch.train) to compare with")
     s.set_defaults(func=simulate_command)
 
 
@@ -78,7 +80,8 @@ def plan_command(args) -> int:
 def simulate_command(args) -> int:
     import json
 
-    from .schedule import fine_grained, gpipe, one_f_one_b
+    from .measured import read_trace
+    from .schedule import Schedule, fine_grained, gpipe, one_f_one_b
     from .simulator import pipeline_from_plan, simulate
 
     try:
@@ -88,26 +91,42 @@ def simulate_command(args) -> int:
         return 1
     S, b = plan.num_stages, plan.num_microbatches
     rc = [s.recompute for s in plan.stages]
-    schedule = {"1f1b": lambda: one_f_one_b(S, b, rc), "gpipe": lambda: gpipe(S, b, rc),
-                "fine-grained": lambda: fine_grained(S, b, rc), "comm-aware": lambda: "comm-aware"}[args.schedule]()
+    try:
+        if args.schedule_csv:
+            schedule = Schedule.from_csv(args.schedule_csv)
+        else:
+            schedule = {"1f1b": lambda: one_f_one_b(S, b, rc), "gpipe": lambda: gpipe(S, b, rc),
+                        "fine-grained": lambda: fine_grained(S, b, rc), "comm-aware": lambda: "comm-aware"}[args.schedule]()
+        measured = read_trace(args.measured, S) if args.measured else None
+    except (ValueError, OSError) as exc:
+        print(f"ditorch simulate: {exc}", file=sys.stderr)
+        return 1
     res = simulate(pipeline_from_plan(plan), schedule)
     print(f"schedule {args.schedule}: iteration {res.iteration_time:.3f} s "
           f"(cost model {plan.estimate.get('iteration_time_s', float('nan')):.3f} s), "
           f"bubble {100 * res.bubble_fraction:.1f}%, "
           f"{plan.global_batch_tokens / (res.iteration_time * plan.num_chips):.1f} tokens/chip/s")
-    print(f"{'stage':>5} {'chip':>4} {'busy s':>8} {'peak GB':>8} {'capacity GB':>11}")
+    if measured is not None:
+        print(f"measured: iteration {measured.iteration_time:.3f} s (median of {len(measured.iteration_times) - 1} "
+              f"steps after the first), measured/simulated {measured.iteration_time / res.iteration_time:.3f}")
+    print(f"{'stage':>5} {'chip':>4} {'busy s':>8} {'peak GB':>8} {'capacity GB':>11}"
+          + (f" {'measured busy s':>15}" if measured else ""))
     for i, s in enumerate(plan.stages):
-        print(f"{i:>5} {s.chip:>4} {res.stage_busy[i]:>8.2f} {res.stage_peak_memory[i] / GB:>8.1f} "
-              f"{plan.cluster.chip(s.chip).usable_memory / GB:>11.1f}")
+        print(f"{i:>5} {s.chip:>4} {res.stage_busy[i]:>8.3f} {res.stage_peak_memory[i] / GB:>8.3f} "
+              f"{plan.cluster.chip(s.chip).usable_memory / GB:>11.3f}"
+              + (f" {measured.stage_busy[i]:>15.3f}" if measured else ""))
     over = [i for i, s in enumerate(plan.stages) if res.stage_peak_memory[i] > plan.cluster.chip(s.chip).usable_memory]
     if over:
         print(f"warning: stages {over} exceed their chip's usable memory under {args.schedule}")
     if args.timeline:
-        from .timeline import plot_timeline
+        from .timeline import plot_measured_vs_simulated, plot_timeline
 
         labels = [f"{i} {s.chip} tp{s.tp}" for i, s in enumerate(plan.stages)]
-        plot_timeline(res, args.timeline, title=f"{plan.cluster.name} {args.schedule}: {res.iteration_time:.2f} s",
-                      stage_labels=labels)
+        title = f"{plan.cluster.name} {args.schedule}"
+        if measured is None:
+            plot_timeline(res, args.timeline, title=f"{title}: {res.iteration_time:.2f} s", stage_labels=labels)
+        else:
+            plot_measured_vs_simulated(res, measured.timeline, measured.iteration_time, args.timeline, labels, title)
         print(f"wrote {args.timeline}")
     if args.schedule_out:
         sched = res.schedules[0] if res.schedules else schedule

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 GB = 1e9
+# Measured extras of the pipeline's ends per micro-batch (ms): the embedding on the first stage,
+# the final norm, head and loss on the last. Optional in layer_times_ms; `ditorch profile` writes them.
+END_TIME_KEYS = ("embed_fwd", "embed_bwd", "head_fwd", "head_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class ChipSpec:
     usable_memory_fraction: float = 0.9
     effective_tflops: float | None = None
     calibration: Calibration | None = None
-    measured_ms: dict | None = None  # {tp: {"fwd":..,"bwd":..,"recompute":..,"update":..}}
+    measured_ms: dict | None = None  # {tp: {"fwd":..,"bwd":..,"recompute":..,"update":.., END_TIME_KEYS..}}
     peak_tflops: float | None = None  # nominal, for reporting MFU only
 
     def __post_init__(self) -> None:
@@ -154,7 +157,8 @@ class ChipSpec:
         if "layer_times_ms" in d:
             measured = {}
             for tp, times in d["layer_times_ms"].items():
-                _check_keys(times, {"fwd", "bwd", "recompute", "update"}, {"fwd", "bwd"}, f"{where} layer_times_ms[{tp}]")
+                _check_keys(times, {"fwd", "bwd", "recompute", "update", *END_TIME_KEYS}, {"fwd", "bwd"},
+                            f"{where} layer_times_ms[{tp}]")
                 measured[int(tp)] = {k: float(v) for k, v in times.items()}
         return cls(
             name=name,
@@ -233,21 +237,29 @@ class ClusterSpec:
             d = yaml.safe_load(f)
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a mapping with 'chips' and 'links'")
-        # a cluster may take its chip types from a shared library file and only set counts
+        # a cluster may take its chip types from library files (one, or a list: e.g. one file
+        # per chip written by `ditorch profile`) and only set counts
         if "chip_library" in d:
-            with open(path.parent / d["chip_library"]) as f:
-                library = yaml.safe_load(f)
+            files = d["chip_library"] if isinstance(d["chip_library"], list) else [d["chip_library"]]
+            lib_chips: dict = {}
+            lib_links = None
+            for name in files:
+                with open(path.parent / name) as f:
+                    library = yaml.safe_load(f) or {}
+                if not isinstance(library, dict) or not isinstance(library.get("chips"), dict):
+                    raise ValueError(f"{path}: chip library {name} has no 'chips' mapping")
+                lib_chips.update(library["chips"])
+                lib_links = lib_links or library.get("links")
             counts = d.get("counts") or {}
             if not isinstance(counts, dict) or not counts:
                 raise ValueError(f"{path}: 'chip_library' needs 'counts' mapping chip type -> number of chips")
-            lib_chips = library.get("chips", {})
             unknown = sorted(set(counts) - set(lib_chips))
             if unknown:
                 raise ValueError(f"{path}: counts name unknown chip type(s) {unknown}; library has {sorted(lib_chips)}")
             d = {
                 "name": d.get("name", path.stem),
                 "chips": {n: dict(lib_chips[n], count=counts[n]) for n in counts},
-                "links": d.get("links", library.get("links")),
+                "links": d.get("links", lib_links),
             }
         d.setdefault("name", path.stem)
         return cls.from_dict(d, where=str(path))

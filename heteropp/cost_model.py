@@ -67,6 +67,12 @@ def stage_costs(
     for i, (chip, tp, dp, layers, recompute) in enumerate(stages):
         prof = profiles[chip]
         compute = layers * prof.layer_times(tp).compute(recompute)
+        embed_fwd, embed_bwd, head_fwd, head_bwd = prof.end_times(tp)
+        rerun = 2.0 if recompute else 1.0  # a recomputing stage runs its forward twice
+        if i == 0:
+            compute += rerun * embed_fwd + embed_bwd
+        if i == len(stages) - 1:
+            compute += rerun * head_fwd + head_bwd
         p2p = 0.0
         if blocking_p2p:
             for j in (i - 1, i + 1):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .cluster import ChipSpec
+from .cluster import END_TIME_KEYS, ChipSpec
 from .model_spec import BF16, ModelSpec
 
 # Adam step per fp32 parameter: read master, grad, m, v; write master, m, v; write the bf16 copy
@@ -84,6 +84,13 @@ class ChipProfile:
         matmul = self.model.layer_forward_flops() / (tp * self.effective_flops)
         comm = 2.0 * self.tp_allreduce_time(tp)  # attention block + MLP block
         return LayerTimes(fwd=matmul + comm, bwd_input=matmul + comm, bwd_weight=matmul, recompute=matmul + comm)
+
+    def end_times(self, tp: int) -> tuple[float, float, float, float]:
+        """Seconds per micro-batch the pipeline's ends add: (embedding forward, embedding
+        backward, head forward, head backward); measured profiles only, else zeros (the
+        paper's cost model leaves them out)."""
+        measured = (self.chip.measured_ms or {}).get(tp, {})
+        return tuple(measured.get(k, 0.0) * 1e-3 for k in END_TIME_KEYS)
 
     def update_time(self, tp: int, dp: int) -> float:
         """Per-layer optimizer time: ZeRO-1 Adam step on 1/dp of the shard, plus the

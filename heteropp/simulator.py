@@ -404,9 +404,12 @@ def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
     for i, st in enumerate(plan.stages):
         lt = profiles[st.chip].layer_times(st.tp)
         n = st.layers
+        embed_fwd, embed_bwd, head_fwd, head_bwd = profiles[st.chip].end_times(st.tp)
+        end_fwd = (embed_fwd if i == 0 else 0.0) + (head_fwd if i == S - 1 else 0.0)
+        end_bwd = (embed_bwd if i == 0 else 0.0) + (head_bwd if i == S - 1 else 0.0)
         stages.append(StageModel(
-            fwd=n * lt.fwd, bwd_input=n * lt.bwd_input, bwd_weight=n * lt.bwd_weight,
-            recompute_time=n * lt.recompute, recompute=st.recompute,
+            fwd=n * lt.fwd + end_fwd, bwd_input=n * lt.bwd_input + end_bwd / 2, bwd_weight=n * lt.bwd_weight + end_bwd / 2,
+            recompute_time=n * lt.recompute + end_fwd, recompute=st.recompute,
             act_bytes=m.activation_bytes(n, st.tp, st.recompute), full_act_bytes=0.0,
             static_bytes=plan.stage_memory(i, inflight=0), capacity=cl.chip(st.chip).usable_memory,
             update=n * profiles[st.chip].update_time(st.tp, st.dp), name=st.chip,

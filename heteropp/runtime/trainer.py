@@ -205,15 +205,15 @@ class PipelineTrainer:
         losses = self.executor.run(step, tokens, targets)
         t_update = now()
         self._reduce_gradients()
-        sumsq = sum((p.grad.double().pow(2).sum() for n, p in self.module.named_parameters() if self._owned(n)),
-                    torch.zeros((), dtype=torch.float64, device=self.device))
+        owned = [p.grad for n, p in self.module.named_parameters() if self._owned(n)]
+        sumsq = torch.stack(torch._foreach_norm(owned)).double().pow(2).sum() if owned else \
+            torch.zeros((), dtype=torch.float64, device=self.device)
         loss_sum = sum(losses) if self.module.is_last and self.place.tp_index == 0 else 0.0
         totals = torch.stack([sumsq, torch.tensor(loss_sum, dtype=torch.float64, device=self.device)])
         dist.all_reduce(totals)
         total_norm, loss_total = math.sqrt(totals[0].item()), totals[1].item()
         coef = min(1.0, self.options.clip / (total_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
-        for p in self.module.parameters():
-            p.grad.mul_(coef)
+        torch._foreach_mul_([p.grad for p in self.module.parameters()], coef)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         torch.dipu.synchronize()

@@ -1,0 +1,243 @@
+"""``ditorch profile``: measure one transformer layer of a model on this process's chip, at each
+TP size, and write the ``layer_times_ms`` chip description ``cluster.yaml`` reads, so a plan
+can come from measurements of this machine.
+
+For TP size t, t processes run one real stage layer (stage_model.TPBlock) over dicomm, so the
+times include the TP all-reduces the runtime pays. Per micro-batch and layer it measures the
+forward, the full backward (alternating, as in training), the recompute (the runtime's R is
+the same forward, so it is the forward's time) and the AdamW update of the layer's shard; the
+median of ``repeats`` runs after warm-ups. It
+also measures the activation memory one micro-batch leaves per layer and, with t >= 2, the
+point-to-point bandwidth of one activation between two ranks, written as the chip's NIC and
+intra-node bandwidth.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from ditorch.models.llama import LlamaConfig
+from heteropp.cluster import END_TIME_KEYS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed(fn, sync, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after two warm-ups; device synced around each."""
+    samples = []
+    for i in range(repeats + 2):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        if i >= 2:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: str, memory_scale: float,
+            repeats: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import ditorch
+    from heteropp.runtime.stage_model import StageModule
+    from heteropp.runtime.tensor_parallel import TPGroup
+
+    torch.set_num_threads(1)
+    ditorch.set_chip(chip, memory_scale=memory_scale)
+    device = torch.device("dipu", rank % torch.dipu.device_count())
+    torch.dipu.set_device(device)
+    dist.init_process_group("dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                            timeout=datetime.timedelta(seconds=120))
+    cfg = LlamaConfig(**config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        stage = StageModule(cfg, (1, 2), False, False, TPGroup(dist.group.WORLD, tp, rank))
+    for p in stage.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+    x = torch.randn(1, cfg.max_seq_len, cfg.dim, device=device)
+    grad = torch.randn_like(x)
+    autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    sync = torch.dipu.synchronize
+    holder = {}
+
+    def forward():
+        with autocast:
+            holder["out"] = stage(x.detach().requires_grad_())
+
+    def backward():
+        torch.autograd.backward(holder.pop("out"), grad)
+
+    # Forward and backward alternate, as in training; the first rounds warm the allocator up.
+    fwd_samples, bwd_samples = [], []
+    for i in range(repeats + 3):
+        for fn, samples in ((forward, fwd_samples), (backward, bwd_samples)):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if i >= 3:
+                samples.append(time.perf_counter() - start)
+    fwd, bwd = statistics.median(fwd_samples), statistics.median(bwd_samples)
+    update = _timed(optimizer.step, sync, repeats)
+    ends = _end_times(cfg, tp, rank, device, autocast, sync, repeats)
+    holder.clear()
+    sync()
+    torch.dipu.reset_peak_memory_stats()
+    base = torch.dipu.memory_allocated()
+    forward()
+    sync()
+    activation = torch.dipu.memory_allocated() - base
+    holder.clear()
+    bandwidth = None
+    if tp >= 2:
+        payload = torch.randn(1, cfg.max_seq_len, cfg.dim, device=device)
+
+        def ping():
+            if rank == 0:
+                dist.send(payload, 1)
+            elif rank == 1:
+                dist.recv(payload, 0)
+            dist.barrier()
+
+        seconds = _timed(ping, sync, repeats)
+        bandwidth = payload.numel() * payload.element_size() / seconds
+    if rank == 0:
+        # the runtime's R is this same forward, so the recompute time is the forward's
+        Path(out).write_text(json.dumps({"fwd": fwd * 1e3, "bwd": bwd * 1e3, "recompute": fwd * 1e3,
+                                         "update": update * 1e3, **{k: v * 1e3 for k, v in ends.items()},
+                                         "activation_bytes": activation,
+                                         "p2p_bytes_per_s": bandwidth}))
+    dist.destroy_process_group()
+
+
+def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, repeats: int) -> dict[str, float]:
+    """Forward and backward seconds of the pipeline's ends: the (vocab-parallel) embedding of
+    the first stage, and the final norm, head and loss of the last."""
+    import torch
+    import torch.distributed as dist
+
+    from heteropp.runtime.stage_model import StageModule
+    from heteropp.runtime.tensor_parallel import TPGroup
+
+    group = TPGroup(dist.group.WORLD, tp, rank)
+    L = cfg.n_layers
+    with torch.device(device):
+        first = StageModule(cfg, (0, 0), True, False, group)
+        last = StageModule(cfg, (L, L), False, True, group)
+    for p in [*first.parameters(), *last.parameters()]:
+        torch.nn.init.normal_(p, std=0.02)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len), device=device)
+    hidden = torch.randn(1, cfg.max_seq_len, cfg.dim, device=device)
+    out = {}
+    for name, run in (("embed", lambda: first(tokens)), ("head", lambda: last(hidden.detach().requires_grad_(), tokens))):
+        fwd_samples, bwd_samples = [], []
+        for i in range(repeats + 3):
+            sync()
+            start = time.perf_counter()
+            with autocast:
+                y = run()
+            sync()
+            mid = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            sync()
+            if i >= 3:
+                fwd_samples.append(mid - start)
+                bwd_samples.append(time.perf_counter() - mid)
+        out[f"{name}_fwd"], out[f"{name}_bwd"] = statistics.median(fwd_samples), statistics.median(bwd_samples)
+    return out
+
+
+def profile_tp(chip: str, config: LlamaConfig, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
+               repeats: int = 5) -> dict:
+    """Measure one layer at TP size ``tp`` on ``tp`` spawned ranks; returns rank 0's numbers."""
+    import torch.multiprocessing as mp
+
+    from .stage_model import check_divisible
+
+    check_divisible(config, tp, f"ditorch profile --tp {tp}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(_worker, nprocs=tp, start_method="spawn",
+                           args=(tp, _free_port(), chip, config.__dict__, precision, memory_scale, repeats, out))
+        return json.loads(Path(out).read_text())
+
+
+def chip_description(chip: str, results: dict[int, dict], memory_scale: float, default_gbps: float = 1.0) -> dict:
+    """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results."""
+    from ditorch_ext.profiles import resolve
+
+    profile = resolve(chip)
+    gbps = [r["p2p_bytes_per_s"] / 1e9 for r in results.values() if r.get("p2p_bytes_per_s")]
+    bandwidth = round(min(gbps), 3) if gbps else default_gbps
+    return {
+        "count": profile.chips_per_node,
+        "memory_gb": round(profile.capacity_bytes(memory_scale) / 1e9, 6),
+        "chips_per_node": profile.chips_per_node,
+        "tp_max": max(results),
+        "intra_node_gbps": bandwidth,
+        "hbm_gbps": bandwidth,  # unused: the update time is measured
+        "nic_gbps": bandwidth,
+        "layer_times_ms": {tp: {k: round(r[k], 4) for k in ("fwd", "bwd", "recompute", "update", *END_TIME_KEYS)}
+                           for tp, r in sorted(results.items())},
+    }
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="measure a model's layer times on an emulated chip per TP size")
+    p.add_argument("--chip", required=True, help="chip profile (A, B, C, D or one from $DITORCH_PROFILE_FILE)")
+    p.add_argument("--model", required=True, help="model.yaml (LlamaConfig keys)")
+    p.add_argument("--tp", default="1", help="TP sizes, comma-separated (each spawns that many ranks)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE or 0.001)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", required=True, help="write the chip description (cluster.yaml's chips form) here")
+    p.set_defaults(func=profile_command)
+
+
+def profile_command(args) -> int:
+    import sys
+
+    try:
+        tps = sorted({int(t) for t in args.tp.split(",")})
+        if any(t < 1 or t & (t - 1) for t in tps):
+            raise ValueError(f"--tp {args.tp}: expected powers of two like 1,2,4")
+        config = LlamaConfig.from_yaml(args.model)
+        scale = args.memory_scale or float(os.environ.get("DITORCH_MEMORY_SCALE", "0.001"))
+        from ditorch_ext.profiles import resolve
+
+        resolve(args.chip)
+    except (ValueError, OSError) as exc:
+        print(f"ditorch profile: {exc}", file=sys.stderr)
+        return 2
+    results = {}
+    print(f"profiling one layer of {Path(args.model).name} on chip {args.chip} ({args.precision}):")
+    print(f"{'TP':>3} {'fwd ms':>8} {'bwd ms':>8} {'recomp ms':>9} {'update ms':>9} {'act MiB':>8} {'p2p GB/s':>8} "
+          f"{'embed f/b ms':>13} {'head f/b ms':>13}")
+    for tp in tps:
+        r = results[tp] = profile_tp(args.chip, config, tp, args.precision, scale, args.repeats)
+        p2p = f"{r['p2p_bytes_per_s'] / 1e9:.2f}" if r["p2p_bytes_per_s"] else "-"
+        print(f"{tp:>3} {r['fwd']:>8.2f} {r['bwd']:>8.2f} {r['recompute']:>9.2f} {r['update']:>9.2f} "
+              f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "
+              f"{r['head_fwd']:>6.2f}/{r['head_bwd']:<6.2f}", flush=True)
+    desc = {"chips": {args.chip: chip_description(args.chip, results, scale)}}
+    header = (f"# ditorch profile --chip {args.chip} --model {args.model} --tp {args.tp} --precision {args.precision}\n"
+              f"# measured one layer per micro-batch of {config.max_seq_len} tokens; memory is the emulated "
+              f"capacity at memory scale {scale:g}\n")
+    Path(args.out).write_text(header + yaml.safe_dump(desc, sort_keys=False))
+    print(f"wrote {args.out}")
+    return 0
