@@ -2,13 +2,18 @@
 # Each sets itself up on a fresh machine and is safe to rerun.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-rdma build bench
+.PHONY: setup demo demo-single test test-rdma build bench
 setup:
 	@bash scripts/setup_env.sh
 
 build: setup
 
+# The heterogeneous pipeline: profile chips, plan, train over them, check against a CPU reference.
 demo: setup
+	$(PY) examples/hetero_demo.py $(DEMO_ARGS)
+
+# One emulated chip against the CPU (the device layer alone).
+demo-single: setup
 	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
 test: setup

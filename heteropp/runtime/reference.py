@@ -37,7 +37,7 @@ def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], Lla
             losses.append(loss.item())
             if log is not None:
                 log.log(step + 1, losses[-1], (step + 1) * n * seq)
-            if options.progress:
+            if options.progress and ((step + 1) % max(1, options.steps // 10) == 0 or step + 1 == options.steps):
                 bar = "#" * (30 * (step + 1) // options.steps)
                 rate = n * seq * len(losses) / (time.perf_counter() - start)
                 print(f"  [{bar:<30}] reference step {step + 1:>4}/{options.steps}  loss {losses[-1]:.4f}  "

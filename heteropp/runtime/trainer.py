@@ -250,8 +250,11 @@ class PipelineTrainer:
 
     def _progress(self, step: int, loss: float, rate: float) -> None:
         n = self.options.steps
+        tty = sys.stdout.isatty()
+        if not tty and step != n and step % max(1, n // 10):
+            return  # a log file gets every tenth of the run, a terminal every step
         bar = "#" * (30 * step // n)
-        end = "\n" if step == n or not sys.stdout.isatty() else "\r"
+        end = "\n" if step == n or not tty else "\r"
         print(f"  [{bar:<30}] step {step:>4}/{n}  loss {loss:.4f}  {rate:,.0f} tok/s", end=end, flush=True)
 
     def _write_trace(self, path: Path) -> None:
