@@ -18,6 +18,8 @@ class MeasuredRun:
     stage_busy: list[float]  # median seconds of compute per step, each stage's first rank
     timeline: list[tuple[int, str, int, float, float]]  # (stage, kind, mb, start, end) of the median step
     step: int  # the step the timeline shows
+    cpu_per_step: float  # median CPU seconds of all ranks together per step
+    p2p_bytes_per_step: float  # stage-boundary bytes all ranks sent per step
 
 
 def read_trace(path: str | Path, num_stages: int | None = None) -> MeasuredRun:
@@ -54,4 +56,7 @@ def read_trace(path: str | Path, num_stages: int | None = None) -> MeasuredRun:
         (e["pid"], e["args"]["kind"], int(e["args"].get("mb", -1)), (e["ts"] - t0) * 1e-6, (e["ts"] + e["dur"] - t0) * 1e-6)
         for e in by_step[shown]
         if e["tid"] == first_rank[e["pid"]] and e["args"]["kind"] in COMPUTE + ("UPDATE",))
-    return MeasuredRun(median, times, busy, timeline, shown)
+    updates = {k: [e["args"] for e in by_step[k] if e["args"]["kind"] == "UPDATE"] for k in steady}
+    cpu = statistics.median(sum(u.get("cpu_s", 0.0) for u in updates[k]) for k in steady)
+    sent = statistics.median(sum(u.get("p2p_bytes", 0) for u in updates[k]) for k in steady)
+    return MeasuredRun(median, times, busy, timeline, shown, cpu, sent)

@@ -186,6 +186,9 @@ class PipelineTrainer:
         targets = [b[:, 1:].to(self.device) for b in mbatches] if self.module.is_last else None
         return tokens, targets
 
+    def _bytes_sent(self) -> int:
+        return sum(b.bytes_sent for b in (self.executor.prev, self.executor.next) if b is not None)
+
     def _owned(self, name: str) -> bool:
         """Whether this rank counts ``name`` in the global norm: each element once over all ranks."""
         return self.place.dp_index == 0 and (shard_dim(name) is not None or self.place.tp_index == 0)
@@ -201,6 +204,7 @@ class PipelineTrainer:
 
     def step(self, step: int) -> float:
         """Run one training step; returns the global batch's mean loss (on every rank)."""
+        cpu_start, sent_start = time.process_time(), self._bytes_sent()
         tokens, targets = self._microbatches(step)
         losses = self.executor.run(step, tokens, targets)
         t_update = now()
@@ -217,7 +221,9 @@ class PipelineTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         torch.dipu.synchronize()
-        self.trace.record(f"{self.place.stage}UPDATE", "UPDATE", t_update, now(), step=step)
+        # the step's CPU time and boundary bytes ride on its UPDATE event (benchmarks read them)
+        self.trace.record(f"{self.place.stage}UPDATE", "UPDATE", t_update, now(), step=step,
+                          cpu_s=time.process_time() - cpu_start, p2p_bytes=self._bytes_sent() - sent_start)
         return loss_total / (self.plan.num_microbatches * self.plan.dp)
 
     # -- the run -----------------------------------------------------------------------------

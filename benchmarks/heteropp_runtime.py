@@ -1,0 +1,213 @@
+"""HeteroPP runtime benchmark: real pipeline runs over emulated chips A, B and C against the
+simulator's prediction for the same plans, the HeteroAuto plan against a uniform layer split,
+SR&AG against naive resharding, the fine-grained schedule against 1F1B, and each chip's speed
+inside a 4-rank pipeline on 2 cores against the same chip profiled alone; the main plan again
+on a loaded machine (a busy process per core).
+
+Every run is ``torchrun -m ditorch.train`` with ``--trace``; measured numbers come from the
+trace (``heteropp.measured``), predictions from ``heteropp.simulator`` with the layer times
+``ditorch profile`` measured on this machine at the start of the run.
+
+    python benchmarks/heteropp_runtime.py [--steps 8] [--out out/bench-heteropp]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
+from heteropp.measured import read_trace  # noqa: E402
+from heteropp.model_spec import ModelSpec  # noqa: E402
+from heteropp.plan import Plan  # noqa: E402
+from heteropp.profile import ChipProfile  # noqa: E402
+from heteropp.schedule import fine_grained, one_f_one_b  # noqa: E402
+from heteropp.search import HeteroAuto  # noqa: E402
+from heteropp.simulator import pipeline_from_plan, simulate  # noqa: E402
+
+MODEL = REPO / "examples/configs/llama-small.yaml"
+SCALE = "0.01"
+
+
+def _env() -> dict:
+    return dict(os.environ, DITORCH_MEMORY_SCALE=SCALE, PYTHONPATH=str(REPO))
+
+
+def profile_chips(out: Path, chips: list[str]) -> None:
+    for chip in chips:
+        path = out / f"chip-{chip}.yaml"
+        if not path.exists():
+            print(f"profiling chip {chip} ...", flush=True)
+            subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", str(MODEL),
+                            "--tp", "1,2", "--out", str(path)], env=_env(), check=True, capture_output=True)
+
+
+def cluster(out: Path, counts: dict[str, int]) -> ClusterSpec:
+    path = out / f"cluster-{'-'.join(f'{c}{n}' for c, n in counts.items())}.yaml"
+    path.write_text(f"name: emu\nchip_library: [{', '.join(f'chip-{c}.yaml' for c in counts)}]\n"
+                    f"counts: {{{', '.join(f'{c}: {n}' for c, n in counts.items())}}}\n"
+                    "links:\n  inter_node: {bandwidth_gbps: 1.0, latency_us: 50}\n"
+                    "  inter_cluster: {bandwidth_gbps: 1.0, latency_us: 50}\n")
+    return ClusterSpec.from_yaml(path)
+
+
+def heteroauto(out: Path, counts: dict[str, int]) -> Plan:
+    auto = HeteroAuto(ModelSpec.from_yaml(MODEL), cluster(out, counts), parse_tokens("1K"))
+    return auto.to_plan(auto.search())
+
+
+def uniform(plan: Plan) -> Plan:
+    """The same stages (chips, TP, DP, recompute) with the layers split as evenly as possible."""
+    S, L = plan.num_stages, plan.model.n_layers
+    layers = [L // S + (1 if i < L % S else 0) for i in range(S)]
+    stages, first = [], 0
+    for s, n in zip(plan.stages, layers):
+        stages.append(dataclasses.replace(s, layers=n, first_layer=first))
+        first += n
+    return dataclasses.replace(plan, stages=tuple(stages), estimate={})
+
+
+def simulated(plan: Plan, schedule: str) -> float:
+    S, b, rc = plan.num_stages, plan.num_microbatches, [s.recompute for s in plan.stages]
+    sched = fine_grained(S, b, rc) if schedule == "fine-grained" else one_f_one_b(S, b, rc)
+    return simulate(pipeline_from_plan(plan), sched).iteration_time
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    plan: Plan
+    schedule: str = "1f1b"
+    reshard: str = "srag"
+    loaded: bool = False
+
+
+def execute(run: Run, out: Path, steps: int) -> dict:
+    tag = run.name.replace(" ", "_")
+    plan_path = out / f"{tag}.json"
+    run.plan.to_json(plan_path)
+    trace = out / f"{tag}.trace.json"
+    hogs = [mp.Process(target=_busy, daemon=True) for _ in range(os.cpu_count() or 1)] if run.loaded else []
+    for h in hogs:
+        h.start()
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(run.plan.num_chips),
+             "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--schedule",
+             run.schedule, "--reshard", run.reshard, "--trace", str(trace)],
+            env=_env(), capture_output=True, text=True)
+    finally:
+        for h in hogs:
+            h.terminate()
+    if proc.returncode != 0:
+        sys.exit(f"{run.name}: the run failed:\n{proc.stderr[-3000:]}")
+    m = read_trace(trace, run.plan.num_stages)
+    sim = simulated(run.plan, run.schedule)
+    return {"name": run.name, "stages": " ".join(f"{s.chip}/tp{s.tp}/{s.layers}L" for s in run.plan.stages),
+            "schedule": run.schedule, "reshard": run.reshard, "loaded": run.loaded,
+            "measured_s": m.iteration_time, "simulated_s": sim, "cpu_s": m.cpu_per_step,
+            "p2p_mib": m.p2p_bytes_per_step / 2**20, "stage_busy_s": m.stage_busy,
+            "wall_s": time.perf_counter() - start, "trace": str(trace)}
+
+
+def chip_speed(result: dict, plan: Plan) -> list[tuple[str, float, float]]:
+    """Per stage: measured compute per step in the pipeline against the profiled (solo) times."""
+    S, b = plan.num_stages, plan.num_microbatches
+    pipe = pipeline_from_plan(plan)
+    rows = []
+    for i, st in enumerate(pipe.stages):
+        solo = b * (st.fwd + st.bwd_input + st.bwd_weight + (st.recompute_time if st.recompute else 0.0))
+        rows.append((f"{i} {plan.stages[i].chip} tp{plan.stages[i].tp}", result["stage_busy_s"][i], solo))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=str(REPO / "out/bench-heteropp"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile_chips(out, ["A", "B", "C"])
+    main_plan = heteroauto(out, {"A": 1, "B": 1, "C": 2})
+    runs = [
+        Run("heteroauto A1 B1 C2", main_plan),
+        Run("heteroauto A2 B1 C1", heteroauto(out, {"A": 2, "B": 1, "C": 1})),
+        Run("heteroauto A2 C2", heteroauto(out, {"A": 2, "C": 2})),
+        Run("uniform A1 B1 C2", uniform(main_plan)),
+        Run("naive A1 B1 C2", main_plan, reshard="naive"),
+        Run("fine-grained A1 B1 C2", main_plan, schedule="fine-grained"),
+        Run("loaded A1 B1 C2", main_plan, loaded=True),
+    ]
+    results = []
+    print(f"{'run':<24} {'stages (chip/TP/layers)':<32} {'measured s':>10} {'simulated s':>11} {'meas/sim':>8} "
+          f"{'CPU s/step':>10} {'p2p MiB':>8}")
+    for r in runs:
+        res = execute(r, out, args.steps)
+        results.append(res)
+        print(f"{res['name']:<24} {res['stages']:<32} {res['measured_s']:>10.3f} {res['simulated_s']:>11.3f} "
+              f"{res['measured_s'] / res['simulated_s']:>8.3f} {res['cpu_s']:>10.2f} {res['p2p_mib']:>8.2f}", flush=True)
+    by = {r["name"]: r for r in results}
+    main_r, uni, naive, fine, loaded = (by[n] for n in ("heteroauto A1 B1 C2", "uniform A1 B1 C2", "naive A1 B1 C2",
+                                                       "fine-grained A1 B1 C2", "loaded A1 B1 C2"))
+    print("\nratios (same plan, same run of this program):")
+    within = [abs(r["measured_s"] / r["simulated_s"] - 1) for r in results[:3]]
+    print(f"  measured vs simulated, three HeteroAuto plans: {', '.join(f'{100 * w:.1f}%' for w in within)} off "
+          f"(target within 15%)")
+    gain_m, gain_s = uni["measured_s"] / main_r["measured_s"], uni["simulated_s"] / main_r["simulated_s"]
+    print(f"  uniform split / HeteroAuto plan: measured {gain_m:.3f}x, simulated {gain_s:.3f}x "
+          f"(measured gain {100 * (gain_m - 1) / max(gain_s - 1, 1e-9):.0f}% of the predicted)")
+    print(f"  naive / SR&AG resharding: bytes {naive['p2p_mib'] / main_r['p2p_mib']:.2f}x, "
+          f"time {naive['measured_s'] / main_r['measured_s']:.3f}x")
+    print(f"  1F1B / fine-grained: measured {main_r['measured_s'] / fine['measured_s']:.3f}x, "
+          f"simulated {main_r['simulated_s'] / fine['simulated_s']:.3f}x")
+    print(f"  loaded / quiet machine: {loaded['measured_s'] / main_r['measured_s']:.3f}x wall, "
+          f"{loaded['cpu_s'] / main_r['cpu_s']:.3f}x CPU per step")
+    print("\nchip speed inside the 4-rank pipeline (compute per step) against the chip profiled alone:")
+    for label, measured, solo in chip_speed(main_r, main_plan):
+        print(f"  stage {label:<10} pipeline {measured:.3f} s, alone {solo:.3f} s, {100 * (measured / solo - 1):+.1f}% "
+              f"(target within 10%)")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    _plot(results, out / "heteropp_runtime.png")
+    print(f"\nresults: {out / 'results.json'}, plot: {out / 'heteropp_runtime.png'}")
+    return 0
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in results]
+    x = range(len(results))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    ax.bar([i - 0.2 for i in x], [r["measured_s"] for r in results], 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [r["simulated_s"] for r in results], 0.4, label="simulated")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title("HeteroPP runtime on emulated chips: measured vs simulated (benchmarks/heteropp_runtime.py)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
