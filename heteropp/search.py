@@ -32,7 +32,13 @@ from .plan import Plan, StagePlan
 from .profile import ChipProfile
 
 
-_EXTRA_LEVELS = 3  # bottleneck levels above the lowest feasible one the sharding tries
+
+
+_EXACT_STAGE_TWO_NODES = 100  # stage two is an exact branch and bound while it visits fewer nodes
+
+
+class _OverBudget(Exception):
+    """A branch and bound that would visit more nodes than it was allowed."""
 
 
 class NoFeasiblePlan(ValueError):
@@ -123,7 +129,12 @@ class HeteroAuto:
         if two_stage:
             sub = self._split(first.dp)
             if len(sub) > len(groups):
-                second = self._refine(sub, first)
+                # the exact branch and bound while it stays small, else the local search
+                try:
+                    second = self._search_groups(sub, [first.dp], first.objective,
+                                                 node_budget=_EXACT_STAGE_TWO_NODES) or first
+                except _OverBudget:
+                    second = self._refine(sub, first)
                 if second.objective < first.objective:
                     best = second
         best = dataclasses.replace(best, stage1=first, leaves=self.leaves)
@@ -290,85 +301,54 @@ class HeteroAuto:
         return worst + self.alpha * total
 
     def _shard_layers(self, b: int, opts: Sequence[_Option], caps: Sequence[int], pmax, psum) -> tuple[float, list[int]] | None:
-        """The layer-sharding heuristic: layers per stage k_g for every group (None: no fit).
+        """Layers per stage k_g for every group, exactly optimal for T (None: no fit).
 
-        T = max_g(a_g k_g + p_g) + alpha * sum_g s_g c_g k_g. The initial assignment equalises
-        the bottleneck term a_g k_g + p_g (stage time x micro-batches) across groups; it is raised
-        one level at a time (the group whose next layer keeps the bottleneck lowest) until the
-        stages hold all L layers within each group's memory limit, and surplus stage-layers
-        are dropped. Then up to ``_EXTRA_LEVELS`` higher bottleneck levels are tried, filling
-        layers into the groups with the cheapest per-layer time first, which trades a slightly
-        slower bottleneck for a smaller bubble term when alpha * sum dominates.
+        T = max_g(a_g k_g + p_g) + alpha * sum_g s_g c_g k_g (+ constants), with
+        sum_g s_g k_g >= L and 1 <= k_g <= caps_g. The optimum's bottleneck is one of the levels
+        a_g k + p_g; for each level from the lowest feasible one up, the cheapest cover of L
+        stage-layers under it is a small bounded-knapsack DP (min_cost_cover). Levels stop
+        once the level plus the cheapest cover at any level cannot beat the best found; with
+        alpha = 0 the lowest feasible level is the answer.
         """
-        L = self.model.n_layers
-        G = len(opts)
+        L, G = self.model.n_layers, len(opts)
         if sum(o.s * m for o, m in zip(opts, caps)) < L or sum(o.s for o in opts) > L:
             return None
         bm = b - self.alpha
         a = [bm * o.c + o.u for o in opts]
         p = [bm * pm for pm in pmax]
-        # continuous balance, then climb level by level
-        theta = (L + sum(o.s * pi / ai for o, pi, ai in zip(opts, p, a))) / sum(o.s / ai for o, ai in zip(opts, a))
-        ks = [min(max(int((theta - pi) / ai), 1), m) for pi, ai, m in zip(p, a, caps)]
-        have = sum(o.s * k for o, k in zip(opts, ks))
-        while have < L:
-            bi, bv = -1, math.inf
-            for i in range(G):
-                if ks[i] < caps[i]:
-                    v = a[i] * (ks[i] + 1) + p[i]
-                    if v < bv:
-                        bi, bv = i, v
-            ks[bi] += 1
-            have += opts[bi].s
-        level = max(a[i] * ks[i] + p[i] for i in range(G))
-        order = sorted(range(G), key=lambda i: opts[i].c)
-        best_ks = self._fill(opts, order, [min(caps[i], int((level - p[i]) / a[i] + 1e-9)) for i in range(G)])
-        best_val = self._objective(b, opts, best_ks, pmax, psum)
-        # a higher level only pays if the bubble term can shrink below what it is now
-        floor_sum = self.alpha * (L * opts[order[0]].c + sum(psum))
-        if self.alpha > 0:
-            levels = sorted({a[i] * k + p[i] for i in range(G)
-                             for k in range(ks[i] + 1, min(caps[i], ks[i] + _EXTRA_LEVELS) + 1)})
-            for lv in levels[:_EXTRA_LEVELS]:
-                if lv + floor_sum >= best_val:
-                    break
-                kk = self._fill(opts, order, [min(caps[i], int((lv - p[i]) / a[i] + 1e-9)) for i in range(G)])
-                if kk is None:
-                    continue
-                v = self._objective(b, opts, kk, pmax, psum)
-                if v < best_val:
-                    best_val, best_ks = v, kk
-        return best_val, best_ks
-
-    def _fill(self, opts: Sequence[_Option], order: Sequence[int], lim: Sequence[int]) -> list[int] | None:
-        """Layers per stage within ``lim``: cheapest per-layer groups first, surplus dropped."""
-        L = self.model.n_layers
-        kk = [1] * len(opts)
-        need = L - sum(o.s for o in opts)
-        for i in order:
-            if need <= 0:
+        # no cover, at any level, costs less than all L layers on the cheapest group
+        floor_term = self.alpha * (L * min(o.c for o in opts) + sum(psum))
+        levels = sorted({a[i] * k + p[i] for i in range(G) for k in range(1, caps[i] + 1)})
+        best: tuple[float, list[int]] | None = None
+        for level in levels:
+            if best is not None and level + floor_term >= best[0]:
                 break
-            if lim[i] < 1:
-                return None
-            add = min(lim[i] - 1, -(-need // opts[i].s))
-            kk[i] += add
-            need -= add * opts[i].s
-        if need > 0:
-            return None
-        surplus = -need
-        for i in reversed(order):  # drop over-shot stage-layers from the slowest groups
-            while kk[i] > 1 and opts[i].s <= surplus:
-                kk[i] -= 1
-                surplus -= opts[i].s
-        return kk
+            lims = [min(caps[i], int((level - p[i]) / a[i] * (1 + 1e-12) + 1e-9)) for i in range(G)]
+            if min(lims) < 1 or sum(o.s * k for o, k in zip(opts, lims)) < L:
+                continue
+            # the fractional cover bounds every integer one; greedy meets the bound unless the
+            # last group it fills overshoots, and only then is the DP needed
+            bound, greedy = _greedy_cover(L, opts, lims)
+            if best is not None and level + self.alpha * (bound + sum(psum)) >= best[0]:
+                continue
+            cover = greedy if greedy[0] <= bound * (1 + 1e-12) else _min_cost_cover(L, opts, lims)
+            if cover is None:
+                continue
+            value = self._objective(b, opts, cover[1], pmax, psum)
+            if best is None or value < best[0]:
+                best = (value, cover[1])
+            if self.alpha == 0:
+                break
+        return best
 
     def _search_groups(self, groups: list[Group], dps: Sequence[int], incumbent: float | None,
-                       same_type_order: bool = False) -> SearchResult | None:
+                       same_type_order: bool = False, node_budget: int | None = None) -> SearchResult | None:
         """DFS over (tp, r) per group for each dp, from the pipeline's last group to its first."""
         L, alpha = self.model.n_layers, self.alpha
         best_val = math.inf if incumbent is None else incumbent
         best: SearchResult | None = None
         G = len(groups)
+        visited = 0  # nodes of the branch and bound (its work, against node_budget)
 
         def root_bound(dp: int) -> float:
             oo = [self._options(g, dp) for g in groups]
@@ -406,10 +386,13 @@ class HeteroAuto:
                 theta = 0.0
                 for sat, r, n in segs:
                     theta = (L - full) / rate
-                    if theta <= sat:
+                    if theta <= sat * (1 + 1e-12):  # L / (1 / w) can round above L * w
                         break
                     full += n
                     rate -= r
+                    if full >= L:  # the groups saturated so far already hold every layer
+                        theta = sat
+                        break
                 else:
                     theta = (L - full) / rate if rate > 0 else math.inf
                 c_min = min([rest_c[gi + 1]] + [chosen[j].c for j in range(gi + 1, G)])
@@ -418,6 +401,10 @@ class HeteroAuto:
 
             def dfs(gi: int, suffix_stages: int, layers_ub: int) -> None:
                 nonlocal best_val, best
+                nonlocal visited
+                visited += 1
+                if node_budget is not None and visited > node_budget:
+                    raise _OverBudget()
                 if gi < 0:
                     self.leaves += 1
                     opts = list(chosen)
@@ -525,6 +512,63 @@ class HeteroAuto:
             return f"no plan fits: pipeline too deep: {deep[0][0]}"
         return "no plan fits: " + ("; ".join(str(v) for v in list(self._why.values())[:3])
                                    or "no configuration passed the constraints")
+
+
+def _greedy_cover(L: int, opts: Sequence[_Option], lims: Sequence[int]) -> tuple[float, tuple[float, list[int]]]:
+    """(fractional lower bound, greedy integer cover) of min sum_g s_g c_g k_g, 1 <= k_g <=
+    lims_g, sum_g s_g k_g >= L: one layer per stage everywhere, then the cheapest groups first."""
+    ks = [1] * len(opts)
+    bound = sum(o.s * o.c for o in opts)
+    need = L - sum(o.s for o in opts)
+    cost = bound
+    for i in sorted(range(len(opts)), key=lambda i: opts[i].c):
+        if need <= 0:
+            break
+        o = opts[i]
+        room = (lims[i] - 1) * o.s
+        take = min(room, need)
+        bound += take * o.c
+        add = -(-take // o.s)
+        ks[i] += add
+        cost += add * o.s * o.c
+        need -= add * o.s
+    return bound, (cost, ks)
+
+
+def _min_cost_cover(L: int, opts: Sequence[_Option], lims: Sequence[int]) -> tuple[float, list[int]] | None:
+    """min sum_g s_g c_g k_g over 1 <= k_g <= lims_g with sum_g s_g k_g >= L: a DP over the
+    stage-layers covered so far (capped at L), group by group."""
+    inf = math.inf
+    cost = [inf] * (L + 1)
+    cost[0] = 0.0
+    parents = []
+    for o, lim in zip(opts, lims):
+        if lim < 1:
+            return None
+        s, step = o.s, o.s * o.c
+        new, came_from = [inf] * (L + 1), [None] * (L + 1)
+        for x in range(L + 1):
+            cx = cost[x]
+            if cx == inf:
+                continue
+            for k in range(1, lim + 1):
+                y = x + s * k
+                if y > L:
+                    y = L
+                v = cx + step * k
+                if v < new[y]:
+                    new[y], came_from[y] = v, (x, k)
+                if y == L:
+                    break  # more layers only cost more
+        parents.append(came_from)
+        cost = new
+    if cost[L] == inf:
+        return None
+    ks, y = [], L
+    for came_from in reversed(parents):
+        y, k = came_from[y]
+        ks.append(k)
+    return cost[L], ks[::-1]
 
 
 def _choices(opts: Sequence[_Option], ks: Sequence[int], L: int) -> list[GroupChoice]:
