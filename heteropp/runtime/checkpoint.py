@@ -37,7 +37,7 @@ def _gather_full(t: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:
 
 def _stage_tensors(trainer: "PipelineTrainer") -> dict[str, tuple[torch.Tensor, int | None]]:
     """Every tensor this rank holds, under its checkpoint key, with the dimension TP splits."""
-    state = trainer.optimizer.state
+    state = trainer.optimizer_state()
     out: dict[str, tuple[torch.Tensor, int | None]] = {}
     for name, p in trainer.module.named_parameters():
         dim = shard_dim(name)
@@ -79,6 +79,7 @@ def load_checkpoint(directory: str | Path, trainer: "PipelineTrainer") -> int:
             if key in metadata:  # no optimizer state before the first step
                 wanted[key] = torch.empty(tuple(metadata[key].size), dtype=metadata[key].properties.dtype)
     dcp.load(wanted, checkpoint_id=str(directory))
+    optim: dict = {}
     with torch.no_grad():
         for name, p in trainer.module.named_parameters():
             full = wanted[f"model/{name}"]
@@ -88,8 +89,8 @@ def load_checkpoint(directory: str | Path, trainer: "PipelineTrainer") -> int:
                                  f"{tuple(piece.shape)} at tp={tp.size}; this stage expects {tuple(p.shape)}")
             p.copy_(piece)
             if f"optim/{name}/exp_avg" in wanted:
-                st = trainer.optimizer.state[p]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    st[key] = cut(name, wanted[f"optim/{name}/{key}"], tp.size, tp.rank).to(p.device, p.dtype).clone()
-                st["step"] = wanted[f"optim/{name}/step"].clone()
+                optim[p] = {key: cut(name, wanted[f"optim/{name}/{key}"], tp.size, tp.rank).to(p.device, p.dtype).clone()
+                            for key in ("exp_avg", "exp_avg_sq")}
+                optim[p]["step"] = wanted[f"optim/{name}/step"].clone()
+    trainer.load_optimizer_state(optim)
     return int(wanted["train/step"])

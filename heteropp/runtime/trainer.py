@@ -148,7 +148,14 @@ class PipelineTrainer:
         self.schedule = build_schedule(plan, options.schedule)
         self.groups = StageGroups.create(self.layout, self.place)
         self.module = self._build_module()
-        self.optimizer = make_optimizer(self.module.parameters(), options)
+        self.zero = None
+        if options.zero1 and plan.dp > 1:
+            from .zero import ZeroAdamW
+
+            self.zero = ZeroAdamW(list(self.module.parameters()), self.groups.dp, plan.dp, self.place.dp_index,
+                                  options.lr, options.weight_decay)
+        else:
+            self.optimizer = make_optimizer(self.module.parameters(), options)
         self.trace = TraceRecorder(self.place.rank, self.place.stage, enabled=options.trace is not None)
         self.executor = StageExecutor(
             self.module, self.schedule.actions[self.place.stage], *self._boundaries(),
@@ -190,8 +197,21 @@ class PipelineTrainer:
         return sum(b.bytes_sent for b in (self.executor.prev, self.executor.next) if b is not None)
 
     def _owned(self, name: str) -> bool:
-        """Whether this rank counts ``name`` in the global norm: each element once over all ranks."""
-        return self.place.dp_index == 0 and (shard_dim(name) is not None or self.place.tp_index == 0)
+        """Whether this TP rank counts ``name`` in the global norm (a replicated tensor counts on
+        TP rank 0 only); over DP, replica 0 counts, or with ZeRO-1 each rank its own slice."""
+        return shard_dim(name) is not None or self.place.tp_index == 0
+
+    def optimizer_state(self) -> dict:
+        """AdamW's state per parameter of this rank (gathered over DP under ZeRO-1: collective)."""
+        return self.zero.param_state() if self.zero is not None else dict(self.optimizer.state)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Install per-parameter AdamW state (after the parameters themselves were loaded)."""
+        if self.zero is not None:
+            self.zero.load_param_state(state)
+        else:
+            for p, st in state.items():
+                self.optimizer.state[p] = st
 
     def _reduce_gradients(self) -> None:
         grads = [p.grad for p in self.module.parameters()]
@@ -208,18 +228,26 @@ class PipelineTrainer:
         tokens, targets = self._microbatches(step)
         losses = self.executor.run(step, tokens, targets)
         t_update = now()
-        self._reduce_gradients()
-        owned = [p.grad for n, p in self.module.named_parameters() if self._owned(n)]
-        sumsq = torch.stack(torch._foreach_norm(owned)).double().pow(2).sum() if owned else \
-            torch.zeros((), dtype=torch.float64, device=self.device)
+        owned = [self._owned(n) for n, _ in self.module.named_parameters()]
+        if self.zero is not None:
+            self.zero.reduce_scatter_gradients()
+            sumsq = self.zero.owned_sumsq(owned)
+        else:
+            self._reduce_gradients()
+            mine = [p.grad for p, o in zip(self.module.parameters(), owned) if o and self.place.dp_index == 0]
+            sumsq = torch.stack(torch._foreach_norm(mine)).double().pow(2).sum() if mine else \
+                torch.zeros((), dtype=torch.float64, device=self.device)
         loss_sum = sum(losses) if self.module.is_last and self.place.tp_index == 0 else 0.0
         totals = torch.stack([sumsq, torch.tensor(loss_sum, dtype=torch.float64, device=self.device)])
         dist.all_reduce(totals)
         total_norm, loss_total = math.sqrt(totals[0].item()), totals[1].item()
         coef = min(1.0, self.options.clip / (total_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
-        torch._foreach_mul_([p.grad for p in self.module.parameters()], coef)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            self.zero.step(coef)
+        else:
+            torch._foreach_mul_([p.grad for p in self.module.parameters()], coef)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         torch.dipu.synchronize()
         # the step's CPU time and boundary bytes ride on its UPDATE event (benchmarks read them)
         self.trace.record(f"{self.place.stage}UPDATE", "UPDATE", t_update, now(), step=step,

@@ -27,6 +27,7 @@ CASES = {
     "3 chips recompute fine-grained srag clipped": (THREE_CHIPS, 1, "fine-grained", "srag", 0.05),
     "3 chips recompute gpipe naive": (THREE_CHIPS, 1, "gpipe", "naive", 1.0),
     "3 chips recompute 1f1b naive": (THREE_CHIPS, 1, "1f1b", "naive", 1.0),
+    "tp1-to-tp2 dp2 fine-grained zero1 clipped": (TP1_TO_TP2, 2, "fine-grained", "srag", 0.05, "--zero1"),
 }
 
 
@@ -49,12 +50,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_equals_single_process(case, tmp_path):
-    stages, dp, schedule, reshard, clip = CASES[case]
+    stages, dp, schedule, reshard, clip, *extra = CASES[case]
     plan = make_plan(stages, dp=dp)
     plan.to_json(tmp_path / "plan.json")
     nproc = plan.num_chips
     run = torchrun(tmp_path / "plan.json", nproc, ["--steps", str(STEPS), "--precision", "fp32", "--schedule", schedule,
-                                                   "--reshard", reshard, "--clip", str(clip), "--loss-log", "run.jsonl", "--save", "ckpt"],
+                                                   "--reshard", reshard, "--clip", str(clip), "--loss-log", "run.jsonl", "--save", "ckpt",
+                                                   *extra],
                    tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     ref_losses, ref_params = _reference(dp, clip)
