@@ -110,11 +110,11 @@ def simulate_command(args) -> int:
         print(f"measured: iteration {measured.iteration_time:.3f} s (median of {len(measured.iteration_times) - 1} "
               f"steps after the first), measured/simulated {measured.iteration_time / res.iteration_time:.3f}")
     print(f"{'stage':>5} {'chip':>4} {'busy s':>8} {'peak GB':>8} {'capacity GB':>11}"
-          + (f" {'measured busy s':>15}" if measured else ""))
+          + (f" {'measured busy s':>15} {'measured peak GB':>16}" if measured else ""))
     for i, s in enumerate(plan.stages):
         print(f"{i:>5} {s.chip:>4} {res.stage_busy[i]:>8.3f} {res.stage_peak_memory[i] / GB:>8.3f} "
               f"{plan.cluster.chip(s.chip).usable_memory / GB:>11.3f}"
-              + (f" {measured.stage_busy[i]:>15.3f}" if measured else ""))
+              + (f" {measured.stage_busy[i]:>15.3f} {measured.stage_peak_bytes[i] / GB:>16.3f}" if measured else ""))
     over = [i for i, s in enumerate(plan.stages) if res.stage_peak_memory[i] > plan.cluster.chip(s.chip).usable_memory]
     if over:
         print(f"warning: stages {over} exceed their chip's usable memory under {args.schedule}")

@@ -20,6 +20,7 @@ class MeasuredRun:
     step: int  # the step the timeline shows
     cpu_per_step: float  # median CPU seconds of all ranks together per step
     p2p_bytes_per_step: float  # stage-boundary bytes all ranks sent per step
+    stage_peak_bytes: list[float]  # device memory high-water mark per stage (its ranks' maximum)
 
 
 def read_trace(path: str | Path, num_stages: int | None = None) -> MeasuredRun:
@@ -59,4 +60,6 @@ def read_trace(path: str | Path, num_stages: int | None = None) -> MeasuredRun:
     updates = {k: [e["args"] for e in by_step[k] if e["args"]["kind"] == "UPDATE"] for k in steady}
     cpu = statistics.median(sum(u.get("cpu_s", 0.0) for u in updates[k]) for k in steady)
     sent = statistics.median(sum(u.get("p2p_bytes", 0) for u in updates[k]) for k in steady)
-    return MeasuredRun(median, times, busy, timeline, shown, cpu, sent)
+    peaks = [max((e["args"].get("peak_bytes", 0) for e in events if e["pid"] == s and e["args"]["kind"] == "UPDATE"),
+                 default=0) for s in stages]
+    return MeasuredRun(median, times, busy, timeline, shown, cpu, sent, peaks)

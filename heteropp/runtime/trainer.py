@@ -251,7 +251,8 @@ class PipelineTrainer:
         torch.dipu.synchronize()
         # the step's CPU time and boundary bytes ride on its UPDATE event (benchmarks read them)
         self.trace.record(f"{self.place.stage}UPDATE", "UPDATE", t_update, now(), step=step,
-                          cpu_s=time.process_time() - cpu_start, p2p_bytes=self._bytes_sent() - sent_start)
+                          cpu_s=time.process_time() - cpu_start, p2p_bytes=self._bytes_sent() - sent_start,
+                          peak_bytes=torch.dipu.max_memory_allocated(self.device))
         return loss_total / (self.plan.num_microbatches * self.plan.dp)
 
     # -- the run -----------------------------------------------------------------------------
