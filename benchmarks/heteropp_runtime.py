@@ -122,6 +122,8 @@ def execute(run: Run, out: Path, steps: int) -> dict:
             "schedule": run.schedule, "reshard": run.reshard, "loaded": run.loaded,
             "measured_s": m.iteration_time, "simulated_s": sim, "cpu_s": m.cpu_per_step,
             "p2p_mib": m.p2p_bytes_per_step / 2**20, "stage_busy_s": m.stage_busy,
+            "stage_peak_gb": [b / 1e9 for b in m.stage_peak_bytes],
+            "stage_estimate_gb": [run.plan.stage_memory(i) / 1e9 for i in range(run.plan.num_stages)],
             "wall_s": time.perf_counter() - start, "trace": str(trace)}
 
 
@@ -182,6 +184,10 @@ def main() -> int:
     for label, measured, solo in chip_speed(main_r, main_plan):
         print(f"  stage {label:<10} pipeline {measured:.3f} s, alone {solo:.3f} s, {100 * (measured / solo - 1):+.1f}% "
               f"(target within 10%)")
+    print("\ndevice memory high-water mark against the plan's estimate (main plan):")
+    for i, (peak, est) in enumerate(zip(main_r["stage_peak_gb"], main_r["stage_estimate_gb"])):
+        print(f"  stage {i}: measured {peak * 1e3:.1f} MB, estimate {est * 1e3:.1f} MB, {100 * (peak / est - 1):+.1f}% "
+              f"(target within 20%)")
     (out / "results.json").write_text(json.dumps(results, indent=1))
     _plot(results, out / "heteropp_runtime.png")
     print(f"\nresults: {out / 'results.json'}, plot: {out / 'heteropp_runtime.png'}")

@@ -75,6 +75,7 @@ class ChipSpec:
     calibration: Calibration | None = None
     measured_ms: dict | None = None  # {tp: {"fwd":..,"bwd":..,"recompute":..,"update":.., END_TIME_KEYS..}}
     peak_tflops: float | None = None  # nominal, for reporting MFU only
+    activation_mb: dict | None = None  # measured {tp: MiB one micro-batch leaves per layer}
 
     def __post_init__(self) -> None:
         def positive(field: str, value: Any, integer: bool = False) -> None:
@@ -111,6 +112,12 @@ class ChipSpec:
         limit = min(self.tp_max, self.chips_per_node)
         return [1 << k for k in range(limit.bit_length()) if (1 << k) <= limit]
 
+    def activation_per_layer(self, tp: int) -> float | None:
+        """Measured bytes one micro-batch leaves per layer at ``tp`` (None: use the formula)."""
+        if self.activation_mb is None or tp not in self.activation_mb:
+            return None
+        return self.activation_mb[tp] * 2**20
+
     def with_count(self, count: int) -> "ChipSpec":
         return dataclasses.replace(self, count=count)
 
@@ -130,6 +137,8 @@ class ChipSpec:
             d["layer_times_ms"] = {tp: dict(t) for tp, t in self.measured_ms.items()}
         if self.peak_tflops is not None:
             d["peak_tflops"] = self.peak_tflops
+        if self.activation_mb is not None:
+            d["activation_mb"] = dict(self.activation_mb)
         return d
 
     @classmethod
@@ -140,6 +149,7 @@ class ChipSpec:
             {
                 "count", "memory_gb", "chips_per_node", "tp_max", "intra_node_gbps", "hbm_gbps", "nic_gbps",
                 "usable_memory_fraction", "effective_tflops", "calibrate", "layer_times_ms", "peak_tflops",
+                "activation_mb",
             },
             {"count", "memory_gb", "chips_per_node", "intra_node_gbps", "hbm_gbps", "nic_gbps"},
             where,
@@ -174,6 +184,7 @@ class ChipSpec:
             calibration=calibration,
             measured_ms=measured,
             peak_tflops=None if "peak_tflops" not in d else float(d["peak_tflops"]),
+            activation_mb=None if "activation_mb" not in d else _activation_mb(d["activation_mb"], where),
         )
 
 
@@ -263,6 +274,17 @@ class ClusterSpec:
             }
         d.setdefault("name", path.stem)
         return cls.from_dict(d, where=str(path))
+
+
+def _activation_mb(d: Any, where: str) -> dict[int, float]:
+    if not isinstance(d, dict) or not d:
+        raise ValueError(f"{where}: activation_mb must map TP sizes to MiB per layer and micro-batch, got {d!r}")
+    out = {}
+    for tp, mb in d.items():
+        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or mb < 0:
+            raise ValueError(f"{where}: activation_mb[{tp}] must be a number >= 0, got {mb!r}")
+        out[int(tp)] = float(mb)
+    return out
 
 
 def parse_tokens(value: Any) -> int:

@@ -141,11 +141,14 @@ class ModelSpec:
         h, f = self.hidden, self.ffn
         return BF16 * (2 * h + 2 * h + (h + 2 * self.kv_dim) + h + 4 * f)
 
-    def activation_bytes(self, layers: int, tp: int, recompute: bool) -> float:
+    def activation_bytes(self, layers: int, tp: int, recompute: bool, measured_per_layer: float | None = None) -> float:
         """Activations one micro-batch leaves on one chip of a stage with ``layers`` layers.
 
-        With recompute only each layer's input survives the forward pass.
+        With recompute only each layer's input survives the forward pass. ``measured_per_layer``
+        (bytes, from ``ditorch profile``) replaces the formula when the stage does not recompute.
         """
+        if measured_per_layer is not None and not recompute:
+            return layers * measured_per_layer
         per_token = BF16 * self.hidden if recompute else self.activation_bytes_per_token()
         return layers * self.seq * per_token / tp
 
@@ -177,15 +180,17 @@ class ModelSpec:
         inflight_microbatches: int,
         first_stage: bool,
         last_stage: bool,
+        activation_per_layer: float | None = None,
     ) -> float:
         """Peak memory of one chip of a pipeline stage.
 
         ``inflight_microbatches`` is how many micro-batches' activations the stage holds at
         once: under 1F1B stage k of p holds min(p - k, b) (the warm-up micro-batches).
+        ``activation_per_layer``: a measured value (see ``activation_bytes``).
         """
         return (
             self.state_bytes(layers, tp, dp, first_stage, last_stage)
-            + inflight_microbatches * self.activation_bytes(layers, tp, recompute)
+            + inflight_microbatches * self.activation_bytes(layers, tp, recompute, activation_per_layer)
             + self.working_bytes(tp, recompute, last_stage)
         )
 

@@ -84,7 +84,8 @@ class Plan:
         if inflight is None:
             inflight = min(self.num_stages - index, self.num_microbatches)
         return self.model.stage_memory_bytes(
-            s.layers, s.tp, s.dp, s.recompute, inflight, index == 0, index == self.num_stages - 1
+            s.layers, s.tp, s.dp, s.recompute, inflight, index == 0, index == self.num_stages - 1,
+            activation_per_layer=self.cluster.chip(s.chip).activation_per_layer(s.tp),
         )
 
     # -- JSON ------------------------------------------------------------------------------

@@ -222,7 +222,7 @@ class HeteroAuto:
             for r in (False, True):
                 c = lt.compute(r)
                 state = m.state_bytes(1, tp, dp, False, False)
-                act = m.activation_bytes(1, tp, r)
+                act = m.activation_bytes(1, tp, r, chip.activation_per_layer(tp))
                 work = m.working_bytes(tp, r, False)
                 cap = chip.usable_memory - work
                 m_ub = int(cap // (state + act)) if cap > 0 else 0

@@ -410,7 +410,8 @@ def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
         stages.append(StageModel(
             fwd=n * lt.fwd + end_fwd, bwd_input=n * lt.bwd_input + end_bwd / 2, bwd_weight=n * lt.bwd_weight + end_bwd / 2,
             recompute_time=n * lt.recompute + end_fwd, recompute=st.recompute,
-            act_bytes=m.activation_bytes(n, st.tp, st.recompute), full_act_bytes=0.0,
+            act_bytes=m.activation_bytes(n, st.tp, st.recompute, cl.chip(st.chip).activation_per_layer(st.tp)),
+            full_act_bytes=0.0,
             static_bytes=plan.stage_memory(i, inflight=0), capacity=cl.chip(st.chip).usable_memory,
             update=n * profiles[st.chip].update_time(st.tp, st.dp), name=st.chip,
             act_limit=cl.chip(st.chip).usable_memory - plan.stage_memory(i, inflight=0),

@@ -194,6 +194,7 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
         "nic_gbps": bandwidth,
         "layer_times_ms": {tp: {k: round(r[k], 4) for k in ("fwd", "bwd", "recompute", "update", *END_TIME_KEYS)}
                            for tp, r in sorted(results.items())},
+        "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},
     }
 
 
