@@ -78,9 +78,15 @@ std::string localHostId() {
   gethostname(host, sizeof(host) - 1);
   std::string boot;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  char ns[128] = {0};
-  ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
-  return std::string(host) + "/" + boot + "/" + (n > 0 ? std::string(ns, n) : "");
+  // Peers in another network namespace cannot reach this one's abstract unix sockets (shm's
+  // handshake), so they are other hosts, even under the same hostname and kernel.
+  std::string id = std::string(host) + "/" + boot;
+  for (const char* kind : {"/proc/self/ns/pid", "/proc/self/ns/net"}) {
+    char ns[128] = {0};
+    ssize_t n = readlink(kind, ns, sizeof(ns) - 1);
+    id += "/" + (n > 0 ? std::string(ns, n) : std::string());
+  }
+  return id;
 }
 
 Communicator::Communicator(CommunicatorOptions options)
