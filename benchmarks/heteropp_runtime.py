@@ -29,7 +29,7 @@ from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
 from heteropp.measured import read_trace  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.plan import Plan  # noqa: E402
-from heteropp.profile import ChipProfile  # noqa: E402
+from heteropp.runtime.profiler import write_cluster  # noqa: E402
 from heteropp.schedule import fine_grained, one_f_one_b  # noqa: E402
 from heteropp.search import HeteroAuto  # noqa: E402
 from heteropp.simulator import pipeline_from_plan, simulate  # noqa: E402
@@ -52,12 +52,8 @@ def profile_chips(out: Path, chips: list[str]) -> None:
 
 
 def cluster(out: Path, counts: dict[str, int]) -> ClusterSpec:
-    path = out / f"cluster-{'-'.join(f'{c}{n}' for c, n in counts.items())}.yaml"
-    path.write_text(f"name: emu\nchip_library: [{', '.join(f'chip-{c}.yaml' for c in counts)}]\n"
-                    f"counts: {{{', '.join(f'{c}: {n}' for c, n in counts.items())}}}\n"
-                    "links:\n  inter_node: {bandwidth_gbps: 1.0, latency_us: 50}\n"
-                    "  inter_cluster: {bandwidth_gbps: 1.0, latency_us: 50}\n")
-    return ClusterSpec.from_yaml(path)
+    return ClusterSpec.from_yaml(write_cluster(out / f"cluster-{'-'.join(f'{c}{n}' for c, n in counts.items())}.yaml",
+                                               counts))
 
 
 def heteroauto(out: Path, counts: dict[str, int]) -> Plan:

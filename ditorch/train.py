@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "(torch.distributed.pipelining's form); default: the plan's")
     p.add_argument("--reshard", choices=RESHARD_MODES, default="srag",
                    help="stage boundaries: send-receive + all-gather (srag) or whole tensors from one rank")
-    p.add_argument("--zero1", action="store_true", help="ZeRO-1: shard AdamW's state over each stage's DP group")
+    p.add_argument("--zero1", action="store_true", help="ZeRO-1: shard AdamW's state over each stage's DP group (no effect at DP 1)")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE)")
     # Not "--log": torchrun's parser reads it as an abbreviation of its own --log-dir and stops.
     p.add_argument("--loss-log", type=Path, default=None, help="per-step loss log (JSON lines) for `ditorch mre`")

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from heteropp.runtime.profiler import write_cluster  # noqa: E402
 NOISE = ("rdma transport not usable", "FutureWarning", "return func(", "OMP_NUM_THREADS", "*****")
 
 
@@ -70,13 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 env, "1/6")
         else:
             print(f"\n[1/6] chip {chip}: using the profile measured before ({profile}; --reprofile to measure again)")
-    cluster = out / "cluster-emu.yaml"
-    cluster.write_text(
-        "# the demo's emulated cluster: chip types measured by `ditorch profile`, one host\n"
-        f"name: emu\nchip_library: [{', '.join(f'chip-{c}.yaml' for c in counts)}]\n"
-        f"counts: {{{', '.join(f'{c}: {n}' for c, n in counts.items())}}}\n"
-        "links:\n  inter_node: {bandwidth_gbps: 1.0, latency_us: 50}\n"
-        "  inter_cluster: {bandwidth_gbps: 1.0, latency_us: 50}\n")
+    cluster = write_cluster(out / "cluster-emu.yaml", counts)
     plan = out / "plan.json"
     run([*ditorch, "plan", "--cluster", str(cluster), "--model", args.model, "--gbs", args.gbs, "--out", str(plan)],
         env, "2/6")

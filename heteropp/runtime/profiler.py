@@ -198,6 +198,19 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
     }
 
 
+def write_cluster(path: str | Path, counts: dict[str, int], link_gbps: float = 1.0, latency_us: float = 50) -> Path:
+    """A cluster.yaml over chip files ``chip-NAME.yaml`` (as ``ditorch profile --out`` names them
+    beside it) with ``counts`` chips of each; every stage boundary gets the same link."""
+    path = Path(path)
+    link = f"{{bandwidth_gbps: {link_gbps}, latency_us: {latency_us}}}"
+    path.write_text(
+        "# an emulated cluster: chip types measured by `ditorch profile`, one link for all boundaries\n"
+        f"name: emu\nchip_library: [{', '.join(f'chip-{c}.yaml' for c in counts)}]\n"
+        f"counts: {{{', '.join(f'{c}: {n}' for c, n in counts.items())}}}\n"
+        f"links:\n  inter_node: {link}\n  inter_cluster: {link}\n")
+    return path
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure a model's layer times on an emulated chip per TP size")
     p.add_argument("--chip", required=True, help="chip profile (A, B, C, D or one from $DITORCH_PROFILE_FILE)")

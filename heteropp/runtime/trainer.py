@@ -24,7 +24,7 @@ from heteropp.schedule import Schedule, fine_grained, gpipe, one_f_one_b
 from .boundary import RESHARD_MODES, StageBoundary
 from .executor import StageExecutor
 from .layout import PipelineLayout, RankPlace, StageGroups
-from .stage_model import StageModule, shard_dim
+from .stage_model import StageModule, check_divisible, shard_dim
 from .trace import TraceRecorder, now, write_chrome_trace
 
 SCHEDULES = ("1f1b", "gpipe", "fine-grained")
@@ -114,18 +114,28 @@ def check_stage_memory(plan: Plan, stage: int, capacity_bytes: int, scale: float
                         f"{capacity_bytes / 2**20:.2f} MiB (memory scale {scale:g})")
 
 
-def check_plan_fits(plan: Plan, memory_scale: float | None) -> None:
-    """Every stage's chip can be emulated here and holds the stage. Each rank checks all stages,
-    so a bad plan stops every rank with the same message before any group is made."""
+def check_plan_fits(plan: Plan, options: TrainOptions) -> None:
+    """Every stage's chip can be emulated here and holds the stage, its TP size splits the model,
+    and each boundary's resharding splits the sequence. Each rank checks all stages, so a bad
+    plan stops every rank with the same message before any group is made."""
     from ditorch_ext.profiles import memory_scale_from_env, resolve
 
-    scale = memory_scale_from_env() if memory_scale is None else memory_scale
+    from .boundary import routes
+
+    scale = memory_scale_from_env() if options.memory_scale is None else options.memory_scale
+    config = model_config(plan)
     for i, s in enumerate(plan.stages):
         try:
             profile = resolve(s.chip)
+            check_divisible(config, s.tp, f"stage {i} ({s.chip})")
         except ValueError as exc:
-            raise PlanError(f"stage {i}: {exc}") from None
+            raise PlanError(f"stage {i}: {exc}" if not str(exc).startswith("stage") else str(exc)) from None
         check_stage_memory(plan, i, profile.capacity_bytes(scale), scale)
+        if i + 1 < plan.num_stages:
+            pieces, _ = routes(range(s.tp), range(plan.stages[i + 1].tp), options.reshard)
+            if plan.model.seq % pieces:
+                raise PlanError(f"stages {i}-{i + 1}: {options.reshard} resharding cuts the sequence into {pieces} "
+                                f"pieces, which does not divide seq={plan.model.seq}")
 
 
 class PipelineTrainer:
@@ -140,7 +150,7 @@ class PipelineTrainer:
         self.place: RankPlace = self.layout.place(dist.get_rank())
         self.stage_plan = plan.stages[self.place.stage]
         self.config = model_config(plan)
-        check_plan_fits(plan, options.memory_scale)
+        check_plan_fits(plan, options)
         self.profile = ditorch.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
