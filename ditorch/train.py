@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "(torch.distributed.pipelining's form); default: the plan's")
     p.add_argument("--reshard", choices=RESHARD_MODES, default="srag",
                    help="stage boundaries: send-receive + all-gather (srag) or whole tensors from one rank")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="replicate activations over TP ranks instead of cutting them along the sequence")
     p.add_argument("--zero1", action="store_true", help="ZeRO-1: shard AdamW's state over each stage's DP group (no effect at DP 1)")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE)")
     # Not "--log": torchrun's parser reads it as an abbreviation of its own --log-dir and stops.
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan.from_json(args.plan)
         options = TrainOptions(
             steps=args.steps, lr=args.lr, clip=args.clip, seed=args.seed, precision=args.precision, schedule=args.schedule,
-            reshard=args.reshard, memory_scale=args.memory_scale, log=args.loss_log, trace=args.trace, save=args.save,
+            reshard=args.reshard, sequence_parallel=args.sequence_parallel, memory_scale=args.memory_scale,
+            log=args.loss_log, trace=args.trace, save=args.save,
             save_every=args.save_every, resume=args.resume, zero1=args.zero1, progress=not args.quiet)
     except (PlanError, ValueError, OSError) as exc:
         print(f"ditorch.train: {exc}", file=sys.stderr)
@@ -106,7 +109,8 @@ def _describe(trainer) -> None:
     plan, o = trainer.plan, trainer.options
     print(f"ditorch.train: {plan.model.name} ({plan.model.n_layers} layers) over {plan.num_stages} stages, "
           f"{plan.num_chips} ranks, DP {plan.dp}, {plan.num_microbatches} micro-batches of {plan.model.seq} tokens, "
-          f"schedule {trainer.schedule.name}, {o.precision}, reshard {o.reshard}")
+          f"schedule {trainer.schedule.name}, {o.precision}, reshard {o.reshard}, "
+          f"sequence parallelism {'on' if o.sequence_parallel else 'off'}")
     for i, s in enumerate(plan.stages):
         print(f"  stage {i}: chip {s.chip} ranks {list(range(*s.rank_range))} tp {s.tp} dp {s.dp} "
               f"layers {list(s.layer_range)}{' recompute' if s.recompute else ''}")

@@ -48,7 +48,7 @@ def _timed(fn, sync, repeats: int) -> float:
 
 
 def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: str, memory_scale: float,
-            repeats: int, out: str) -> None:
+            repeats: int, sequence_parallel: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -65,11 +65,13 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     cfg = LlamaConfig(**config)
     torch.manual_seed(0)
     with torch.device(device):
-        stage = StageModule(cfg, (1, 2), False, False, TPGroup(dist.group.WORLD, tp, rank))
+        stage = StageModule(cfg, (1, 2), False, False, TPGroup(dist.group.WORLD, tp, rank),
+                            sequence_parallel=sequence_parallel)
     for p in stage.parameters():
         torch.nn.init.normal_(p, std=0.02)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
-    x = torch.randn(1, cfg.max_seq_len, cfg.dim, device=device)
+    local_seq = cfg.max_seq_len // tp if stage.sp else cfg.max_seq_len  # this rank's part of the sequence
+    x = torch.randn(1, local_seq, cfg.dim, device=device)
     grad = torch.randn_like(x)
     autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
     sync = torch.dipu.synchronize
@@ -94,7 +96,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
                 samples.append(time.perf_counter() - start)
     fwd, bwd = statistics.median(fwd_samples), statistics.median(bwd_samples)
     update = _timed(optimizer.step, sync, repeats)
-    ends = _end_times(cfg, tp, rank, device, autocast, sync, repeats)
+    ends = _end_times(cfg, tp, rank, device, autocast, sync, repeats, sequence_parallel)
     holder.clear()
     sync()
     torch.dipu.reset_peak_memory_stats()
@@ -125,7 +127,8 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     dist.destroy_process_group()
 
 
-def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, repeats: int) -> dict[str, float]:
+def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, repeats: int,
+               sequence_parallel: bool) -> dict[str, float]:
     """Forward and backward seconds of the pipeline's ends: the (vocab-parallel) embedding of
     the first stage, and the final norm, head and loss of the last."""
     import torch
@@ -137,12 +140,12 @@ def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, rep
     group = TPGroup(dist.group.WORLD, tp, rank)
     L = cfg.n_layers
     with torch.device(device):
-        first = StageModule(cfg, (0, 0), True, False, group)
-        last = StageModule(cfg, (L, L), False, True, group)
+        first = StageModule(cfg, (0, 0), True, False, group, sequence_parallel=sequence_parallel)
+        last = StageModule(cfg, (L, L), False, True, group, sequence_parallel=sequence_parallel)
     for p in [*first.parameters(), *last.parameters()]:
         torch.nn.init.normal_(p, std=0.02)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len), device=device)
-    hidden = torch.randn(1, cfg.max_seq_len, cfg.dim, device=device)
+    hidden = torch.randn(1, cfg.max_seq_len // tp if last.sp else cfg.max_seq_len, cfg.dim, device=device)
     out = {}
     for name, run in (("embed", lambda: first(tokens)), ("head", lambda: last(hidden.detach().requires_grad_(), tokens))):
         fwd_samples, bwd_samples = [], []
@@ -163,17 +166,20 @@ def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, rep
 
 
 def profile_tp(chip: str, config: LlamaConfig, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
-               repeats: int = 5) -> dict:
+               repeats: int = 5, sequence_parallel: bool = True) -> dict:
     """Measure one layer at TP size ``tp`` on ``tp`` spawned ranks; returns rank 0's numbers."""
     import torch.multiprocessing as mp
 
     from .stage_model import check_divisible
 
     check_divisible(config, tp, f"ditorch profile --tp {tp}")
+    if config.max_seq_len % tp:
+        raise ValueError(f"ditorch profile --tp {tp}: seq={config.max_seq_len} does not split over {tp} ranks")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, nprocs=tp, start_method="spawn",
-                           args=(tp, _free_port(), chip, config.__dict__, precision, memory_scale, repeats, out))
+                           args=(tp, _free_port(), chip, config.__dict__, precision, memory_scale, repeats,
+                                 sequence_parallel, out))
         return json.loads(Path(out).read_text())
 
 
@@ -218,7 +224,9 @@ def register(subparsers) -> None:
     p.add_argument("--tp", default="1", help="TP sizes, comma-separated (each spawns that many ranks)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE or 0.001)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="measure the layer as ditorch.train --no-sequence-parallel runs it")
     p.add_argument("--out", required=True, help="write the chip description (cluster.yaml's chips form) here")
     p.set_defaults(func=profile_command)
 
@@ -243,7 +251,7 @@ def profile_command(args) -> int:
     print(f"{'TP':>3} {'fwd ms':>8} {'bwd ms':>8} {'recomp ms':>9} {'update ms':>9} {'act MiB':>8} {'p2p GB/s':>8} "
           f"{'embed f/b ms':>13} {'head f/b ms':>13}")
     for tp in tps:
-        r = results[tp] = profile_tp(args.chip, config, tp, args.precision, scale, args.repeats)
+        r = results[tp] = profile_tp(args.chip, config, tp, args.precision, scale, args.repeats, args.sequence_parallel)
         p2p = f"{r['p2p_bytes_per_s'] / 1e9:.2f}" if r["p2p_bytes_per_s"] else "-"
         print(f"{tp:>3} {r['fwd']:>8.2f} {r['bwd']:>8.2f} {r['recompute']:>9.2f} {r['update']:>9.2f} "
               f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "

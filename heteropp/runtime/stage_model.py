@@ -16,8 +16,7 @@ from torch import nn
 from ditorch.models.llama import LlamaConfig, RMSNorm, causal_attention, rotary_tables, swiglu
 
 from .tensor_parallel import (
-    ShardedLinear, TPGroup, VocabParallelEmbedding, WeightGradStore, copy_to_tp, reduce_from_tp,
-    vocab_parallel_cross_entropy,
+    ShardedLinear, TPGroup, VocabParallelEmbedding, WeightGradStore, enter_tp, leave_tp, vocab_parallel_cross_entropy,
 )
 
 # Column-parallel (output features split: dim 0), row-parallel (input features split: dim 1),
@@ -56,9 +55,9 @@ def check_divisible(config: LlamaConfig, tp: int, where: str) -> None:
 
 
 class TPAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore):
+    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore, sp: bool):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sp = tp, sp
         hd = config.head_dim
         self.heads, self.kv_heads, self.head_dim = config.n_heads // tp.size, config.n_kv_heads // tp.size, hd
         self.wq = ShardedLinear(config.dim, self.heads * hd, store)
@@ -67,35 +66,35 @@ class TPAttention(nn.Module):
         self.wo = ShardedLinear(self.heads * hd, config.dim, store)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = enter_tp(x, self.tp, self.sp)
         b, s, _ = x.shape
-        x = copy_to_tp(x, self.tp)
         q = self.wq(x).view(b, s, self.heads, self.head_dim)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
-        return reduce_from_tp(self.wo(causal_attention(q, k, v, cos, sin)), self.tp)
+        return leave_tp(self.wo(causal_attention(q, k, v, cos, sin)), self.tp, self.sp)
 
 
 class TPFeedForward(nn.Module):
-    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore):
+    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore, sp: bool):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sp = tp, sp
         f = config.ffn_dim // tp.size
         self.w1 = ShardedLinear(config.dim, f, store)
         self.w3 = ShardedLinear(config.dim, f, store)
         self.w2 = ShardedLinear(f, config.dim, store)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp)
-        return reduce_from_tp(self.w2(swiglu(self.w1(x), self.w3(x))), self.tp)
+        x = enter_tp(x, self.tp, self.sp)
+        return leave_tp(self.w2(swiglu(self.w1(x), self.w3(x))), self.tp, self.sp)
 
 
 class TPBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore):
+    def __init__(self, config: LlamaConfig, tp: TPGroup, store: WeightGradStore, sp: bool):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = TPAttention(config, tp, store)
+        self.attn = TPAttention(config, tp, store, sp)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn = TPFeedForward(config, tp, store)
+        self.ffn = TPFeedForward(config, tp, store, sp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -105,21 +104,23 @@ class TPBlock(nn.Module):
 class StageModule(nn.Module):
     """Layers ``[first, last)`` of the model on one TP rank.
 
-    ``forward(x)`` takes token ids (b, s) on the first stage and the hidden state (b, s, dim)
-    elsewhere; it returns the hidden state, or on the last stage the per-token loss against
+    ``forward(x)`` takes token ids (b, s) on the first stage and the hidden state elsewhere:
+    (b, s, dim), or this rank's sequence shard (b, s / tp, dim) with ``sequence_parallel``; it
+    returns the hidden state in the same form, or on the last stage the loss against
     ``targets`` (b, s) as a mean over the micro-batch's tokens.
     """
 
     def __init__(self, config: LlamaConfig, layer_range: tuple[int, int], is_first: bool, is_last: bool,
-                 tp: TPGroup, store: WeightGradStore | None = None):
+                 tp: TPGroup, store: WeightGradStore | None = None, sequence_parallel: bool = False):
         super().__init__()
         check_divisible(config, tp.size, f"stage with layers {list(layer_range)}")
         self.config, self.tp, self.is_first, self.is_last = config, tp, is_first, is_last
+        self.sp = sequence_parallel and tp.size > 1
         self.layer_range = layer_range
         self.store = store or WeightGradStore()
         if is_first:
-            self.embed = VocabParallelEmbedding(config.vocab_size, config.dim, tp)
-        self.layers = nn.ModuleDict({str(i): TPBlock(config, tp, self.store) for i in range(*layer_range)})
+            self.embed = VocabParallelEmbedding(config.vocab_size, config.dim, tp, self.sp)
+        self.layers = nn.ModuleDict({str(i): TPBlock(config, tp, self.store, self.sp) for i in range(*layer_range)})
         if is_last:
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.head = ShardedLinear(config.dim, config.vocab_size // tp.size, self.store)
@@ -127,16 +128,22 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
             x = self.embed(x)
-        cos, sin = rotary_tables(self.config, x.shape[1], x.device)
+        seq = x.shape[1] * (self.tp.size if self.sp else 1)
+        cos, sin = rotary_tables(self.config, seq, x.device)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if not self.is_last:
             return x
-        logits = self.head(copy_to_tp(self.norm(x), self.tp))
+        logits = self.head(enter_tp(self.norm(x), self.tp, self.sp))
         if targets is None:
             raise ValueError("the last stage needs the micro-batch's targets to compute its loss")
         losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), self.tp)
         return losses.mean()
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every TP rank holds whole (the norms). Under sequence parallelism each rank
+        sees only its tokens, so their gradients must be summed over the TP group."""
+        return [p for name, p in self.named_parameters() if shard_dim(name) is None]
 
     @torch.no_grad()
     def load_full(self, full_state: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -2,9 +2,12 @@
 
 A stage of TP size t splits each projection over its t ranks: column-parallel (``wq``, ``wk``,
 ``wv``, ``w1``, ``w3``, the LM head: output features split, whole heads and whole KV heads per
-rank) and row-parallel (``wo``, ``w2``: input features split, partial outputs all-reduced). The
-embedding and the cross-entropy are vocab-parallel. Activations between blocks are replicated on
-the t ranks, so a stage boundary can move any slice of them from any rank (SR&AG, boundary.py).
+rank) and row-parallel (``wo``, ``w2``: input features split, partial outputs summed). The
+embedding and the cross-entropy are vocab-parallel. Between blocks the activations are either
+replicated on the t ranks (plain Megatron TP: all-reduce after a row-parallel projection) or,
+with sequence parallelism, cut along the sequence (reduce-scatter after the row-parallel
+projection, all-gather before the column-parallel one), which divides the memory of norms and
+residuals by t and what crosses a stage boundary per rank.
 
 Why not ``torch.distributed.tensor.parallel``: the fine-grained schedules split a backward into
 input gradients (``I``) and weight gradients (``W``) run at different times. DTensor's parallel
@@ -44,6 +47,21 @@ class TPGroup:
         dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
         return out
 
+    def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, size * n, ...) from every rank's sequence shard (b, n, ...)."""
+        if self.size == 1:
+            return t
+        return self.all_gather(t.transpose(0, 1)).transpose(0, 1)
+
+    def reduce_scatter_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's sequence shard (b, n / size, ...) of the sum over ranks of (b, n, ...)."""
+        if self.size == 1:
+            return t
+        full = t.transpose(0, 1).contiguous()
+        out = torch.empty((full.shape[0] // self.size,) + tuple(full.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_tensor(out, full, group=self.group)
+        return out.transpose(0, 1)
+
 
 SINGLE = TPGroup(None, 1, 0)
 
@@ -73,12 +91,44 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallelism: shards gathered into the whole sequence; gradients reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.tp.reduce_scatter_sequence(g), None
 
 
-def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallelism: partial sums reduce-scattered into shards; gradients gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.tp.gather_sequence(g.contiguous()), None
+
+
+def enter_tp(x: torch.Tensor, tp: TPGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Before a column-parallel projection: the whole (replicated or gathered) input."""
+    if tp.size == 1:
+        return x
+    return _GatherSequence.apply(x, tp) if sequence_parallel else _CopyToTP.apply(x, tp)
+
+
+def leave_tp(x: torch.Tensor, tp: TPGroup, sequence_parallel: bool) -> torch.Tensor:
+    """After a row-parallel projection: partial sums summed (replicated) or reduce-scattered (shards)."""
+    if tp.size == 1:
+        return x
+    return _ReduceScatterSequence.apply(x, tp) if sequence_parallel else _ReduceFromTP.apply(x, tp)
 
 
 class WeightGradStore:
@@ -163,7 +213,7 @@ class _LinearFn(torch.autograd.Function):
 class ShardedLinear(nn.Module):
     """One rank's shard of a bias-free projection: ``weight`` is (out / t, in) for a
     column-parallel layer, (out, in / t) for a row-parallel one; the caller adds the TP
-    communication around it (copy_to_tp before column-parallel, reduce_from_tp after row)."""
+    communication around it (enter_tp before a column-parallel one, leave_tp after a row-parallel one)."""
 
     def __init__(self, in_features: int, out_features: int, store: WeightGradStore | None = None):
         super().__init__()
@@ -176,11 +226,12 @@ class ShardedLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank * V/t, (rank + 1) * V/t) of the embedding on each rank; lookups outside this
-    rank's rows give zeros and the ranks' results are summed."""
+    rank's rows give zeros and the ranks' results are summed (into sequence shards under
+    sequence parallelism)."""
 
-    def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup, sequence_parallel: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.rows = vocab_size // tp.size
         self.first = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))
@@ -192,7 +243,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows)
         out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp)
+        return leave_tp(out, self.tp, self.sequence_parallel)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -43,6 +43,7 @@ class TrainOptions:
     precision: str = "bf16"  # bf16 autocast on the chips, or fp32
     schedule: str | None = None  # a name in SCHEDULES or a torch-style CSV; default: the plan's
     reshard: str = "srag"
+    sequence_parallel: bool = True  # what the plan's cost model assumes
     memory_scale: float | None = None  # default: $DITORCH_MEMORY_SCALE
     log: Path | None = None
     trace: Path | None = None
@@ -179,7 +180,8 @@ class PipelineTrainer:
     def _build_module(self) -> StageModule:
         i, S = self.place.stage, self.plan.num_stages
         with torch.device(self.device):
-            module = StageModule(self.config, self.stage_plan.layer_range, i == 0, i == S - 1, self.groups.tp)
+            module = StageModule(self.config, self.stage_plan.layer_range, i == 0, i == S - 1, self.groups.tp,
+                                 sequence_parallel=self.options.sequence_parallel)
         module.load_full(full_initialization(self.config, self.options.seed))
         return module
 
@@ -189,7 +191,8 @@ class PipelineTrainer:
 
         def boundary(lo: int) -> StageBoundary:
             return StageBoundary(self.layout.tp_ranks(lo, d), self.layout.tp_ranks(lo + 1, d), self.place.rank,
-                                 self.groups.tp, shape, torch.float32, self.device, self.options.reshard)
+                                 self.groups.tp, shape, torch.float32, self.device, self.options.reshard,
+                                 sharded=self.options.sequence_parallel)
 
         return (boundary(i - 1) if i > 0 else None), (boundary(i) if i < S - 1 else None)
 
@@ -223,14 +226,17 @@ class PipelineTrainer:
             for p, st in state.items():
                 self.optimizer.state[p] = st
 
-    def _reduce_gradients(self) -> None:
-        grads = [p.grad for p in self.module.parameters()]
-        if self.groups.dp is None:
-            return
+    @staticmethod
+    def _all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        """Sum ``grads`` over ``group`` as one bucket."""
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.groups.dp)
+        dist.all_reduce(flat, group=group)
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
+
+    def _reduce_gradients(self) -> None:
+        if self.groups.dp is not None:
+            self._all_reduce_flat([p.grad for p in self.module.parameters()], self.groups.dp)
 
     def step(self, step: int) -> float:
         """Run one training step; returns the global batch's mean loss (on every rank)."""
@@ -238,6 +244,8 @@ class PipelineTrainer:
         tokens, targets = self._microbatches(step)
         losses = self.executor.run(step, tokens, targets)
         t_update = now()
+        if self.module.sp:  # each TP rank saw only its tokens: the norms' gradients are partial
+            self._all_reduce_flat([p.grad for p in self.module.replicated_parameters()], self.groups.tp.group)
         owned = [self._owned(n) for n, _ in self.module.named_parameters()]
         if self.zero is not None:
             self.zero.reduce_scatter_gradients()

@@ -46,6 +46,24 @@ def test_every_receiver_rebuilds_the_activation(a, d, mode):
         assert torch.equal(b._all_gather(mine[j], k, d), x)
 
 
+@pytest.mark.parametrize("a,d", list(itertools.product([1, 2, 4, 8], repeat=2)))
+def test_sequence_shards_move_to_their_owners(a, d):
+    """Sequence-parallel sides: each receiver gets exactly its shard, from the senders holding it."""
+    senders, receivers = list(range(a)), list(range(100, 100 + d))
+    x = torch.randn(1, 16, 5)
+    k, rts = routes(senders, receivers, "srag", sharded=True)
+    held = {src: x.chunk(a, dim=1)[i] for i, src in enumerate(senders)}
+    payload = {}
+    for r in rts:  # what the sender cuts from its own shard, as StageBoundary.send does
+        i = senders.index(r.src)
+        payload[(r.src, r.dst)] = held[r.src].chunk(k // a, dim=1)[r.piece - i * (k // a)]
+    assert len(payload) == len(rts)
+    assert sum(p.numel() for p in payload.values()) == x.numel()
+    for j, dst in enumerate(receivers):
+        mine = torch.cat([payload[(r.src, r.dst)] for r in rts if r.dst == dst], dim=1)
+        assert torch.equal(mine, x.chunk(d, dim=1)[j])
+
+
 def test_sequence_must_split_into_the_pieces():
     with pytest.raises(ValueError, match=r"cuts the sequence into 4 pieces, which does not divide seq=6"):
         StageBoundary([0, 1, 2, 3], [4], 4, None, (1, 6, 8), torch.float32, torch.device("cpu"), "srag")

@@ -1,7 +1,8 @@
 """In fp32 the pipeline runtime trains exactly what one process trains: the loss at every step
 and the parameters after 20 steps match a single-process CPU run (PyTorch's own nn.Linear,
 cross_entropy and clip_grad_norm_) within 1e-5 relative, for stage boundaries between TP sizes,
-DP, recompute, every schedule and both resharding modes."""
+DP, recompute, ZeRO-1, every schedule, both resharding modes, with and without sequence
+parallelism."""
 from __future__ import annotations
 
 import functools
@@ -19,13 +20,18 @@ TWO_STAGES = [("X", 2, 2, False), ("Y", 1, 2, False)]
 TP1_TO_TP2 = [("X", 1, 2, False), ("Y", 2, 2, False)]
 THREE_CHIPS = [("X", 1, 1, False), ("Y", 1, 1, True), ("Z", 2, 2, False)]
 
-# A clip below the gradient norm makes the global norm (summed over stages, TP and DP) matter.
+# Sequence parallelism is on unless a case says --no-sequence-parallel (then activations are
+# replicated over TP ranks and SR&AG all-gathers). A clip below the gradient norm makes the
+# global norm (summed over stages, TP and DP) matter.
 CASES = {
+    "tp2-to-tp1 1f1b srag replicated": (TWO_STAGES, 1, "1f1b", "srag", 1.0, "--no-sequence-parallel"),
     "tp2-to-tp1 1f1b srag": (TWO_STAGES, 1, "1f1b", "srag", 1.0),
     "tp2-to-tp1 fine-grained naive clipped": (TWO_STAGES, 1, "fine-grained", "naive", 0.05),
     "tp1-to-tp2 dp2 gpipe srag clipped": (TP1_TO_TP2, 2, "gpipe", "srag", 0.05),
     "3 chips recompute fine-grained srag clipped": (THREE_CHIPS, 1, "fine-grained", "srag", 0.05),
     "3 chips recompute gpipe naive": (THREE_CHIPS, 1, "gpipe", "naive", 1.0),
+    "3 chips recompute gpipe naive replicated clipped": (THREE_CHIPS, 1, "gpipe", "naive", 0.05,
+                                                         "--no-sequence-parallel"),
     "3 chips recompute 1f1b naive": (THREE_CHIPS, 1, "1f1b", "naive", 1.0),
     "tp1-to-tp2 dp2 fine-grained zero1 clipped": (TP1_TO_TP2, 2, "fine-grained", "srag", 0.05, "--zero1"),
 }
