@@ -1,4 +1,4 @@
-"""The main job: train a small LLaMA-style model on an emulated chip and check its loss curve.
+"""One emulated chip against the CPU: train a small LLaMA-style model on it and check its loss curve (make demo-single).
 
 Trains the same model, from the same seed, on the same batches twice: on ``cpu`` in fp32 (the
 reference) and on ``dipu`` as the chip you name (bf16 autocast by default), then reports the

@@ -152,7 +152,7 @@ class PipelineTrainer:
         self.stage_plan = plan.stages[self.place.stage]
         self.config = model_config(plan)
         check_plan_fits(plan, options)
-        self.profile = ditorch.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
+        ditorch.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
         torch.dipu.set_device(self.device)
