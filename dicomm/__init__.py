@@ -9,7 +9,11 @@ nccl unless you ask for dicomm)::
 
 Environment:
     DICOMM_TRANSPORT     auto (default) | tcp | shm | rdma: force one transport for every peer
-    DICOMM_LISTEN_HOST   address the tcp listener binds and publishes (default 127.0.0.1)
+    DICOMM_SOCKET_IFNAME interfaces (comma-separated names) the tcp listener uses; default: the one
+                         that routes to the store (MASTER_ADDR), as gloo and NCCL choose
+    DICOMM_SOCKET_FAMILY AF_INET or AF_INET6: restrict that choice to one address family
+    DICOMM_LISTEN_HOST   an explicit address for the tcp listener (overrides both)
+    DICOMM_DEBUG         INFO: log the listen address, transports and algorithms chosen
     DICOMM_CHUNK_BYTES   pipeline chunk of the ring/tree collectives (default 4 MiB)
     DICOMM_FORCE_STAGING 1: stage device tensors through host copies even when the device's
                          memory is host-addressable (tests the path real vendors take)
@@ -91,7 +95,7 @@ def _create_backend(dist_backend_opts, backend_options) -> ProcessGroupDicomm:
         dist_backend_opts.group_size,
         _seconds(dist_backend_opts.timeout),
         transport=transport,
-        listen_host=os.environ.get("DICOMM_LISTEN_HOST", "127.0.0.1"),
+        listen_host=os.environ.get("DICOMM_LISTEN_HOST", ""),
         chunk_bytes=_env_int("DICOMM_CHUNK_BYTES", 4 << 20),
         dipu_host_addressable=_dipu_host_addressable(),
         force_staging=os.environ.get("DICOMM_FORCE_STAGING", "0") == "1",

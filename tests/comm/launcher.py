@@ -22,7 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, env, results, init, timeout_s):
+def _entry(fn, rank, world, port, env, results, init, timeout_s, host, store_host):
+    if host is not None:
+        host.enter()  # before anything opens a socket
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
@@ -37,7 +39,7 @@ def _entry(fn, rank, world, port, env, results, init, timeout_s):
         if init:
             dist.init_process_group(
                 backend=env.get("TEST_BACKEND", "dicomm"),
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=f"tcp://{store_host}:{port}",
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -89,17 +91,24 @@ def run_ranks(
     op_timeout_s: float = 60.0,
     wall_timeout_s: float = 150.0,
     expect_exit: set[int] | None = None,
+    hosts: list | None = None,
+    store_address: str | None = None,
 ) -> dict[int, Any]:
     """Run ``fn(rank, world, port)`` on ``world`` processes; return {rank: result}.
 
     Raises AssertionError with every failing rank's traceback. Ranks in ``expect_exit`` may die
-    without reporting (fault tests kill them on purpose).
+    without reporting (fault tests kill them on purpose). With ``hosts`` (emulated_hosts.Host),
+    the ranks are split over them in contiguous blocks, as torchrun places nodes, and the store
+    runs on the first host (at ``store_address``, default its IPv4 address).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    placed = [hosts[r * len(hosts) // world] if hosts else None for r in range(world)]
+    store_host = store_address or (hosts[0].address if hosts else "127.0.0.1")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), results, init, op_timeout_s))
+        ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), results, init, op_timeout_s,
+                                         placed[r], store_host))
         for r in range(world)
     ]
     for p in procs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from emulated_hosts import can_make_hosts, emulated_hosts
 from launcher import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -158,11 +159,12 @@ def check_all(rank: int, world: int, _port: int) -> dict:
     for o, n in zip(scattered, sizes):
         close(o, reference([rank_input(100 * r + rank, n, torch.float32) for r in range(world)], "sum"),
               f"coalesced reduce_scatter_tensor n={n}")
-    lists = [[torch.empty(n) for _ in range(world)] for n in sizes]
+    # torch's contract: one output list per rank, each with one tensor per input
+    lists = [[torch.empty(n) for n in sizes] for _ in range(world)]
     dist.all_gather_coalesced(lists, xs)
-    for lst, n in zip(lists, sizes):
-        for r in range(world):
-            close(lst[r], rank_input(r, n, torch.float32), f"all_gather_coalesced n={n} slot {r}")
+    for r, lst in enumerate(lists):
+        for o, n in zip(lst, sizes):
+            close(o, rank_input(r, n, torch.float32), f"all_gather_coalesced n={n} from rank {r}")
     checks += 3
     # point to point: ring with send/recv, isend/irecv, batch_isend_irecv, tags, any source
     right, left = (rank + 1) % world, (rank - 1) % world
@@ -229,4 +231,16 @@ def test_every_op_every_dtype(world, transport):
     expected = {"auto": ["shm"], "tcp": ["tcp"]}[transport]
     for r, out in results.items():
         assert out["transports"] == expected, (r, out)
+        assert out["checks"] > 300
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
+def test_every_op_across_two_hosts():
+    """Two emulated hosts x two ranks, nothing configured: shm inside a host, tcp between them,
+    each rank listening on the address that routes to the store."""
+    with emulated_hosts(2) as hosts:
+        results = run_ranks(check_all, 4, env={"DICOMM_CHUNK_BYTES": "65536"}, hosts=hosts)
+    for r, out in results.items():
+        assert out["transports"] == ["shm", "tcp"], (r, out)
         assert out["checks"] > 300

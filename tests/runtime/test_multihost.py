@@ -1,5 +1,5 @@
-"""The runtime across two emulated hosts (network namespaces joined by a veth pair), launched
-as a user would: one ``torchrun --nnodes 2`` per host meeting at a c10d rendezvous. The stage
+"""The runtime across two emulated hosts (tests/emulated_hosts.py), launched as a user would: one
+``torchrun --nnodes 2`` per host meeting at a c10d rendezvous, no DICOMM_* variable set. The stage
 boundary crosses the hosts; the result equals the single-process run."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hosts import can_make_hosts, in_host, two_hosts
+from emulated_hosts import can_make_hosts, emulated_hosts
 from plans import ROOT, chip_file, make_plan
 
 STEPS = 4
@@ -23,19 +23,19 @@ def test_two_hosts_train_like_one_process(tmp_path):
 
     plan = make_plan([("X", 1, 1, False), ("Y", 1, 1, False), ("Z", 2, 2, False)])
     plan.to_json(tmp_path / "plan.json")
-    with two_hosts() as hosts:
-        rendezvous = f"{hosts[0][1]}:29531"
+    with emulated_hosts(2) as hosts:
+        rendezvous = f"{hosts[0].name}:29531"
         procs = []
-        for node, (ns, address) in enumerate(hosts):
-            env = dict(os.environ, PYTHONPATH=str(ROOT), DITORCH_PROFILE_FILE=str(chip_file(tmp_path)),
-                       DITORCH_MEMORY_SCALE="0.001", DICOMM_LISTEN_HOST=address)
+        for node, host in enumerate(hosts):
+            # Nothing but the rendezvous address: dicomm finds the interface that routes to it.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("DICOMM_") and k != "GLOO_SOCKET_IFNAME"}
+            env.update(PYTHONPATH=str(ROOT), DITORCH_PROFILE_FILE=str(chip_file(tmp_path)),
+                       DITORCH_MEMORY_SCALE="0.001")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous, "--rdzv-id", "multihost",
-                   # the hosts share a hostname here, so say which one serves the rendezvous
-                   "--rdzv-conf", f"is_host={int(node == 0)}",
-                   "--local-addr", address, "-m", "ditorch.train", "--plan", "plan.json", "--steps", str(STEPS),
+                   "-m", "ditorch.train", "--plan", "plan.json", "--steps", str(STEPS),
                    "--precision", "fp32", "--quiet", "--timeout", "60", "--loss-log", f"node{node}.jsonl"]
-            procs.append(subprocess.Popen(in_host(ns, cmd), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+            procs.append(subprocess.Popen(host.run(cmd), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         try:
             outs = [p.communicate(timeout=180) for p in procs]

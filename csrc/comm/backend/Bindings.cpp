@@ -4,6 +4,7 @@
 #include <torch/python.h>
 
 #include "comm/backend/ProcessGroupDicomm.hpp"
+#include "comm/transport/ListenAddress.h"
 
 namespace py = pybind11;
 
@@ -29,7 +30,7 @@ PYBIND11_MODULE(_C, m) {
              return c10::make_intrusive<dicomm::ProcessGroupDicomm>(store, rank, size, o);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
-           py::arg("transport") = "auto", py::arg("listen_host") = "127.0.0.1",
+           py::arg("transport") = "auto", py::arg("listen_host") = "",
            py::arg("chunk_bytes") = 4 << 20, py::arg("dipu_host_addressable") = false,
            py::arg("force_staging") = false, py::arg("group_name") = "",
            py::call_guard<py::gil_scoped_release>())
@@ -50,6 +51,20 @@ PYBIND11_MODULE(_C, m) {
         "Transports compiled into this module, most preferred first.");
   m.def("transports_usable", &dicomm::transportsUsable,
         "Transports that can run on this machine, most preferred first.");
+  m.def(
+      "choose_listen_address",
+      [](const std::string& explicitHost, const std::string& storeHost) {
+        auto a = dicomm::chooseListenAddress(explicitHost, storeHost);
+        py::dict d;
+        d["host"] = a.host;
+        d["interface"] = a.interface;
+        d["reason"] = a.reason;
+        d["loopback"] = a.loopback;
+        return d;
+      },
+      py::arg("listen_host") = "", py::arg("store_host") = "",
+      "Where a rank would listen for tcp peers: {host, interface, reason, loopback}, from "
+      "DICOMM_LISTEN_HOST / DICOMM_SOCKET_IFNAME / DICOMM_SOCKET_FAMILY and the store's host.");
   m.def("local_host_id", &dicomm::localHostId,
         "What identifies this host for the intra-host (shm) transport.");
 }

@@ -478,11 +478,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_allgather_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "dicomm allgather_coalesced: ", outputs.size(),
-              " output lists for ", inputs.size(), " inputs");
+  // torch's contract (and gloo's): one output list per rank, each holding one tensor per input.
+  TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "dicomm all_gather_coalesced: expected ",
+              getSize(), " output lists (one per rank), got ", outputs.size());
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    TORCH_CHECK(outputs[r].size() == inputs.size(), "dicomm all_gather_coalesced: output list ", r,
+                " holds ", outputs[r].size(), " tensors; expected one per input (", inputs.size(), ")");
+  }
   return asOneBatch([&] {
     for (size_t i = 0; i < inputs.size(); ++i) {
-      std::vector<std::vector<at::Tensor>> o{outputs[i]};
+      std::vector<std::vector<at::Tensor>> o(1);
+      for (auto& perRank : outputs) o[0].push_back(perRank[i]);
       std::vector<at::Tensor> in{inputs[i]};
       allgather(o, in, opts);
     }

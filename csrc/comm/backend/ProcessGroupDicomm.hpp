@@ -27,7 +27,7 @@ namespace dicomm {
 struct DicommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string transport = "auto";
-  std::string listenHost = "127.0.0.1";
+  std::string listenHost;  // DICOMM_LISTEN_HOST; "" = the interface routing to the store
   size_t chunkBytes = 4 << 20;
   StagingPolicy staging;
   std::string groupName;

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "comm/core/Tags.h"
+#include "comm/transport/Log.h"
 
 namespace dicomm {
 
@@ -142,6 +143,7 @@ Communicator::Communicator(CommunicatorOptions options)
 
   // Choose a transport per peer: the most preferred one both ranks can use and that reaches.
   pairTransport_.assign(size, "self");
+  peerHost_.assign(size, myHost);
   std::map<std::string, bool> needed;
   int localRanks = 1;
   for (int p = 0; p < size; ++p) {
@@ -169,6 +171,7 @@ Communicator::Communicator(CommunicatorOptions options)
                                join(peerUsable) + ")");
     }
     pairTransport_[p] = chosen;
+    peerHost_[p] = peerHost;
     needed[chosen] = true;
   }
 
@@ -179,7 +182,13 @@ Communicator::Communicator(CommunicatorOptions options)
   ctx.size = size;
   ctx.timeout = options_.timeout;
   ctx.inbox = &mailbox_;
-  ctx.listenHost = options_.listenHost;
+  ctx.listen = chooseListenAddress(options_.listenHost, storeHostOf(store));
+  checkListenReaches(ctx.listen, myHost);
+  logLine(LogLevel::kInfo, "rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                               ": listens on " + ctx.listen.host +
+                               (ctx.listen.interface.empty() ? "" : " (" + ctx.listen.interface + ")") +
+                               ", chosen by " + ctx.listen.reason + "; transports " +
+                               describeTransports());
   ctx.authKey = authKey;
   ctx.localRanks = localRanks;
   std::map<std::string, Transport*> started;
@@ -196,6 +205,34 @@ Communicator::Communicator(CommunicatorOptions options)
     if (p == rank) continue;
     pairs_[p] = started.at(pairTransport_[p])->connect(p);
   }
+}
+
+void Communicator::checkListenReaches(const ListenAddress& listen, const std::string& myHost) const {
+  if (!listen.loopback) return;
+  std::string remote;
+  for (int p = 0; p < size(); ++p) {
+    if (pairTransport_[p] == "tcp" && peerHost_[p] != myHost) {
+      remote += (remote.empty() ? "" : ", ") + std::to_string(p);
+    }
+  }
+  if (remote.empty()) return;
+  throw std::runtime_error(
+      "dicomm: rank " + std::to_string(rank()) + " would listen on loopback address " +
+      listen.host + " (chosen by " + listen.reason + "), but ranks " + remote +
+      " are on other hosts and could not reach it; set DICOMM_SOCKET_IFNAME to the interface "
+      "that reaches them (or DICOMM_LISTEN_HOST to an address of this host)");
+}
+
+std::string Communicator::describeTransports() const {
+  std::map<std::string, std::string> ranks;
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank()) continue;
+    auto& r = ranks[pairTransport_[p]];
+    r += (r.empty() ? "" : ",") + std::to_string(p);
+  }
+  std::string out;
+  for (auto& [name, peers] : ranks) out += (out.empty() ? "" : "; ") + name + " to ranks " + peers;
+  return out.empty() ? "none (a group of one)" : out;
 }
 
 Communicator::~Communicator() {

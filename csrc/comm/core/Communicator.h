@@ -21,7 +21,8 @@ struct CommunicatorOptions {
   int size = 1;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string transport = "auto";  // DICOMM_TRANSPORT: auto | tcp | shm | rdma
-  std::string listenHost = "127.0.0.1";
+  // DICOMM_LISTEN_HOST; "" chooses the address of the interface that routes to the store.
+  std::string listenHost;
 };
 
 // Transports compiled in / usable on this machine, in preference order.
@@ -69,11 +70,16 @@ class Communicator {
   bool closed() const { return closed_.load(); }
 
  private:
+  // Throws when `listen` is a loopback address while a tcp peer is on another host.
+  void checkListenReaches(const ListenAddress& listen, const std::string& myHost) const;
+  std::string describeTransports() const;
+
   CommunicatorOptions options_;
   Mailbox mailbox_;
   std::vector<std::unique_ptr<Transport>> transports_;
   std::vector<std::unique_ptr<Pair>> pairs_;  // indexed by rank; null for self
   std::vector<std::string> pairTransport_;
+  std::vector<std::string> peerHost_;  // host id of each rank (localHostId())
   std::function<void(int, const std::string&)> onFailure_;
   std::mutex closeMu_;
   std::atomic<bool> closed_{false};

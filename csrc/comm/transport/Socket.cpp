@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <net/if.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <string.h>
@@ -12,9 +13,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
+#include "comm/transport/ListenAddress.h"
 #include "comm/transport/Transport.h"
 
 namespace dicomm {
@@ -70,17 +73,24 @@ Listener listenTcp(const std::string& host) {
     getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
     char ip[INET6_ADDRSTRLEN] = {0};
     int port = 0;
+    std::string published;
     if (ss.ss_family == AF_INET) {
       auto* a = reinterpret_cast<sockaddr_in*>(&ss);
       inet_ntop(AF_INET, &a->sin_addr, ip, sizeof(ip));
       port = ntohs(a->sin_port);
+      published = ip;
     } else {
       auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
       inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof(ip));
       port = ntohs(a->sin6_port);
+      published = ip;
+      char scope[IF_NAMESIZE] = {0};
+      if (a->sin6_scope_id != 0 && if_indextoname(a->sin6_scope_id, scope)) {
+        published += std::string("%") + scope;  // link-local: the peer swaps in its own interface
+      }
     }
     l.fd = std::move(fd);
-    l.address = std::string("tcp:") + ip + ":" + std::to_string(port);
+    l.address = joinTcpAddress(published, port);
     break;
   }
   freeaddrinfo(res);
@@ -108,7 +118,7 @@ Listener listenUnix(const std::string& name) {
   return Listener{std::move(fd), "unix:" + name};
 }
 
-static Fd dialOnce(const std::string& address, int* err) {
+static Fd dialOnce(const std::string& address, int attemptMs, int* err) {
   if (address.rfind("unix:", 0) == 0) {
     std::string name = address.substr(5);
     Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -122,12 +132,10 @@ static Fd dialOnce(const std::string& address, int* err) {
     }
     return fd;
   }
-  if (address.rfind("tcp:", 0) != 0) {
+  std::string host, port;
+  if (!splitTcpAddress(address, &host, &port)) {
     throw std::runtime_error("dicomm: bad peer address '" + address + "'");
   }
-  std::string hostport = address.substr(4);
-  size_t colon = hostport.rfind(':');
-  std::string host = hostport.substr(0, colon), port = hostport.substr(colon + 1);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -136,22 +144,42 @@ static Fd dialOnce(const std::string& address, int* err) {
   if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
     throw std::runtime_error("dicomm: bad peer address '" + address + "'");
   }
-  Fd fd(::socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC, 0));
+  // Non-blocking, so that an unreachable host (SYNs dropped) costs `attemptMs`, not the
+  // kernel's two minutes of SYN retries.
+  Fd fd(::socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   int rc = ::connect(fd.get(), res->ai_addr, res->ai_addrlen);
-  *err = errno;
+  *err = rc == 0 ? 0 : errno;
   freeaddrinfo(res);
-  if (rc != 0) return Fd();
+  if (rc != 0 && *err == EINPROGRESS) {
+    pollfd p{fd.get(), POLLOUT, 0};
+    rc = ::poll(&p, 1, attemptMs);
+    if (rc == 0) {
+      *err = ETIMEDOUT;
+      return Fd();
+    }
+    int soErr = 0;
+    socklen_t len = sizeof(soErr);
+    getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &soErr, &len);
+    *err = rc < 0 ? errno : soErr;
+    if (*err != 0) return Fd();
+  } else if (rc != 0) {
+    return Fd();
+  }
+  const int flags = fcntl(fd.get(), F_GETFL);
+  fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
   return fd;
 }
 
 Fd dial(const std::string& address, Clock::time_point deadline, int peer) {
   int err = 0;
   while (true) {
-    Fd fd = dialOnce(address, &err);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    Fd fd = dialOnce(address, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(left.count(), 1000))),
+                     &err);
     if (fd) return fd;
     if (Clock::now() >= deadline) {
-      throw TransportError(peer, "dicomm: cannot connect to rank " + std::to_string(peer) +
-                                     " at " + address + ": " + errnoString(err));
+      throw TransportError(peer, "cannot connect to rank " + std::to_string(peer) + " at " +
+                                     address + ": " + errnoString(err));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -170,9 +198,22 @@ Fd acceptUntil(int listenFd, Clock::time_point deadline) {
   }
 }
 
-void tuneSocket(int fd, bool tcp, int bufferBytes, const std::string& congestion) {
+void tuneSocket(int fd, bool tcp, int bufferBytes, const std::string& congestion,
+                int peerTimeoutS) {
   int one = 1;
   if (tcp) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (tcp && peerTimeoutS > 0) {
+    // A host that vanishes (power, link, partition) sends no FIN or RST: only these notice it.
+    // Keepalive probes an idle connection every peerTimeoutS/4 s; TCP_USER_TIMEOUT fails the
+    // socket once sent data (or probes) stay unacknowledged for peerTimeoutS.
+    const int idle = std::max(1, peerTimeoutS / 4), count = 4;
+    const unsigned userTimeoutMs = static_cast<unsigned>(peerTimeoutS) * 1000u;
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &idle, sizeof(idle));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &userTimeoutMs, sizeof(userTimeoutMs));
+  }
   if (tcp && !congestion.empty()) {
     setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion.data(), congestion.size());
   }
@@ -281,7 +322,11 @@ std::string eofCause(int peer) {
 }
 
 std::string brokeCause(int peer, int err) {
-  return "connection to rank " + std::to_string(peer) + " broke: " + errnoString(err);
+  std::string cause = "connection to rank " + std::to_string(peer) + " broke: " + errnoString(err);
+  if (err == ETIMEDOUT) {
+    cause += " (its host stopped answering for DICOMM_PEER_TIMEOUT seconds: down, or cut off)";
+  }
+  return cause;
 }
 
 bool readableNow(int fd) {

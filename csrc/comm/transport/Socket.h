@@ -58,15 +58,18 @@ struct Listener {
 Listener listenTcp(const std::string& host);
 Listener listenUnix(const std::string& name);  // abstract-namespace AF_UNIX socket
 
-// Dial `address` (as published by a Listener), retrying refused connections until `deadline`.
+// Dial `address` (as published by a Listener), retrying refused or unanswered connections until
+// `deadline`. Throws TransportError "cannot connect to rank <peer> at <address>: <errno>".
 Fd dial(const std::string& address, Clock::time_point deadline, int peer);
 // Accept one connection, or an invalid Fd when `deadline` passes.
 Fd acceptUntil(int listenFd, Clock::time_point deadline);
 
 // Tune a connected socket: TCP_NODELAY; `bufferBytes` > 0 fixes the kernel buffers (which turns
 // off their auto-tuning; on loopback, buffers larger than the cache slow a stream down); a
-// non-empty `congestion` sets the TCP congestion control.
-void tuneSocket(int fd, bool tcp, int bufferBytes, const std::string& congestion);
+// non-empty `congestion` sets the TCP congestion control; `peerTimeoutS` > 0 turns on keepalive
+// and TCP_USER_TIMEOUT so that a peer host that stopped answering fails the socket in that time.
+void tuneSocket(int fd, bool tcp, int bufferBytes, const std::string& congestion,
+                int peerTimeoutS);
 
 // The TCP congestion control of connected socket `fd` ("" if it has none: not TCP).
 std::string congestionControl(int fd);

@@ -83,6 +83,8 @@ void StreamConfig::applyEnv() {
         envLong("DICOMM_RENDEZVOUS_BYTES", rendezvousThreshold, 0, 1L << 40));
     lanes = static_cast<int>(envLong("DICOMM_TCP_STREAMS", defaultLanes(), 1, 16));
     stripeMin = static_cast<size_t>(envLong("DICOMM_STRIPE_BYTES", stripeMin, 4096, 1L << 40));
+    peerTimeoutS = static_cast<int>(envLong("DICOMM_PEER_TIMEOUT", peerTimeoutS, 0, 86400));
+    connectTimeoutS = static_cast<int>(envLong("DICOMM_CONNECT_TIMEOUT", connectTimeoutS, 1, 86400));
     const char* cc = std::getenv("DICOMM_TCP_CONGESTION");
     if (cc && *cc) congestion = cc;
     if (congestion != "auto" && congestion != "system") {
@@ -932,7 +934,7 @@ void StreamTransport::start(const TransportContext& context) {
   config_.parallelPull =
       std::thread::hardware_concurrency() >= static_cast<unsigned>(ctx_.localRanks);
   if (config_.tcp) {
-    listener_ = listenTcp(ctx_.listenHost);
+    listener_ = listenTcp(ctx_.listen.host);
   } else {
     // Let sibling processes (same user) read this process's memory under Yama ptrace_scope=1.
     prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
@@ -943,6 +945,10 @@ void StreamTransport::start(const TransportContext& context) {
   }
   const std::string& a = listener_.address;
   ctx_.store->set(addressKey(ctx_.rank), std::vector<uint8_t>(a.begin(), a.end()));
+}
+
+std::string StreamTransport::unreachableKey(int rank) const {
+  return ctx_.keyPrefix + config_.name + "/unreachable/" + std::to_string(rank);
 }
 
 Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline, Hello* theirs) {
@@ -956,8 +962,27 @@ Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline,
       accepted_.erase(it);
       return fd;
     }
-    Fd c = acceptUntil(listener_.fd.get(), deadline);
+    // Accept in one-second slices: between them, look whether a dialer gave up on this rank,
+    // so that both ends of an unreachable pair fail within seconds, not at the group timeout.
+    Fd c = acceptUntil(listener_.fd.get(), std::min(deadline, Clock::now() + std::chrono::seconds(1)));
     if (!c) {
+      bool given = false;
+      try {
+        given = ctx_.store->check({unreachableKey(ctx_.rank)});
+      } catch (const std::exception& e) {
+        // The store's host (often rank 0 itself) went away: its rank failed first.
+        throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
+                                       std::to_string(peer) + " did not connect, and the store " +
+                                       "stopped answering meanwhile (did the rank hosting it fail? " +
+                                       "see its error): " + e.what());
+      }
+      if (given) {
+        auto why = ctx_.store->get(unreachableKey(ctx_.rank));
+        throw TransportError(peer, std::string("dicomm ") + name + ": a peer could not reach rank " +
+                                       std::to_string(ctx_.rank) + " (this rank): " +
+                                       std::string(why.begin(), why.end()));
+      }
+      if (Clock::now() < deadline) continue;
       throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
                                      std::to_string(peer) + " did not connect within " +
                                      std::to_string(ctx_.timeout.count()) +
@@ -978,6 +1003,31 @@ Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline,
     Hello mine = myHello(0, 1);
     writeAll(c.get(), &mine, sizeof(mine), h.rank, name);
     accepted_[{h.rank, h.lane}] = {std::move(c), h};
+  }
+}
+
+Fd StreamTransport::dialPeer(int peer, const std::string& address, Clock::time_point deadline) {
+  std::string target = address, host, port;
+  if (config_.tcp && splitTcpAddress(address, &host, &port)) {
+    target = joinTcpAddress(scopedForDialing(host, ctx_.listen), std::stoi(port));
+  }
+  const auto connectBy =
+      config_.tcp ? std::min(deadline, Clock::now() + std::chrono::seconds(config_.connectTimeoutS))
+                  : deadline;
+  try {
+    return dial(target, connectBy, peer);
+  } catch (const TransportError& e) {
+    std::string why = std::string("rank ") + std::to_string(ctx_.rank) + " " + e.what();
+    if (config_.tcp) {
+      why += " within " + std::to_string(config_.connectTimeoutS) +
+             " s (DICOMM_CONNECT_TIMEOUT). Each rank listens on the address of its interface "
+             "that routes to the store; if that one is not reachable from the other hosts, set "
+             "DICOMM_SOCKET_IFNAME on rank " + std::to_string(peer) +
+             "'s host to an interface that is";
+    }
+    // Tell the peer, which is waiting for this connection, so it fails now too.
+    ctx_.store->set(unreachableKey(peer), std::vector<uint8_t>(why.begin(), why.end()));
+    throw TransportError(peer, std::string("dicomm ") + config_.name + ": " + why);
   }
 }
 
@@ -1018,7 +1068,7 @@ std::unique_ptr<Pair> StreamTransport::connect(int peer) {
     auto bytes = ctx_.store->get(key);
     const int lanes = std::max(1, std::min(config_.lanes, kMaxLanes));
     for (int lane = 0; lane < lanes; ++lane) {
-      Fd fd = dial(std::string(bytes.begin(), bytes.end()), deadline, peer);
+      Fd fd = dialPeer(peer, std::string(bytes.begin(), bytes.end()), deadline);
       Hello mine = myHello(lane, lanes);
       writeAll(fd.get(), &mine, sizeof(mine), peer, name);
       readAllUntil(fd.get(), &theirs, sizeof(theirs), deadline, peer, name);
@@ -1036,7 +1086,8 @@ std::unique_ptr<Pair> StreamTransport::connect(int peer) {
     }
   }
   for (auto& fd : fds) {
-    tuneSocket(fd.get(), config_.tcp, config_.socketBuffer, config_.congestionFor(fd.get()));
+    tuneSocket(fd.get(), config_.tcp, config_.socketBuffer, config_.congestionFor(fd.get()),
+               config_.tcp ? config_.peerTimeoutS : 0);
   }
   Fd& fd = fds[0];
 

@@ -74,6 +74,13 @@ struct StreamConfig {
   // segment from a timer since lo has no fq qdisc) a 64 MiB message moved 1.4-1.6x slower over
   // dicomm tcp than with reno.
   std::string congestion = "auto";
+  // tcp: a peer host that stops answering fails the pair after this many seconds (keepalive and
+  // TCP_USER_TIMEOUT; DICOMM_PEER_TIMEOUT, 0 = only at the op timeout), and a dial that is not
+  // answered gives up after connectTimeout seconds (DICOMM_CONNECT_TIMEOUT). Addresses are
+  // published only once their listener is up, so a peer that does not answer within seconds
+  // will not: it is unreachable from here.
+  int peerTimeoutS = 10;
+  int connectTimeoutS = 10;
   // The algorithm to set on connected socket `fd`, or "" to keep the system's.
   std::string congestionFor(int fd) const;
 
@@ -239,6 +246,11 @@ class StreamTransport : public Transport {
   std::mutex acceptMu_;
   // Connections that arrived before connect(p) took them, by (rank, lane).
   std::map<std::pair<int, int>, std::pair<Fd, Hello>> accepted_;
+  // Store key where a dialer that gave up on `rank` says why (the accepting side polls it).
+  std::string unreachableKey(int rank) const;
+  // Dial `peer` at its published `address` within DICOMM_CONNECT_TIMEOUT; on failure tell the
+  // peer through the store and throw naming both ranks, the address and what to set.
+  Fd dialPeer(int peer, const std::string& address, Clock::time_point deadline);
   Fd takeAccepted(int peer, int lane, Clock::time_point deadline, Hello* theirs);
   Hello myHello(int lane, int lanes) const;
   bool helloOk(const Hello& h) const;

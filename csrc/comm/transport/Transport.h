@@ -37,6 +37,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/transport/ListenAddress.h"
+
 namespace dicomm {
 
 // What precedes every message on the wire (after a transport's own framing, if any).
@@ -153,7 +155,7 @@ struct TransportContext {
   int size = 0;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   Inbox* inbox = nullptr;                 // outlives every Pair
-  std::string listenHost = "127.0.0.1";   // address to bind (DICOMM_LISTEN_HOST)
+  ListenAddress listen;                   // where stream listeners bind (see ListenAddress.h)
   std::vector<uint8_t> authKey;           // shared secret peers must prove (from the store)
   int localRanks = 1;                     // ranks of this group on this host, this one included
 };

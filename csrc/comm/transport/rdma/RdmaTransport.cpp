@@ -1,4 +1,6 @@
 #include "comm/transport/rdma/RdmaTransport.h"
+
+#include "comm/transport/Log.h"
 #include "comm/transport/Env.h"
 
 #include <arpa/inet.h>
@@ -804,8 +806,7 @@ bool rdmaUsable() {
   if (why.empty()) return true;
   static std::once_flag once;
   std::call_once(once, [&] {
-    fprintf(stderr, "dicomm: rdma transport not usable (%s); peers use tcp/shm instead\n",
-            why.c_str());
+    logLine(LogLevel::kInfo, "rdma transport not usable (" + why + "); peers use tcp/shm instead");
   });
   return false;
 }
