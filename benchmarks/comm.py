@@ -2,6 +2,15 @@
 
     .venv/bin/python benchmarks/comm.py                 # 2 and 4 ranks, 8 B .. 256 MiB
     .venv/bin/python benchmarks/comm.py --quick         # fewer sizes, up to 64 MiB
+    .venv/bin/python benchmarks/comm.py --hosts 2       # ranks split over two emulated hosts
+    .venv/bin/python benchmarks/comm.py --load          # a busy process on every core meanwhile
+
+As root, every run happens on emulated hosts (tests/emulated_hosts.py: network namespaces on a
+bridge), each with net.ipv4.tcp_congestion_control set to --congestion (reno by default), so gloo
+and dicomm's tcp run under the same congestion control without touching the machine's settings;
+elsewhere it runs on loopback and prints the algorithm each side used. CPU time per operation
+(rank 0's process, all its threads) is printed beside wall time: a waiter that spins shows up
+there, and under --load it takes the core from the rank it waits for.
 
 Conventions (as nccl-tests): one-way latency = median round trip / 2 of a ping-pong between
 ranks 0 and 1; p2p bandwidth = bytes / one-way time; allreduce algbw = bytes / time and
@@ -18,6 +27,7 @@ hit every contender alike instead of whichever ran during a bad minute.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -31,6 +41,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 MiB = 1 << 20
 ROUNDS = 5
@@ -47,16 +58,23 @@ def _iters(nbytes: int, budget_s: float, lo: int, hi: int, est_bw: float = 1e9) 
     return max(lo, min(hi, int(budget_s / est)))
 
 
-def _take_turns(contenders: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
+Sampler = Callable[[], tuple[list[float], float]]
+
+
+def _take_turns(contenders: dict[str, Sampler], rounds: int) -> dict[str, tuple[list[float], float]]:
     """Call each contender's sampler once per round, the order rotated every round; return each
-    contender's samples from all rounds. Every rank must call this with the same contenders."""
+    contender's wall-time samples from all rounds and its median CPU seconds per op. Every rank
+    must call this with the same contenders."""
     names = list(contenders)
     samples: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            samples[name].extend(contenders[name]())
-    return samples
+            wall, cpu_per_op = contenders[name]()
+            samples[name].extend(wall)
+            cpu[name].append(cpu_per_op)
+    return {n: (samples[n], statistics.median(cpu[n])) for n in names}
 
 
 def _ping_pong_sampler(round_trip: Callable, nbytes: int, budget: float) -> Callable[[], list[float]]:
@@ -65,20 +83,23 @@ def _ping_pong_sampler(round_trip: Callable, nbytes: int, budget: float) -> Call
     timed = _iters(2 * nbytes, budget / ROUNDS, lo=4, hi=400)
     warm = _iters(2 * nbytes, budget / ROUNDS / 10, lo=1, hi=20)
 
-    def sample() -> list[float]:
+    def sample() -> tuple[list[float], float]:
         rtts = []
         for i in range(warm + timed):
+            if i == warm:
+                c0 = time.process_time()
             t0 = time.perf_counter()
             round_trip()
             if i >= warm:
                 rtts.append(time.perf_counter() - t0)
-        return rtts
+        return rtts, (time.process_time() - c0) / timed / 2  # per one-way message
 
     return sample
 
 
-def _raw_socket(rank: int) -> socket.socket:
-    """A plain blocking loopback TCP connection between ranks 0 and 1 (TCP_NODELAY, as gloo).
+def _raw_socket(rank: int, address: str) -> socket.socket:
+    """A plain blocking TCP connection between ranks 0 and 1 (TCP_NODELAY, as gloo); rank 0
+    listens on `address`.
 
     Rank 0 listens on a port the kernel picks and tells rank 1 over the default group: a port
     picked earlier and bound later can be taken meanwhile (by a dicomm or gloo listener)."""
@@ -87,7 +108,7 @@ def _raw_socket(rank: int) -> socket.socket:
     port = [0]
     if rank == 0:
         with socket.socket() as ls:
-            ls.bind(("127.0.0.1", 0))
+            ls.bind((address, 0))
             ls.listen(1)
             port[0] = ls.getsockname()[1]
             dist.broadcast_object_list(port, src=0)
@@ -96,21 +117,24 @@ def _raw_socket(rank: int) -> socket.socket:
             s.settimeout(None)
     else:
         dist.broadcast_object_list(port, src=0)
-        s = socket.create_connection(("127.0.0.1", port[0]), timeout=60)
+        s = socket.create_connection((address, port[0]), timeout=60)
         s.settimeout(None)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return s
 
 
-def _worker(rank, world, port, sizes, ar_sizes, budget, q):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
+    if host is not None:
+        host.enter()  # before anything opens a socket
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     import torch.distributed as dist
 
     import dicomm  # noqa: F401
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{store_host}:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
 
     def dicomm_group(transport: str | None):
@@ -128,12 +152,15 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, q):
         if rank == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {world} ranks: {text}", flush=True)
 
-    res: dict = {"p2p": {}, "allreduce": {}}
+    res: dict = {"p2p": {}, "allreduce": {}, "memcpy_GBs": _memcpy_bandwidth(torch) if rank == 0 else None,
+                 "congestion": _congestion()}
+    one_host = dicomm.local_host_id() == _gathered_host_ids(dist)
     if sizes and world == 2:
         # gloo gets a group of its own too: ops on a new group cost the same Python path for all.
-        groups = {"gloo": dist.new_group(backend="gloo"), "dicomm-tcp": dicomm_group("tcp"),
-                  "dicomm-shm": dicomm_group("shm")}
-        raw = _raw_socket(rank)
+        groups = {"gloo": dist.new_group(backend="gloo"), "dicomm-tcp": dicomm_group("tcp")}
+        if one_host:
+            groups["dicomm-shm"] = dicomm_group("shm")
+        raw = _raw_socket(rank, store_host)
         peer = 1 - rank
 
         def torch_round_trip(buf, group):
@@ -181,9 +208,9 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, q):
         for nbytes in sizes:
             log(f"p2p {fmt_size(nbytes)}")
             buf = torch.zeros(nbytes, dtype=torch.uint8)
-            for label, rtts in _take_turns(contenders(buf, nbytes), ROUNDS).items():
+            for label, (rtts, cpu) in _take_turns(contenders(buf, nbytes), ROUNDS).items():
                 one_way = statistics.median(rtts) / 2
-                res["p2p"].setdefault(label, {})[nbytes] = {"lat_us": one_way * 1e6,
+                res["p2p"].setdefault(label, {})[nbytes] = {"lat_us": one_way * 1e6, "cpu_us": cpu * 1e6,
                                                              "bw_GBs": nbytes / one_way / 1e9}
         raw.close()
 
@@ -194,26 +221,77 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, q):
         n = _iters(4 * nbytes, budget / ROUNDS, lo=2, hi=200)
 
         def sampler(group):
-            def sample() -> list[float]:
+            def sample() -> tuple[list[float], float]:
                 dist.all_reduce(t, group=group)  # warm-up: this group's threads slept meanwhile
                 dist.barrier(group=group)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 for _ in range(n):
                     dist.all_reduce(t, group=group)
-                return [(time.perf_counter() - t0) / n]
+                return [(time.perf_counter() - t0) / n], (time.process_time() - c0) / n
             return sample
 
         times = _take_turns({label: sampler(g) for label, g in ar_groups.items()}, ROUNDS)
-        for label, ts in times.items():
+        for label, (ts, cpu) in times.items():
             tt = statistics.median(ts)
             algbw = t.numel() * 4 / tt / 1e9
             res["allreduce"].setdefault(f"{label}/{world}", {})[nbytes] = {
-                "time_us": tt * 1e6, "algbw_GBs": algbw, "busbw_GBs": algbw * 2 * (world - 1) / world}
+                "time_us": tt * 1e6, "cpu_us": cpu * 1e6, "algbw_GBs": algbw,
+                "busbw_GBs": algbw * 2 * (world - 1) / world}
         del t
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         q.put(res)
+
+
+def _memcpy_bandwidth(torch) -> float:
+    """GB/s of one 64 MiB tensor copy on this core: the bus bandwidth a shared-memory allreduce
+    is measured against."""
+    src, dst = torch.ones(16 * MiB), torch.empty(16 * MiB)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 64 * MiB / best / 1e9
+
+
+def _congestion() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _gathered_host_ids(dist) -> str:
+    """Rank 0's host id if every rank shares it, else "" (the ranks span hosts)."""
+    import dicomm
+
+    ids = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, dicomm.local_host_id())
+    return ids[0] if len(set(ids)) == 1 else ""
+
+
+class Load:
+    """A busy process on every core while it is entered (--load): what a training job does to
+    the communication threads beside it."""
+
+    def __init__(self, on: bool):
+        self.on, self.procs = on, []
+
+    def __enter__(self) -> "Load":
+        if self.on:
+            import subprocess
+
+            self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                          for _ in range(os.cpu_count() or 1)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
 
 
 def _spawn(target, per_rank_args) -> dict:
@@ -233,12 +311,37 @@ def _spawn(target, per_rank_args) -> dict:
                 p.kill()
 
 
-def run(world: int, sizes, ar_sizes, budget: float) -> dict:
-    """gloo and dicomm on `world` spawned local ranks, taking turns: p2p ping-pong of `sizes`
-    between ranks 0 and 1 (world 2 only: gloo, dicomm over tcp and shm, one raw socket) and
-    allreduce of `ar_sizes`; returns rank 0's results."""
+def run(world: int, sizes, ar_sizes, budget: float, hosts: list | None) -> dict:
+    """gloo and dicomm on `world` spawned ranks, taking turns: p2p ping-pong of `sizes` between
+    ranks 0 and 1 (world 2 only: gloo, dicomm over tcp and, on one host, shm, one raw socket)
+    and allreduce of `ar_sizes`; returns rank 0's results. With `hosts`, the ranks are split over
+    them in contiguous blocks (as torchrun places nodes) and the store is on the first."""
     port = _free_port()
-    return _spawn(_worker, [(r, world, port, sizes, ar_sizes, budget) for r in range(world)])
+    placed = [hosts[r * len(hosts) // world] if hosts else None for r in range(world)]
+    store_host = hosts[0].address if hosts else "127.0.0.1"
+    return _spawn(_worker, [(r, world, port, sizes, ar_sizes, budget, placed[r], store_host) for r in range(world)])
+
+
+@contextlib.contextmanager
+def _hosts(count: int, congestion: str):
+    """`count` emulated hosts with `congestion` as their TCP congestion control, or None when
+    they cannot be made here (then ranks share this host's loopback)."""
+    from emulated_hosts import can_make_hosts, emulated_hosts
+
+    why = can_make_hosts()
+    if why is not None:
+        if count > 1:
+            raise SystemExit(f"--hosts {count}: {why}")
+        print(f"(no emulated host: {why}; running on loopback under the system's congestion control)")
+        yield None
+        return
+    import subprocess
+
+    with emulated_hosts(count) as hosts:
+        for h in hosts:
+            subprocess.run(["ip", "netns", "exec", h.ns, "sysctl", "-q", "-w",
+                            f"net.ipv4.tcp_congestion_control={congestion}"], check=True)
+        yield hosts
 
 
 def fmt_size(n: int) -> str:
@@ -252,7 +355,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, shorter loops")
     ap.add_argument("--ranks", default="2,4", help="comma-separated world sizes for allreduce (default 2,4)")
-    ap.add_argument("--out", default=str(ROOT / "out" / "bench"), help="folder for comm.json and comm.png")
+    ap.add_argument("--hosts", type=int, default=1, choices=(1, 2), help="emulated hosts to split the ranks over")
+    ap.add_argument("--load", action="store_true", help="a busy process on every core during the run")
+    ap.add_argument("--congestion", default="reno", help="TCP congestion control of the emulated hosts")
+    ap.add_argument("--out", default=str(ROOT / "out" / "bench"), help="folder for the JSON and PNG")
     args = ap.parse_args(argv)
 
     top = 64 * MiB if args.quick else 256 * MiB
@@ -261,88 +367,114 @@ def main(argv=None) -> int:
     sizes = sorted(set(sizes))
     budget = 0.5 if args.quick else 1.5
     worlds = [int(w) for w in args.ranks.split(",")]
+    mode = f"{args.hosts}host{'s' if args.hosts > 1 else ''}-{'loaded' if args.load else 'quiet'}"
 
-    results: dict = {"p2p": {}, "allreduce": {}}
-    for world in worlds:
-        r = run(world, sizes if world == 2 else [], sizes, budget)
-        results["p2p"].update(r["p2p"])
-        results["allreduce"].update(r["allreduce"])
-    if not results["p2p"]:
-        r = run(2, sizes, [], budget)
-        results["p2p"].update(r["p2p"])
-
-    # ---- tables ----
-    print("\nPoint-to-point, 2 ranks (one-way latency us / bandwidth GB/s); raw-tcp: one blocking")
-    print("loopback socket without torch (what one plain stream moves here)")
-    hdr = (f"{'size':>9} | {'gloo':>17} | {'dicomm-tcp':>17} | {'dicomm-shm':>17} | {'raw-tcp':>17} | "
-           f"{'tcp/gloo':>8} | {'shm/gloo':>8} | {'gloo/raw':>8}")
-    print(hdr)
-    print("-" * len(hdr))
-    P = results["p2p"]
-    for s in sizes:
-        g, t, m, r = P["gloo"][s], P["dicomm-tcp"][s], P["dicomm-shm"][s], P["raw-tcp"][s]
-        cell = lambda r: f"{r['lat_us']:8.1f} {r['bw_GBs']:8.3f}"
-        ratio = lambda a, b: f"{a['bw_GBs'] / b['bw_GBs']:8.2f}"
-        print(f"{fmt_size(s):>9} | {cell(g)} | {cell(t)} | {cell(m)} | {cell(r)} | "
-              f"{ratio(t, g)} | {ratio(m, g)} | {ratio(g, r)}")
-    print("\nAllreduce float32 (busbw GB/s)")
-    hdr = f"{'size':>9} | " + " | ".join(f"{'gloo/' + str(w):>9} {'dicomm/' + str(w):>9} {'ratio':>6}" for w in worlds)
-    print(hdr)
-    print("-" * len(hdr))
-    A = results["allreduce"]
-    for s in sizes:
-        cells = []
-        for w in worlds:
-            g, d = A[f"gloo/{w}"][s]["busbw_GBs"], A[f"dicomm/{w}"][s]["busbw_GBs"]
-            cells.append(f"{g:9.3f} {d:9.3f} {d / g:6.2f}")
-        print(f"{fmt_size(s):>9} | " + " | ".join(cells))
-
-    # ---- targets ----
-    print("\nTargets (issue 3):")
-    checks = []
-    lat_ratio = P["dicomm-shm"][8]["lat_us"] / P["gloo"][8]["lat_us"]
-    lat_tcp = P["dicomm-tcp"][8]["lat_us"] / P["gloo"][8]["lat_us"]
-    checks.append((f"8 B one-way latency shm {P['dicomm-shm'][8]['lat_us']:.1f} us, tcp {P['dicomm-tcp'][8]['lat_us']:.1f} us "
-                   f"vs gloo {P['gloo'][8]['lat_us']:.1f} us: {lat_ratio:.3f}x / {lat_tcp:.3f}x (<= 0.2)", max(lat_ratio, lat_tcp) <= 0.2))
-    big = 64 * MiB
-    if big in sizes:
-        r_tcp = P["dicomm-tcp"][big]["bw_GBs"] / P["gloo"][big]["bw_GBs"]
-        r_shm = P["dicomm-shm"][big]["bw_GBs"] / P["gloo"][big]["bw_GBs"]
-        checks.append((f"64 MiB p2p over tcp {r_tcp:.2f}x gloo (>= 1.2)", r_tcp >= 1.2))
-        checks.append((f"64 MiB p2p over shm {r_shm:.2f}x gloo (>= 3)", r_shm >= 3))
-        for w in worlds:
-            r = A[f"dicomm/{w}"][big]["busbw_GBs"] / A[f"gloo/{w}"][big]["busbw_GBs"]
-            checks.append((f"64 MiB allreduce busbw on {w} ranks {r:.2f}x gloo (>= 2)", r >= 2))
-    for text, ok in checks:
-        print(f"  [{'PASS' if ok else 'MISS'}] {text}")
+    results: dict = {"mode": mode, "p2p": {}, "allreduce": {}}
+    with _hosts(args.hosts, args.congestion) as hosts, Load(args.load):
+        for world in worlds:
+            r = run(world, sizes if world == 2 else [], sizes, budget, hosts)
+            results["p2p"].update(r["p2p"])
+            results["allreduce"].update(r["allreduce"])
+            results["memcpy_GBs"], results["congestion"] = r["memcpy_GBs"], r["congestion"]
+        if not results["p2p"]:
+            r = run(2, sizes, [], budget, hosts)
+            results["p2p"].update(r["p2p"])
+    print_tables(results, sizes, worlds)
+    print_targets(results, sizes, worlds, args.hosts, args.load)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "comm.json").write_text(json.dumps(results, indent=1))
+    (out / f"comm-{mode}.json").write_text(json.dumps(results, indent=1))
+    plot(results, sizes, out / f"comm-{mode}.png")
+    return 0
+
+
+def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:
+    P, A = results["p2p"], results["allreduce"]
+    print(f"\n{results['mode']}: TCP congestion control {results['congestion']}, "
+          f"memcpy {results['memcpy_GBs']:.2f} GB/s on rank 0's core")
+    print("\nPoint-to-point, 2 ranks: one-way latency us, CPU us per message (rank 0), bandwidth GB/s;")
+    print("raw-tcp: one blocking socket without torch (what one plain stream moves here)")
+    labels = [lbl for lbl in ("gloo", "dicomm-tcp", "dicomm-shm", "raw-tcp") if lbl in P]
+    hdr = f"{'size':>9} | " + " | ".join(f"{lbl:>24}" for lbl in labels) + f" | {'tcp/gloo':>8}"
+    hdr += f" | {'shm/gloo':>8}" if "dicomm-shm" in P else ""
+    print(hdr)
+    print("-" * len(hdr))
+    for s in sizes:
+        cells = [f"{P[lbl][s]['lat_us']:8.1f} {P[lbl][s]['cpu_us']:7.1f} {P[lbl][s]['bw_GBs']:7.3f}" for lbl in labels]
+        line = f"{fmt_size(s):>9} | " + " | ".join(cells)
+        line += f" | {P['dicomm-tcp'][s]['bw_GBs'] / P['gloo'][s]['bw_GBs']:8.2f}"
+        if "dicomm-shm" in P:
+            line += f" | {P['dicomm-shm'][s]['bw_GBs'] / P['gloo'][s]['bw_GBs']:8.2f}"
+        print(line)
+    print("\nAllreduce float32: time us, CPU us per op (rank 0), busbw GB/s; ratio = dicomm/gloo busbw")
+    hdr = f"{'size':>9} | " + " | ".join(f"{'gloo/' + str(w):>24} {'dicomm/' + str(w):>24} {'ratio':>6}" for w in worlds)
+    print(hdr)
+    print("-" * len(hdr))
+    for s in sizes:
+        cells = []
+        for w in worlds:
+            g, d = A[f"gloo/{w}"][s], A[f"dicomm/{w}"][s]
+            cell = lambda r: f"{r['time_us']:10.1f} {r['cpu_us']:7.1f} {r['busbw_GBs']:5.2f}"
+            cells.append(f"{cell(g)} {cell(d)} {d['busbw_GBs'] / g['busbw_GBs']:6.2f}")
+        print(f"{fmt_size(s):>9} | " + " | ".join(cells))
+
+
+def print_targets(results: dict, sizes: list[int], worlds: list[int], hosts: int, loaded: bool) -> None:
+    """The targets of the issue that apply to this mode."""
+    P, A = results["p2p"], results["allreduce"]
+    big = 64 * MiB
+    checks = []
+    if loaded:
+        worst = min(P["dicomm-tcp"][s]["bw_GBs"] / P["gloo"][s]["bw_GBs"] for s in sizes)
+        checks.append((f"loaded: p2p over tcp at every size >= gloo (worst {worst:.2f}x)", worst >= 1))
+        for w in worlds:
+            worst = min(A[f"dicomm/{w}"][s]["busbw_GBs"] / A[f"gloo/{w}"][s]["busbw_GBs"] for s in sizes)
+            checks.append((f"loaded: allreduce on {w} ranks at every size >= gloo (worst {worst:.2f}x)", worst >= 1))
+        lat = P["dicomm-tcp"][8]["lat_us"] / P["gloo"][8]["lat_us"]
+        checks.append((f"loaded: 8 B one-way over tcp {lat:.2f}x gloo (<= 0.5)", lat <= 0.5))
+    if hosts == 2 and not loaded and 2 in worlds and big in sizes:
+        t8 = A["dicomm/2"][8]["time_us"] / A["gloo/2"][8]["time_us"]
+        checks.append((f"2 hosts x 1 rank: 8 B allreduce {t8:.2f}x gloo's time (<= 0.3)", t8 <= 0.3))
+        r = A["dicomm/2"][big]["busbw_GBs"] / A["gloo/2"][big]["busbw_GBs"]
+        checks.append((f"2 hosts x 1 rank: 64 MiB allreduce {r:.2f}x gloo (>= 1.5)", r >= 1.5))
+    if hosts == 2 and 4 in worlds and big in sizes:
+        r = A["dicomm/4"][big]["busbw_GBs"] / A["gloo/4"][big]["busbw_GBs"]
+        checks.append((f"2 hosts x 2 ranks: 64 MiB allreduce {r:.2f}x gloo (>= 2)", r >= 2))
+    if hosts == 1 and not loaded and big in sizes:
+        for w in worlds:
+            frac = A[f"dicomm/{w}"][big]["busbw_GBs"] / results["memcpy_GBs"]
+            checks.append((f"1 host, {w} ranks: 64 MiB allreduce busbw {frac:.0%} of memcpy (>= 50%)", frac >= 0.5))
+    print("\nTargets (issue 17) for this mode:")
+    for text, ok in checks:
+        print(f"  [{'PASS' if ok else 'MISS'}] {text}")
+
+
+def plot(results: dict, sizes: list[int], path: Path) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
-        for label in P:
-            ax[0].loglog(sizes, [P[label][s]["lat_us"] for s in sizes], "o-", label=label)
-            ax[1].semilogx(sizes, [P[label][s]["bw_GBs"] for s in sizes], "o-", label=label)
-        for key in A:
-            ax[2].semilogx(sizes, [A[key][s]["busbw_GBs"] for s in sizes], "o-", label=key)
-        ax[0].set(title="p2p one-way latency (2 ranks)", xlabel="bytes", ylabel="us")
-        ax[1].set(title="p2p bandwidth (2 ranks)", xlabel="bytes", ylabel="GB/s")
-        ax[2].set(title="allreduce busbw", xlabel="bytes", ylabel="GB/s")
-        for a in ax:
-            a.grid(True, which="both", alpha=0.3)
-            a.legend()
-        fig.tight_layout()
-        fig.savefig(out / "comm.png", dpi=110)
-        print(f"\nwrote {out / 'comm.png'} and {out / 'comm.json'}")
     except ImportError:
         print("matplotlib missing: no plot")
-    return 0
+        return
+    P, A = results["p2p"], results["allreduce"]
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    for label in P:
+        ax[0].loglog(sizes, [P[label][s]["lat_us"] for s in sizes], "o-", label=label)
+        ax[1].semilogx(sizes, [P[label][s]["bw_GBs"] for s in sizes], "o-", label=label)
+    for key in A:
+        ax[2].semilogx(sizes, [A[key][s]["busbw_GBs"] for s in sizes], "o-", label=key)
+    ax[0].set(title=f"p2p one-way latency ({results['mode']})", xlabel="bytes", ylabel="us")
+    ax[1].set(title="p2p bandwidth (2 ranks)", xlabel="bytes", ylabel="GB/s")
+    ax[2].set(title="allreduce busbw", xlabel="bytes", ylabel="GB/s")
+    for a in ax:
+        a.grid(True, which="both", alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nwrote {path} and {path.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

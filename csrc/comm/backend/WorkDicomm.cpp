@@ -5,6 +5,7 @@
 #include "comm/backend/ProcessGroupDicomm.hpp"
 #include "comm/core/Communicator.h"
 #include "comm/transport/Env.h"
+#include "comm/transport/Spin.h"
 
 namespace dicomm {
 
@@ -101,11 +102,15 @@ bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
     if (exception_) std::rethrow_exception(exception_);
     return true;
   }
-  // Poll before sleeping: small messages complete within microseconds (see spinBudget()), and
-  // when this thread can read the peer's messages itself, no other thread needs waking at all.
-  const auto spinUntil = std::chrono::steady_clock::now() + spinBudget();
-  while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-    if (!comm_ || !comm_->progress(peer_, done_, spinUntil)) std::this_thread::yield();
+  // Poll before sleeping while the host is quiet (PollPhase): small messages complete
+  // within microseconds, and when this thread can read the peer's messages itself, no other
+  // thread needs waking at all.
+  {
+    PollPhase poll;
+    const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
+    while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
+      if (!comm_ || !comm_->progress(peer_, done_, spinUntil)) std::this_thread::yield();
+    }
   }
   if (comm_ && !done_.load(std::memory_order_acquire)) comm_->unpark(peer_);  // it reads for us
   auto until = deadline_;

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "comm/core/Tags.h"
+#include "comm/transport/Spin.h"
 
 namespace dicomm {
 
@@ -26,11 +27,14 @@ void Completion::complete(std::exception_ptr error, int source) {
 }
 
 bool Completion::waitUntil(std::chrono::steady_clock::time_point until) {
-  // ~30 us of polling, yielding so a peer thread on the same core can run.
-  for (int i = 0; i < 300; ++i) {
-    if (done()) return true;
-    if (i > 20) std::this_thread::yield();
+  if (done()) return true;
+  // Poll while the host is quiet (PollPhase), yielding so a thread on the same core can run.
+  {
+    PollPhase poll;
+    const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
+    while (!done() && std::chrono::steady_clock::now() < spinUntil) std::this_thread::yield();
   }
+  if (done()) return true;
   std::unique_lock<std::mutex> lock(mu_);
   return cv_.wait_until(lock, until, [&] { return done(); });
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "comm/transport/Env.h"
+#include "comm/transport/Spin.h"
 
 namespace dicomm {
 
@@ -659,9 +660,11 @@ void StreamPair::mainRxLoop() {
   const int fd = main_.fd.get();
   try {
     while (!down_.load()) {
-      // Poll a little before sleeping (see spinBudget()), unless a waiting thread reads or parked.
+      // Poll a little before sleeping while the host is quiet (PollPhase), unless a waiting
+      // thread reads or parked.
       if (config_.spin.count() > 0 && !masked_.load()) {
-        const auto until = Clock::now() + config_.spin;
+        PollPhase poll;
+        const auto until = Clock::now() + poll.budget();
         while (!polling_.load(std::memory_order_relaxed) && !readableNow(fd) &&
                Clock::now() < until) {
           std::this_thread::yield();

@@ -1,0 +1,90 @@
+#include "comm/transport/Spin.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+
+#include "comm/transport/Env.h"
+#include "comm/transport/Log.h"
+
+namespace dicomm {
+
+namespace {
+
+constexpr int64_t kSampleEveryNs = 1'000'000;
+constexpr double kWeight = 0.3;  // of the newest sample in the running average
+
+std::atomic<int> pollersHere{0};
+
+int usableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
+// Runnable threads on the host right now (the 4th field of /proc/loadavg: "running/total"),
+// or -1 when it cannot be read.
+int runnableThreads() {
+  static const int fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[128];
+  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  double a, b, c;
+  int running = -1;
+  if (std::sscanf(buf, "%lf %lf %lf %d/", &a, &b, &c, &running) != 4) return -1;
+  return running;
+}
+
+}  // namespace
+
+bool hostBusy() {
+  static const int cores = usableCores();
+  static std::atomic<int64_t> sampledAt{0};
+  static std::atomic<bool> busy{false};
+  static std::mutex mu;
+  static double average = 0;
+  static int64_t lastLogged = 0;
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  int64_t last = sampledAt.load(std::memory_order_relaxed);
+  if (now - last >= kSampleEveryNs &&
+      sampledAt.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    const int running = runnableThreads();
+    if (running >= 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      // Other runnable threads: not this one (about to wait), not this process's pollers.
+      const int others = running - 1 - pollersHere.load();
+      average += kWeight * (others - average);
+      const bool nowBusy = average > cores + 0.5;
+      if (busy.exchange(nowBusy, std::memory_order_relaxed) != nowBusy &&
+          logEnabled(LogLevel::kInfo) && now - lastLogged >= 1'000'000'000) {
+        lastLogged = now;  // at most one line a second: the state may flicker at the edge
+        char text[160];
+        std::snprintf(text, sizeof(text),
+                      "host %s: %.1f other runnable threads on %d cores; waiters %s", nowBusy ? "busy" : "quiet",
+                      average, cores, nowBusy ? "block instead of polling" : "poll before blocking");
+        logLine(LogLevel::kInfo, text);
+      }
+    }
+  }
+  return busy.load(std::memory_order_relaxed);
+}
+
+PollPhase::PollPhase() {
+  const auto ceiling = spinBudget();
+  if (ceiling.count() == 0 || hostBusy()) return;
+  budget_ = ceiling;
+  pollersHere.fetch_add(1, std::memory_order_relaxed);
+}
+
+PollPhase::~PollPhase() {
+  if (budget_.count() > 0) pollersHere.fetch_sub(1, std::memory_order_relaxed);
+}
+
+}  // namespace dicomm

@@ -1,0 +1,42 @@
+// How long a thread that waits for the network polls before it blocks in the kernel.
+//
+// Polling pays on a quiet host: waking a sleeping thread costs 20-30 us on a VM whose idle vCPUs
+// halt, more than a small message's whole trip, and a poller that runs out of time costs only a
+// core nobody else wanted. On a busy host it is the worst thing to do: the poller holds a core
+// that the thread it waits for, or the peer rank, needs (a training job beside the communication
+// threads, or more ranks than cores). So a waiter polls for DICOMM_SPIN_US (default 200; 0 never
+// polls) only while the host is quiet, and otherwise blocks at once, as gloo always does.
+//
+// "Quiet" is the kernel's count of runnable threads (/proc/loadavg), less this process's own
+// pollers, averaged over a few samples (one per ms at most), at most the number of cores. Our
+// pollers are subtracted because they are what polling costs, not a reason to stop; the average
+// keeps a momentary peak (a peer's thread waking) from stopping the polls of a ping-pong. A
+// thread's own history does not tell the two hosts apart: a poll that runs out says only that
+// the wait was long, and context switches during polls happen on a quiet host too (our own
+// threads take turns); an adaptive budget built on either collapsed on the quiet 2-core VM
+// (8 B one-way from 8 us to 45-80 us).
+#pragma once
+
+#include <chrono>
+
+namespace dicomm {
+
+// One wait's polling phase: decides its budget and counts the thread as a poller meanwhile.
+class PollPhase {
+ public:
+  PollPhase();
+  ~PollPhase();
+  PollPhase(const PollPhase&) = delete;
+  PollPhase& operator=(const PollPhase&) = delete;
+  // How long to poll before blocking: DICOMM_SPIN_US on a quiet host, zero on a busy one.
+  std::chrono::microseconds budget() const { return budget_; }
+
+ private:
+  std::chrono::microseconds budget_{0};
+};
+
+// Whether the host currently has more runnable threads (other than this process's pollers)
+// than cores. Cheap: samples /proc/loadavg at most once per millisecond per process.
+bool hostBusy();
+
+}  // namespace dicomm
