@@ -56,6 +56,7 @@ def check_all(rank: int, world: int, _port: int) -> dict:
 
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     transports = sorted({backend.transport_of(p) for p in range(world) if p != rank})
+    algorithm = backend.allreduce_algorithm
     ops = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "product": ReduceOp.PRODUCT,
            "min": ReduceOp.MIN, "max": ReduceOp.MAX}
     checks = 0
@@ -220,7 +221,7 @@ def check_all(rank: int, world: int, _port: int) -> dict:
             assert t.item() == 1.0, t
     dist.barrier()
     checks += 2
-    return {"checks": checks, "transports": transports}
+    return {"checks": checks, "transports": transports, "allreduce": algorithm}
 
 
 @pytest.mark.timeout(240)
@@ -236,11 +237,33 @@ def test_every_op_every_dtype(world, transport):
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
-def test_every_op_across_two_hosts():
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_every_op_across_two_hosts(algorithm):
     """Two emulated hosts x two ranks, nothing configured: shm inside a host, tcp between them,
-    each rank listening on the address that routes to the store."""
+    each rank listening on the address that routes to the store; allreduce in two levels (auto)
+    or one flat ring."""
+    env = {"DICOMM_CHUNK_BYTES": "65536", "DICOMM_ALLREDUCE": algorithm}
     with emulated_hosts(2) as hosts:
-        results = run_ranks(check_all, 4, env={"DICOMM_CHUNK_BYTES": "65536"}, hosts=hosts)
+        results = run_ranks(check_all, 4, env=env, hosts=hosts)
     for r, out in results.items():
         assert out["transports"] == ["shm", "tcp"], (r, out)
+        assert out["allreduce"] == {"auto": "hierarchical", "ring": "ring"}[algorithm], (r, out)
         assert out["checks"] > 300
+
+
+def _init_error(rank, world, port):
+    import datetime
+
+    import torch.distributed as dist
+
+    from launcher import error_of
+
+    return error_of(dist.init_process_group, "dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                    world_size=world, timeout=datetime.timedelta(seconds=30))
+
+
+def test_hierarchical_allreduce_needs_hosts():
+    out = run_ranks(_init_error, 2, env={"DICOMM_ALLREDUCE": "hierarchical"}, init=False)
+    for err in out.values():
+        assert err and "DICOMM_ALLREDUCE=hierarchical needs at least two hosts" in err, err
+        assert "1 host(s) of 2 rank(s)" in err, err

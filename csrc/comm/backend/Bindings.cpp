@@ -41,6 +41,8 @@ PYBIND11_MODULE(_C, m) {
       .def("congestion_of", &dicomm::ProcessGroupDicomm::congestionOf, py::arg("peer"),
            "TCP congestion control of the connections to `peer` ('' when not TCP).")
       .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
+      .def_property_readonly("allreduce_algorithm", &dicomm::ProcessGroupDicomm::allreduceAlgorithm,
+                             "'ring' or 'hierarchical' (DICOMM_ALLREDUCE and the group's hosts).")
       .def_property_readonly("timeout_seconds",
                              [](const dicomm::ProcessGroupDicomm& pg) {
                                return pg.options().timeout.count() / 1000.0;

@@ -3,9 +3,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "comm/core/Tags.h"
+#include "comm/transport/Log.h"
 
 namespace dicomm {
 
@@ -46,6 +48,16 @@ void checkSameKind(const at::Tensor& a, const at::Tensor& b, const char* op) {
               ": input and output dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(), ")");
 }
 
+AllreduceAlgorithm allreduceFromEnv() {
+  const char* v = std::getenv("DICOMM_ALLREDUCE");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "auto") return AllreduceAlgorithm::kAuto;
+  if (s == "ring") return AllreduceAlgorithm::kRing;
+  if (s == "hierarchical") return AllreduceAlgorithm::kHierarchical;
+  throw std::invalid_argument("dicomm: DICOMM_ALLREDUCE='" + s +
+                              "': expected auto, ring or hierarchical");
+}
+
 }  // namespace
 
 ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -61,6 +73,16 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
   co.transport = options_.transport;
   co.listenHost = options_.listenHost;
   comm_ = std::make_unique<Communicator>(co);
+  allreduceAlgorithm_ = chooseAllreduce(*comm_, allreduceFromEnv());
+  if (rank == 0) {
+    logLine(LogLevel::kInfo,
+            std::string("group of ") + std::to_string(size) + " (" + describeHosts(*comm_) +
+                "): allreduce by " +
+                (allreduceAlgorithm_ == AllreduceAlgorithm::kHierarchical
+                     ? "two levels (a ring per host, then one ring per local index across hosts)"
+                     : "one flat ring") +
+                "; DICOMM_ALLREDUCE=ring|hierarchical chooses");
+  }
   comm_->setFailureHandler([this](int peer, const std::string& cause) {
     // Runs on a transport thread, which close() would join: hand the abort to the watchdog.
     {
@@ -357,9 +379,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce(std::vector<at::Ten
   ReduceKind op = reduceKind(opts.reduceOp);
   auto policy = options_.staging;
   return enqueue(OpType::ALLREDUCE, "allreduce (" + shapeOf(t) + ")", {t},
-                 timeoutOf(opts.timeout), [t, op, policy](CollectiveContext& ctx) {
+                 timeoutOf(opts.timeout), [t, op, policy, algo = allreduceAlgorithm_](CollectiveContext& ctx) {
                    HostView v(t, policy, true);
-                   dicomm::allreduce(ctx, v.data(), v.numel(), v.dtype(), op);
+                   dicomm::allreduce(ctx, v.data(), v.numel(), v.dtype(), op, algo);
                    v.store();
                  });
 }
@@ -372,7 +394,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce_coalesced(
   std::vector<at::Tensor> ts = tensors;
   return enqueue(OpType::ALLREDUCE_COALESCED,
                  "allreduce_coalesced (" + std::to_string(ts.size()) + " tensors)", ts,
-                 timeoutOf(opts.timeout), [ts, op, policy](CollectiveContext& ctx) {
+                 timeoutOf(opts.timeout), [ts, op, policy, algo = allreduceAlgorithm_](CollectiveContext& ctx) {
                    // One flat buffer per dtype: one ring instead of one per tensor.
                    std::map<c10::ScalarType, std::vector<at::Tensor>> byType;
                    for (auto& t : ts) byType[t.scalar_type()].push_back(t);
@@ -380,7 +402,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce_coalesced(
                      std::vector<at::Tensor> flat;
                      for (auto& t : group) flat.push_back(t.detach().to(at::kCPU).reshape({-1}));
                      at::Tensor buf = at::cat(flat);
-                     dicomm::allreduce(ctx, buf.data_ptr(), buf.numel(), dtype, op);
+                     dicomm::allreduce(ctx, buf.data_ptr(), buf.numel(), dtype, op, algo);
                      ctx.seq += 1u << 20;  // distinct tags for the next dtype's ring
                      int64_t off = 0;
                      for (auto& t : group) {

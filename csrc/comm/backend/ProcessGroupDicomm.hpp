@@ -110,6 +110,10 @@ class ProcessGroupDicomm : public c10d::Backend {
   // Abort with `cause` (idempotent; safe from any thread except a transport thread).
   void abortWith(const std::string& cause);
   bool aborted() const { return aborted_.load(); }
+  // "ring" or "hierarchical": how this group's allreduces run (DICOMM_ALLREDUCE, topology).
+  std::string allreduceAlgorithm() const {
+    return allreduceAlgorithm_ == AllreduceAlgorithm::kHierarchical ? "hierarchical" : "ring";
+  }
   std::string abortCause() const;
   std::string transportOf(int peer) const { return comm_->transportOf(peer); }
   int connectionsOf(int peer) const { return comm_->connectionsOf(peer); }
@@ -144,6 +148,7 @@ class ProcessGroupDicomm : public c10d::Backend {
 
   DicommOptions options_;
   std::unique_ptr<Communicator> comm_;
+  AllreduceAlgorithm allreduceAlgorithm_ = AllreduceAlgorithm::kRing;  // resolved at construction
 
   std::mutex queueMu_;
   std::condition_variable queueCv_;

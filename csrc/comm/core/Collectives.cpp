@@ -75,13 +75,26 @@ std::vector<Segment> splitEven(size_t numel, int n) {
   return segs;
 }
 
+Ring Ring::all(const Communicator& comm) {
+  Ring ring;
+  for (int p = 0; p < comm.size(); ++p) ring.ranks.push_back(p);
+  ring.position = comm.rank();
+  return ring;
+}
+
 void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
                        c10::ScalarType dtype, ReduceKind op, unsigned phase) {
+  ringReduceScatter(ctx, Ring::all(*ctx.comm), buf, segs, dtype, op, phase);
+}
+
+void ringReduceScatter(CollectiveContext& ctx, const Ring& ring, void* buf,
+                       const std::vector<Segment>& segs, c10::ScalarType dtype, ReduceKind op,
+                       unsigned phase) {
   Communicator& comm = *ctx.comm;
-  const int n = comm.size(), r = comm.rank();
+  const int n = ring.size(), r = ring.position;
   if (n == 1) return;
   const size_t elem = c10::elementSize(dtype);
-  const int right = mod(r + 1, n), left = mod(r - 1, n);
+  const int right = ring.ranks[mod(r + 1, n)], left = ring.ranks[mod(r - 1, n)];
   char* base = static_cast<char*>(buf);
   size_t maxSeg = 0;
   for (auto& s : segs) maxSeg = std::max(maxSeg, s.count * elem);
@@ -131,11 +144,16 @@ void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segm
 
 void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
                    c10::ScalarType dtype, unsigned phase) {
+  ringAllgather(ctx, Ring::all(*ctx.comm), buf, segs, dtype, phase);
+}
+
+void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
+                   const std::vector<Segment>& segs, c10::ScalarType dtype, unsigned phase) {
   Communicator& comm = *ctx.comm;
-  const int n = comm.size(), r = comm.rank();
+  const int n = ring.size(), r = ring.position;
   if (n == 1) return;
   const size_t elem = c10::elementSize(dtype);
-  const int right = mod(r + 1, n), left = mod(r - 1, n);
+  const int right = ring.ranks[mod(r + 1, n)], left = ring.ranks[mod(r - 1, n)];
   char* base = static_cast<char*>(buf);
   std::vector<Pending> sends;
   // Step k: send segment r-k to the right, receive segment r-k-1 from the left (into place).
@@ -173,10 +191,33 @@ void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>
   awaitAll(ctx, sends);
 }
 
-void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
-               ReduceKind op) {
+AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm wanted) {
+  const auto& hosts = comm.hosts();
+  bool uniform = hosts.size() >= 2;
+  for (auto& h : hosts) uniform = uniform && h.size() == hosts[0].size();
+  const bool hierarchy = uniform && hosts[0].size() >= 2;
+  if (wanted == AllreduceAlgorithm::kAuto) {
+    return hierarchy ? AllreduceAlgorithm::kHierarchical : AllreduceAlgorithm::kRing;
+  }
+  if (wanted == AllreduceAlgorithm::kHierarchical && !hierarchy) {
+    throw std::invalid_argument(
+        "dicomm: DICOMM_ALLREDUCE=hierarchical needs at least two hosts with the same number (at "
+        "least two) of ranks each; this group has " + describeHosts(comm));
+  }
+  return wanted;
+}
+
+std::string describeHosts(const Communicator& comm) {
+  std::string out;
+  for (auto& h : comm.hosts()) out += (out.empty() ? "" : " + ") + std::to_string(h.size());
+  return std::to_string(comm.hosts().size()) + " host(s) of " + out + " rank(s)";
+}
+
+namespace {
+
+void flatAllreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
+                   ReduceKind op) {
   const int n = ctx.comm->size(), r = ctx.comm->rank();
-  if (n == 1) return;
   auto segs = splitEven(numel, n);
   ringReduceScatter(ctx, buf, segs, dtype, op, 0);
   if (op == ReduceKind::kAvg) {
@@ -184,6 +225,53 @@ void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType 
               dtype, n);
   }
   ringAllgather(ctx, buf, segs, dtype, 1);
+}
+
+// Two levels: a ring inside each host (shm), then one ring per local index across the hosts
+// ("rails": local rank i of every host), each carrying 1/L of the data, then the local ring
+// again. Inter-host bytes: 2 (H-1) S in all, against 2 (n-1)/n S per ring hop of which H cross
+// hosts in a flat ring; and (L-1) + (H-1) steps per phase instead of n-1.
+void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
+                           c10::ScalarType dtype, ReduceKind op) {
+  const Communicator& comm = *ctx.comm;
+  const auto& hosts = comm.hosts();
+  const int me = comm.rank();
+  const int host = comm.hostOf(me);
+  Ring local;
+  local.ranks = hosts[host];
+  local.position = static_cast<int>(std::find(local.ranks.begin(), local.ranks.end(), me) -
+                                    local.ranks.begin());
+  Ring rail;
+  for (auto& h : hosts) rail.ranks.push_back(h[local.position]);
+  rail.position = host;
+  // AVG sums all the way and divides once, by the whole group's size.
+  const ReduceKind sumOp = op == ReduceKind::kAvg ? ReduceKind::kSum : op;
+  const size_t elem = c10::elementSize(dtype);
+
+  auto localSegs = splitEven(numel, local.size());
+  ringReduceScatter(ctx, local, buf, localSegs, dtype, sumOp, 0);
+  const Segment mine = localSegs[local.position];
+  auto railSegs = splitEven(mine.count, rail.size());
+  for (auto& s : railSegs) s.offset += mine.offset;
+  ringReduceScatter(ctx, rail, buf, railSegs, dtype, sumOp, 2);
+  if (op == ReduceKind::kAvg) {
+    const Segment& done = railSegs[rail.position];
+    finishAvg(static_cast<char*>(buf) + done.offset * elem, done.count, dtype, comm.size());
+  }
+  ringAllgather(ctx, rail, buf, railSegs, dtype, 3);
+  ringAllgather(ctx, local, buf, localSegs, dtype, 1);
+}
+
+}  // namespace
+
+void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
+               ReduceKind op, AllreduceAlgorithm algorithm) {
+  if (ctx.comm->size() == 1) return;
+  if (algorithm == AllreduceAlgorithm::kHierarchical) {
+    hierarchicalAllreduce(ctx, buf, numel, dtype, op);
+  } else {
+    flatAllreduce(ctx, buf, numel, dtype, op);
+  }
 }
 
 namespace {

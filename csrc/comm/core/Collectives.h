@@ -36,17 +36,43 @@ struct Segment {
   size_t count = 0;   // elements
 };
 
+// The ranks a ring visits, in order, and this rank's position among them.
+struct Ring {
+  std::vector<int> ranks;
+  int position = 0;
+  int size() const { return static_cast<int>(ranks.size()); }
+  static Ring all(const Communicator& comm);  // 0 .. n-1
+};
+
+// How an allreduce is built (DICOMM_ALLREDUCE): one flat ring over all ranks, or two levels
+// (a ring per host over shm, then one ring per local index across hosts, then the host ring
+// again). kAuto picks the hierarchy whenever the group spans two or more hosts holding the same
+// number (two or more) of its ranks each, at every size: it sends fewer bytes across hosts and
+// takes fewer steps.
+enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical };
+// What `wanted` resolves to for this group; throws for a hierarchy the group cannot have.
+AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm wanted);
+// "2 host(s) of 2 + 2 rank(s)".
+std::string describeHosts(const Communicator& comm);
+
 // `n` segments of as equal size as possible covering `numel` elements.
 std::vector<Segment> splitEven(size_t numel, int n);
 
 // After return, segment `rank` of `buf` holds the reduction over ranks (others: partial sums).
 void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
                        c10::ScalarType dtype, ReduceKind op, unsigned phase = 0);
+// The same over `ring` only: segment i belongs to the ring's i-th rank.
+void ringReduceScatter(CollectiveContext& ctx, const Ring& ring, void* buf,
+                       const std::vector<Segment>& segs, c10::ScalarType dtype, ReduceKind op,
+                       unsigned phase);
 // Before: segment `rank` of `buf` is this rank's; after: every segment is everyone's.
 void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
                    c10::ScalarType dtype, unsigned phase = 1);
+void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
+                   const std::vector<Segment>& segs, c10::ScalarType dtype, unsigned phase);
+// `algorithm` as resolved by chooseAllreduce (kAuto and kRing: the flat ring).
 void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
-               ReduceKind op);
+               ReduceKind op, AllreduceAlgorithm algorithm = AllreduceAlgorithm::kRing);
 void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, int root);
 // Root: `buf` becomes the reduction. Others: `buf` is only read.
 void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, ReduceKind op,

@@ -175,6 +175,18 @@ Communicator::Communicator(CommunicatorOptions options)
     needed[chosen] = true;
   }
 
+  for (int p = 0; p < size; ++p) {
+    auto known = std::find_if(hosts_.begin(), hosts_.end(),
+                              [&](const std::vector<int>& h) { return peerHost_[h[0]] == peerHost_[p]; });
+    if (known == hosts_.end()) {
+      hostIndex_.push_back(static_cast<int>(hosts_.size()));
+      hosts_.push_back({p});
+    } else {
+      hostIndex_.push_back(static_cast<int>(known - hosts_.begin()));
+      known->push_back(p);
+    }
+  }
+
   TransportContext ctx;
   ctx.store = store;
   ctx.keyPrefix = prefix;

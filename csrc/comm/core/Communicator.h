@@ -47,6 +47,11 @@ class Communicator {
   // The TCP congestion control of the pair to `peer` ("" when it is not TCP, or for self).
   std::string congestionOf(int peer) const;
 
+  // The group's ranks by host (same localHostId()), hosts in the order of their lowest rank,
+  // ranks ascending within each; and the index into hosts() of `rank`'s host.
+  const std::vector<std::vector<int>>& hosts() const { return hosts_; }
+  int hostOf(int rank) const { return hostIndex_.at(rank); }
+
   // Called once, on a transport thread, when a pair breaks. The owner decides what to abort.
   void setFailureHandler(std::function<void(int peer, const std::string& cause)> handler);
 
@@ -80,6 +85,8 @@ class Communicator {
   std::vector<std::unique_ptr<Pair>> pairs_;  // indexed by rank; null for self
   std::vector<std::string> pairTransport_;
   std::vector<std::string> peerHost_;  // host id of each rank (localHostId())
+  std::vector<std::vector<int>> hosts_;
+  std::vector<int> hostIndex_;
   std::function<void(int, const std::string&)> onFailure_;
   std::mutex closeMu_;
   std::atomic<bool> closed_{false};
