@@ -137,15 +137,16 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
     dist.init_process_group("gloo", init_method=f"tcp://{store_host}:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
 
-    def dicomm_group(transport: str | None):
-        # The transport is read when a group connects: set it for this group only.
-        saved = os.environ.pop("DICOMM_TRANSPORT", None)
-        if transport:
-            os.environ["DICOMM_TRANSPORT"] = transport
+    def dicomm_group(transport: str | None, allreduce: str | None = None):
+        # Transport and algorithm are read when a group connects: set them for this group only.
+        settings = {"DICOMM_TRANSPORT": transport, "DICOMM_ALLREDUCE": allreduce}
+        saved = {k: os.environ.pop(k, None) for k in settings}
+        os.environ.update({k: v for k, v in settings.items() if v})
         group = dist.new_group(backend="dicomm")
-        os.environ.pop("DICOMM_TRANSPORT", None)
-        if saved is not None:
-            os.environ["DICOMM_TRANSPORT"] = saved
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
         return group
 
     def log(text: str) -> None:
@@ -215,6 +216,8 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
         raw.close()
 
     ar_groups = {"gloo": dist.new_group(backend="gloo"), "dicomm": dicomm_group(None)}
+    if ar_groups["dicomm"]._get_backend(torch.device("cpu")).allreduce_algorithm == "hierarchical":
+        ar_groups["dicomm-ring"] = dicomm_group(None, "ring")  # what the hierarchy buys
     for nbytes in ar_sizes:
         log(f"allreduce {fmt_size(nbytes)}")
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -323,7 +326,7 @@ def run(world: int, sizes, ar_sizes, budget: float, hosts: list | None) -> dict:
 
 
 @contextlib.contextmanager
-def _hosts(count: int, congestion: str):
+def _hosts(count: int, congestion: str, link_mbit: float | None):
     """`count` emulated hosts with `congestion` as their TCP congestion control, or None when
     they cannot be made here (then ranks share this host's loopback)."""
     from emulated_hosts import can_make_hosts, emulated_hosts
@@ -337,7 +340,7 @@ def _hosts(count: int, congestion: str):
         return
     import subprocess
 
-    with emulated_hosts(count) as hosts:
+    with emulated_hosts(count, rate_mbit=link_mbit) as hosts:
         for h in hosts:
             subprocess.run(["ip", "netns", "exec", h.ns, "sysctl", "-q", "-w",
                             f"net.ipv4.tcp_congestion_control={congestion}"], check=True)
@@ -358,6 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", type=int, default=1, choices=(1, 2), help="emulated hosts to split the ranks over")
     ap.add_argument("--load", action="store_true", help="a busy process on every core during the run")
     ap.add_argument("--congestion", default="reno", help="TCP congestion control of the emulated hosts")
+    ap.add_argument("--link-mbit", type=float, default=None,
+                    help="cap each emulated host's link (tc tbf), e.g. 1000 for a slower inter-host network")
     ap.add_argument("--out", default=str(ROOT / "out" / "bench"), help="folder for the JSON and PNG")
     args = ap.parse_args(argv)
 
@@ -368,9 +373,11 @@ def main(argv=None) -> int:
     budget = 0.5 if args.quick else 1.5
     worlds = [int(w) for w in args.ranks.split(",")]
     mode = f"{args.hosts}host{'s' if args.hosts > 1 else ''}-{'loaded' if args.load else 'quiet'}"
+    if args.link_mbit:
+        mode += f"-{args.link_mbit:g}mbit"
 
     results: dict = {"mode": mode, "p2p": {}, "allreduce": {}}
-    with _hosts(args.hosts, args.congestion) as hosts, Load(args.load):
+    with _hosts(args.hosts, args.congestion, args.link_mbit) as hosts, Load(args.load):
         for world in worlds:
             r = run(world, sizes if world == 2 else [], sizes, budget, hosts)
             results["p2p"].update(r["p2p"])
@@ -411,13 +418,21 @@ def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:
     hdr = f"{'size':>9} | " + " | ".join(f"{'gloo/' + str(w):>24} {'dicomm/' + str(w):>24} {'ratio':>6}" for w in worlds)
     print(hdr)
     print("-" * len(hdr))
+    cell = lambda r: f"{r['time_us']:10.1f} {r['cpu_us']:7.1f} {r['busbw_GBs']:5.2f}"
     for s in sizes:
         cells = []
         for w in worlds:
             g, d = A[f"gloo/{w}"][s], A[f"dicomm/{w}"][s]
-            cell = lambda r: f"{r['time_us']:10.1f} {r['cpu_us']:7.1f} {r['busbw_GBs']:5.2f}"
             cells.append(f"{cell(g)} {cell(d)} {d['busbw_GBs'] / g['busbw_GBs']:6.2f}")
         print(f"{fmt_size(s):>9} | " + " | ".join(cells))
+    flat = [w for w in worlds if f"dicomm-ring/{w}" in A]
+    if flat:
+        print("\nThe same groups' allreduce as one flat ring (DICOMM_ALLREDUCE=ring), measured in turn with the above;")
+        print("ratio = two-level / flat ring busbw")
+        for s in sizes:
+            print(f"{fmt_size(s):>9} | " + " | ".join(
+                f"{'ring/' + str(w)} {cell(A[f'dicomm-ring/{w}'][s])} "
+                f"{A[f'dicomm/{w}'][s]['busbw_GBs'] / A[f'dicomm-ring/{w}'][s]['busbw_GBs']:6.2f}" for w in flat))
 
 
 def print_targets(results: dict, sizes: list[int], worlds: list[int], hosts: int, loaded: bool) -> None:

@@ -5,6 +5,7 @@
 
 #include "comm/backend/ProcessGroupDicomm.hpp"
 #include "comm/transport/ListenAddress.h"
+#include "comm/transport/Spin.h"
 
 namespace py = pybind11;
 
@@ -67,6 +68,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("listen_host") = "", py::arg("store_host") = "",
       "Where a rank would listen for tcp peers: {host, interface, reason, loopback}, from "
       "DICOMM_LISTEN_HOST / DICOMM_SOCKET_IFNAME / DICOMM_SOCKET_FAMILY and the store's host.");
+  m.def("host_busy", &dicomm::hostBusy,
+        "Whether waiters on this host block at once instead of polling: more runnable threads "
+        "than cores (sampled, averaged; see csrc/comm/transport/Spin.h).");
   m.def("local_host_id", &dicomm::localHostId,
         "What identifies this host for the intra-host (shm) transport.");
 }
