@@ -216,8 +216,9 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
         raw.close()
 
     ar_groups = {"gloo": dist.new_group(backend="gloo"), "dicomm": dicomm_group(None)}
-    if ar_groups["dicomm"]._get_backend(torch.device("cpu")).allreduce_algorithm == "hierarchical":
+    if ar_groups["dicomm"]._get_backend(torch.device("cpu")).allreduce_algorithm != "ring":
         ar_groups["dicomm-ring"] = dicomm_group(None, "ring")  # what the hierarchy buys
+        ar_groups["dicomm-hier"] = dicomm_group(None, "hierarchical")
     for nbytes in ar_sizes:
         log(f"allreduce {fmt_size(nbytes)}")
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -425,14 +426,14 @@ def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:
             g, d = A[f"gloo/{w}"][s], A[f"dicomm/{w}"][s]
             cells.append(f"{cell(g)} {cell(d)} {d['busbw_GBs'] / g['busbw_GBs']:6.2f}")
         print(f"{fmt_size(s):>9} | " + " | ".join(cells))
-    flat = [w for w in worlds if f"dicomm-ring/{w}" in A]
-    if flat:
-        print("\nThe same groups' allreduce as one flat ring (DICOMM_ALLREDUCE=ring), measured in turn with the above;")
-        print("ratio = two-level / flat ring busbw")
+    both = [w for w in worlds if f"dicomm-ring/{w}" in A]
+    if both:
+        print("\nThe same ranks' allreduce forced to two levels (DICOMM_ALLREDUCE=hierarchical) and to one flat")
+        print("ring (=ring), measured in turn with the above (dicomm = auto); ratio = two levels / flat ring busbw")
         for s in sizes:
             print(f"{fmt_size(s):>9} | " + " | ".join(
-                f"{'ring/' + str(w)} {cell(A[f'dicomm-ring/{w}'][s])} "
-                f"{A[f'dicomm/{w}'][s]['busbw_GBs'] / A[f'dicomm-ring/{w}'][s]['busbw_GBs']:6.2f}" for w in flat))
+                f"{'hier/' + str(w)} {cell(A[f'dicomm-hier/{w}'][s])} {'ring/' + str(w)} {cell(A[f'dicomm-ring/{w}'][s])} "
+                f"{A[f'dicomm-hier/{w}'][s]['busbw_GBs'] / A[f'dicomm-ring/{w}'][s]['busbw_GBs']:6.2f}" for w in both))
 
 
 def print_targets(results: dict, sizes: list[int], worlds: list[int], hosts: int, loaded: bool) -> None:

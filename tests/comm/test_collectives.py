@@ -237,33 +237,27 @@ def test_every_op_every_dtype(world, transport):
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
-@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+@pytest.mark.parametrize("algorithm", ["auto", "hierarchical", "ring"])
 def test_every_op_across_two_hosts(algorithm):
     """Two emulated hosts x two ranks, nothing configured: shm inside a host, tcp between them,
-    each rank listening on the address that routes to the store; allreduce in two levels (auto)
-    or one flat ring."""
+    each rank listening on the address that routes to the store; allreduce in two levels
+    (forced, and auto for these sizes) or one flat ring."""
     env = {"DICOMM_CHUNK_BYTES": "65536", "DICOMM_ALLREDUCE": algorithm}
     with emulated_hosts(2) as hosts:
         results = run_ranks(check_all, 4, env=env, hosts=hosts)
     for r, out in results.items():
         assert out["transports"] == ["shm", "tcp"], (r, out)
-        assert out["allreduce"] == {"auto": "hierarchical", "ring": "ring"}[algorithm], (r, out)
+        assert out["allreduce"] == {"auto": "hierarchical below 32 MiB, ring above", "hierarchical": "hierarchical",
+                                    "ring": "ring"}[algorithm], (r, out)
         assert out["checks"] > 300
 
 
-def _init_error(rank, world, port):
-    import datetime
-
+def _algorithm(rank, world, port):
     import torch.distributed as dist
 
-    from launcher import error_of
-
-    return error_of(dist.init_process_group, "dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                    world_size=world, timeout=datetime.timedelta(seconds=30))
+    return dist.group.WORLD._get_backend(torch.device("cpu")).allreduce_algorithm
 
 
-def test_hierarchical_allreduce_needs_hosts():
-    out = run_ranks(_init_error, 2, env={"DICOMM_ALLREDUCE": "hierarchical"}, init=False)
-    for err in out.values():
-        assert err and "DICOMM_ALLREDUCE=hierarchical needs at least two hosts" in err, err
-        assert "1 host(s) of 2 rank(s)" in err, err
+def test_forced_hierarchy_on_one_host_falls_back_to_the_ring():
+    out = run_ranks(_algorithm, 2, env={"DICOMM_ALLREDUCE": "hierarchical"})
+    assert set(out.values()) == {"ring"}, out

@@ -43,7 +43,7 @@ PYBIND11_MODULE(_C, m) {
            "TCP congestion control of the connections to `peer` ('' when not TCP).")
       .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
       .def_property_readonly("allreduce_algorithm", &dicomm::ProcessGroupDicomm::allreduceAlgorithm,
-                             "'ring' or 'hierarchical' (DICOMM_ALLREDUCE and the group's hosts).")
+                             "How allreduces run: 'ring', 'hierarchical', or by size (DICOMM_ALLREDUCE, the hosts).")
       .def_property_readonly("timeout_seconds",
                              [](const dicomm::ProcessGroupDicomm& pg) {
                                return pg.options().timeout.count() / 1000.0;

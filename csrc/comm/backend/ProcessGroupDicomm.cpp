@@ -77,11 +77,9 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
   if (rank == 0) {
     logLine(LogLevel::kInfo,
             std::string("group of ") + std::to_string(size) + " (" + describeHosts(*comm_) +
-                "): allreduce by " +
-                (allreduceAlgorithm_ == AllreduceAlgorithm::kHierarchical
-                     ? "two levels (a ring per host, then one ring per local index across hosts)"
-                     : "one flat ring") +
-                "; DICOMM_ALLREDUCE=ring|hierarchical chooses");
+                "): allreduce " + allreduceAlgorithm() +
+                " (hierarchical: a ring per host, then one ring per local index across hosts); "
+                "DICOMM_ALLREDUCE=ring|hierarchical forces one");
   }
   comm_->setFailureHandler([this](int peer, const std::string& cause) {
     // Runs on a transport thread, which close() would join: hand the abort to the watchdog.

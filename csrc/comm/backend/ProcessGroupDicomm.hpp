@@ -110,9 +110,13 @@ class ProcessGroupDicomm : public c10d::Backend {
   // Abort with `cause` (idempotent; safe from any thread except a transport thread).
   void abortWith(const std::string& cause);
   bool aborted() const { return aborted_.load(); }
-  // "ring" or "hierarchical": how this group's allreduces run (DICOMM_ALLREDUCE, topology).
+  // How this group's allreduces run (DICOMM_ALLREDUCE and the group's hosts).
   std::string allreduceAlgorithm() const {
-    return allreduceAlgorithm_ == AllreduceAlgorithm::kHierarchical ? "hierarchical" : "ring";
+    switch (allreduceAlgorithm_) {
+      case AllreduceAlgorithm::kHierarchical: return "hierarchical";
+      case AllreduceAlgorithm::kAuto: return "hierarchical below 32 MiB, ring above";
+      default: return "ring";
+    }
   }
   std::string abortCause() const;
   std::string transportOf(int peer) const { return comm_->transportOf(peer); }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "comm/core/Tags.h"
+#include "comm/transport/Log.h"
 
 namespace dicomm {
 
@@ -197,12 +198,14 @@ AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm 
   for (auto& h : hosts) uniform = uniform && h.size() == hosts[0].size();
   const bool hierarchy = uniform && hosts[0].size() >= 2;
   if (wanted == AllreduceAlgorithm::kAuto) {
-    return hierarchy ? AllreduceAlgorithm::kHierarchical : AllreduceAlgorithm::kRing;
+    return hierarchy ? AllreduceAlgorithm::kAuto : AllreduceAlgorithm::kRing;
   }
   if (wanted == AllreduceAlgorithm::kHierarchical && !hierarchy) {
-    throw std::invalid_argument(
-        "dicomm: DICOMM_ALLREDUCE=hierarchical needs at least two hosts with the same number (at "
-        "least two) of ranks each; this group has " + describeHosts(comm));
+    // The variable applies to every group, subgroups within one host included: fall back.
+    logLine(LogLevel::kWarn,
+            "DICOMM_ALLREDUCE=hierarchical needs at least two hosts with the same number (at least "
+            "two) of ranks each; a group of " + describeHosts(comm) + " uses one flat ring");
+    return AllreduceAlgorithm::kRing;
   }
   return wanted;
 }
@@ -267,7 +270,9 @@ void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
 void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
                ReduceKind op, AllreduceAlgorithm algorithm) {
   if (ctx.comm->size() == 1) return;
-  if (algorithm == AllreduceAlgorithm::kHierarchical) {
+  const bool small = numel * c10::elementSize(dtype) < kHierarchyMaxBytes;
+  if (algorithm == AllreduceAlgorithm::kHierarchical ||
+      (algorithm == AllreduceAlgorithm::kAuto && small)) {
     hierarchicalAllreduce(ctx, buf, numel, dtype, op);
   } else {
     flatAllreduce(ctx, buf, numel, dtype, op);

@@ -46,11 +46,15 @@ struct Ring {
 
 // How an allreduce is built (DICOMM_ALLREDUCE): one flat ring over all ranks, or two levels
 // (a ring per host over shm, then one ring per local index across hosts, then the host ring
-// again). kAuto picks the hierarchy whenever the group spans two or more hosts holding the same
-// number (two or more) of its ranks each, at every size: it sends fewer bytes across hosts and
-// takes fewer steps.
+// again: fewer steps, and fewer bytes across hosts). kAuto takes the two levels for payloads
+// below kHierarchyMaxBytes when the group spans two or more hosts holding the same number (two
+// or more) of its ranks each, and the flat ring otherwise: in benchmarks/comm.py on two
+// emulated hosts x 2 ranks the two levels were 1.0-1.5x the flat ring's speed up to 16 MiB but
+// 0.92-1.01x at 64 MiB, where both are bound by the CPUs or the link.
 enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical };
-// What `wanted` resolves to for this group; throws for a hierarchy the group cannot have.
+constexpr size_t kHierarchyMaxBytes = size_t(32) << 20;
+// What `wanted` resolves to for this group: kAuto stays kAuto only where the hierarchy is
+// possible; a forced hierarchy the group cannot have becomes the ring, with a warning.
 AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm wanted);
 // "2 host(s) of 2 + 2 rank(s)".
 std::string describeHosts(const Communicator& comm);
@@ -70,7 +74,7 @@ void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>
                    c10::ScalarType dtype, unsigned phase = 1);
 void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
                    const std::vector<Segment>& segs, c10::ScalarType dtype, unsigned phase);
-// `algorithm` as resolved by chooseAllreduce (kAuto and kRing: the flat ring).
+// `algorithm` as resolved by chooseAllreduce.
 void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
                ReduceKind op, AllreduceAlgorithm algorithm = AllreduceAlgorithm::kRing);
 void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, int root);
