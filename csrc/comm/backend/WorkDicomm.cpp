@@ -9,6 +9,13 @@
 
 namespace dicomm {
 
+namespace {
+// How long a waiter on a busy host sleeps on its peer's connection before it hands reading back
+// to the receive thread and sleeps on its condition: long enough for a reply, short enough that a
+// long wait (a pipeline bubble) leaves the connection to the thread made for it.
+constexpr auto kBlockOnPair = std::chrono::milliseconds(20);
+}  // namespace
+
 WorkDicomm::WorkDicomm(ProcessGroupDicomm* backend, int rank, c10d::OpType type,
                        std::string description, std::vector<at::Tensor> outputs,
                        std::chrono::milliseconds timeout)
@@ -107,9 +114,17 @@ bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
   // thread needs waking at all.
   {
     PollPhase poll;
-    const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
-    while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-      if (!comm_ || !comm_->progress(peer_, done_, spinUntil)) std::this_thread::yield();
+    if (poll.budget().count() > 0) {
+      const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
+      while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
+        if (!comm_ || !comm_->progress(peer_, done_, spinUntil)) std::this_thread::yield();
+      }
+    } else if (comm_) {
+      // A busy host: sleep on the peer's connection itself for a while (one wake-up per frame
+      // instead of the receive thread's and then this one's), then on the condition below.
+      auto until = std::min(deadline_, std::chrono::steady_clock::now() + kBlockOnPair);
+      if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);
+      comm_->progress(peer_, done_, until, /*block=*/true);
     }
   }
   if (comm_ && !done_.load(std::memory_order_acquire)) comm_->unpark(peer_);  // it reads for us

@@ -264,9 +264,9 @@ std::string Communicator::congestionOf(int peer) const {
 }
 
 bool Communicator::progress(int peer, const std::atomic<bool>& done,
-                            std::chrono::steady_clock::time_point until) {
+                            std::chrono::steady_clock::time_point until, bool block) {
   if (closed_ || peer < 0 || peer >= size() || !pairs_[peer]) return false;
-  return pairs_[peer]->progress(done, until);
+  return pairs_[peer]->progress(done, until, block);
 }
 
 void Communicator::unpark(int peer) {

@@ -62,7 +62,8 @@ class Communicator {
                                     int32_t dtype, Completion::Callback cb = nullptr);
   // Handle `peer`'s incoming messages on this thread until `done` or `until` (Pair::progress);
   // false when that is not possible now (the caller waits instead).
-  bool progress(int peer, const std::atomic<bool>& done, std::chrono::steady_clock::time_point until);
+  bool progress(int peer, const std::atomic<bool>& done, std::chrono::steady_clock::time_point until,
+                bool block = false);
   // Hand reading back to the transports' own threads (Pair::unpark) for `peer`, or every peer
   // when -1: before waiting for messages without polling for them.
   void unpark(int peer);

@@ -1,6 +1,7 @@
 #include "comm/transport/StreamTransport.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -722,7 +723,7 @@ void StreamPair::mainRxLoop() {
   }
 }
 
-bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until) {
+bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until, bool block) {
   if (down_.load()) return false;
   std::unique_lock<std::mutex> reading(readMu_, std::try_to_lock);
   if (!reading || down_.load()) return false;
@@ -743,7 +744,13 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
       if ((rxBuf_.size() > 0 || readableNow(main_.fd.get())) && mainReadable()) {
         up = readMainFrame();
       } else if (Clock::now() < until) {
-        relax(idle++);
+        if (block) {
+          // Up to 1 ms at a time: an op a data lane completes sets `done` without a frame here.
+          pollfd p{main_.fd.get(), POLLIN, 0};
+          (void)::poll(&p, 1, 1);
+        } else {
+          relax(idle++);
+        }
       } else {
         break;
       }

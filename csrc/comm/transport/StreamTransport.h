@@ -101,7 +101,8 @@ class StreamPair : public Pair {
   std::string congestion() const override;
   void send(const Envelope& envelope, const void* data, MemoryKind memory,
             SendDone done) override;
-  bool progress(const std::atomic<bool>& done, Clock::time_point until) override;
+  bool progress(const std::atomic<bool>& done, Clock::time_point until,
+                bool block = false) override;
   void close() override;
   void unpark() override;
 

@@ -127,10 +127,14 @@ class Pair {
   // woken by the transport's receive thread: on a VM a wake-up costs more than a small
   // message's whole trip. Returns false at once, doing nothing, when another thread is reading,
   // the pair is down, or the transport has no such path; the caller then just waits.
+  // `block`: between frames, sleep in the kernel on the connection instead of polling it (a busy
+  // host): the thread then wakes once, on the peer's frame, instead of the receive thread waking
+  // and then waking it.
   virtual bool progress(const std::atomic<bool>& done,
-                        std::chrono::steady_clock::time_point until) {
+                        std::chrono::steady_clock::time_point until, bool block = false) {
     (void)done;
     (void)until;
+    (void)block;
     return false;
   }
   // A progress() that completed its op may leave the transport's own receive thread parked for
