@@ -128,6 +128,7 @@ StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig
       main_(*lanes_.at(0)),
       mainReady_(::epoll_create1(EPOLL_CLOEXEC)),
       parkBell_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
+      pollerBell_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
       dataLanesOpen_(static_cast<int>(lanes_.size()) - 1) {
   auto watch = [&](int fd) {
     epoll_event ev{};
@@ -135,7 +136,7 @@ StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig
     ev.data.fd = fd;
     return ::epoll_ctl(mainReady_.get(), EPOLL_CTL_ADD, fd, &ev) == 0;
   };
-  if (!mainReady_ || !parkBell_ || !watch(main_.fd.get()) || !watch(parkBell_.get())) {
+  if (!mainReady_ || !parkBell_ || !pollerBell_ || !watch(main_.fd.get()) || !watch(parkBell_.get())) {
     throw TransportError(peer, std::string(config_.name) + ": setting up the receive thread's "
                                    "epoll set for rank " + std::to_string(peer) + " failed: " +
                                    errnoString(errno));
@@ -263,7 +264,10 @@ void StreamPair::txLoop(Lane& lane) {
     } catch (const std::exception& e) {
       error = e.what();
     }
-    if (error.empty() && out.done) out.done(nullptr);
+    if (error.empty() && out.done) {
+      out.done(nullptr);
+      wakePoller();
+    }
     lock.lock();
     lane.writing = false;
     if (!error.empty()) {
@@ -549,6 +553,13 @@ void StreamPair::receivePart(Lane& lane, const Frame& frame) {
     expected_.erase(it);
   }
   if (done.done) done.done(nullptr);
+  wakePoller();
+}
+
+void StreamPair::wakePoller() {
+  if (!polling_.load()) return;
+  const uint64_t one = 1;
+  (void)!::write(pollerBell_.get(), &one, sizeof(one));
 }
 
 bool StreamPair::readMainFrame() {
@@ -745,9 +756,13 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
         up = readMainFrame();
       } else if (Clock::now() < until) {
         if (block) {
-          // Up to 1 ms at a time: an op a data lane completes sets `done` without a frame here.
-          pollfd p{main_.fd.get(), POLLIN, 0};
-          (void)::poll(&p, 1, 1);
+          // Wake on the peer's next frame, or on the bell a lane's thread rings when it
+          // completes an op (a striped part, a send): those set `done` with no frame here.
+          pollfd p[2] = {{main_.fd.get(), POLLIN, 0}, {pollerBell_.get(), POLLIN, 0}};
+          if (::poll(p, 2, 5) > 0 && (p[1].revents & POLLIN)) {
+            uint64_t rings;
+            (void)!::read(pollerBell_.get(), &rings, sizeof(rings));
+          }
         } else {
           relax(idle++);
         }

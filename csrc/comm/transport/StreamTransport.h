@@ -167,6 +167,8 @@ class StreamPair : public Pair {
   void writeFrame(Lane& lane, const Outgoing& out);  // throws TransportError
   void releaseLane(Lane& lane);  // writing = false; wakes the send thread if frames queued
   void receivePayload(const Frame& frame);
+  // Ring pollerBell_ if a thread is in progress(): an op completed on a lane's thread.
+  void wakePoller();
   void receivePart(Lane& lane, const Frame& frame);
   void sendRendezvousPayload(Outgoing payload);  // after kCts: one kData or parts on all lanes
   void pullRemote(const Frame& frame, void* dst);
@@ -201,6 +203,7 @@ class StreamPair : public Pair {
   Lane& main_;
   Fd mainReady_;                   // epoll set the main receive thread sleeps on
   Fd parkBell_;                    // eventfd in that set: a poller parked while it slept untimed
+  Fd pollerBell_;                  // eventfd a blocking poller sleeps on beside the main lane
   std::mutex readMu_;              // one reader of the main lane at a time
   // What the main lane's reader received beyond the frame it handles: a small message arrives
   // with its header in one recv(). Empty whenever readMu_ is free.
