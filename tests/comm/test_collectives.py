@@ -247,7 +247,7 @@ def test_every_op_across_two_hosts(algorithm):
         results = run_ranks(check_all, 4, env=env, hosts=hosts)
     for r, out in results.items():
         assert out["transports"] == ["shm", "tcp"], (r, out)
-        assert out["allreduce"] == {"auto": "hierarchical below 32 MiB, ring above", "hierarchical": "hierarchical",
+        assert out["allreduce"] == {"auto": "hierarchical below 4 MiB, ring above", "hierarchical": "hierarchical",
                                     "ring": "ring"}[algorithm], (r, out)
         assert out["checks"] > 300
 

@@ -114,7 +114,7 @@ class ProcessGroupDicomm : public c10d::Backend {
   std::string allreduceAlgorithm() const {
     switch (allreduceAlgorithm_) {
       case AllreduceAlgorithm::kHierarchical: return "hierarchical";
-      case AllreduceAlgorithm::kAuto: return "hierarchical below 32 MiB, ring above";
+      case AllreduceAlgorithm::kAuto: return "hierarchical below 4 MiB, ring above";
       default: return "ring";
     }
   }

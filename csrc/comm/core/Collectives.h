@@ -49,10 +49,11 @@ struct Ring {
 // again: fewer steps, and fewer bytes across hosts). kAuto takes the two levels for payloads
 // below kHierarchyMaxBytes when the group spans two or more hosts holding the same number (two
 // or more) of its ranks each, and the flat ring otherwise: in benchmarks/comm.py on two
-// emulated hosts x 2 ranks the two levels were 1.0-1.5x the flat ring's speed up to 16 MiB but
-// 0.92-1.01x at 64 MiB, where both are bound by the CPUs or the link.
+// emulated hosts x 2 ranks the two levels ran 1.0-1.9x the flat ring's speed up to 256 KiB
+// (quiet, loaded, and over a 1 Gbit/s link), 0.89-1.48x at 2 MiB and 0.83-1.07x from 16 MiB,
+// where both are bound by the CPUs or the link.
 enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical };
-constexpr size_t kHierarchyMaxBytes = size_t(32) << 20;
+constexpr size_t kHierarchyMaxBytes = size_t(4) << 20;
 // What `wanted` resolves to for this group: kAuto stays kAuto only where the hierarchy is
 // possible; a forced hierarchy the group cannot have becomes the ring, with a warning.
 AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm wanted);
