@@ -189,6 +189,7 @@ ListenAddress chooseListenAddress(const std::string& explicitHost, const std::st
   ListenAddress chosen;
   if (!explicitHost.empty()) {
     chosen.host = explicitHost;
+    chosen.interface = "";
     chosen.reason = "DICOMM_LISTEN_HOST";
     chosen.loopback = explicitHost == "localhost" || explicitHost.rfind("127.", 0) == 0 ||
                       explicitHost == "::1";

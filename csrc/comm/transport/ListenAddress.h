@@ -10,10 +10,12 @@
 namespace dicomm {
 
 struct ListenAddress {
-  std::string host;       // numeric address; an IPv6 link-local one carries its scope: fe80::1%eth0
-  std::string interface;  // the interface holding it ("" when unknown, e.g. a DICOMM_LISTEN_HOST name)
-  std::string reason;     // how it was chosen, for the debug log and for errors
-  bool loopback = false;
+  // Numeric address; an IPv6 link-local one carries its scope: fe80::1%eth0. The default (a
+  // transport used without a Communicator, as in tests) is loopback.
+  std::string host = "127.0.0.1";
+  std::string interface = "lo";  // the interface holding it ("" when unknown)
+  std::string reason = "the default";  // how it was chosen, for the debug log and for errors
+  bool loopback = true;
 };
 
 // In order: `explicitHost` (DICOMM_LISTEN_HOST) when non-empty; the interfaces named by
