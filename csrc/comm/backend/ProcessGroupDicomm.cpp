@@ -31,6 +31,13 @@ ReduceKind reduceKind(const c10d::ReduceOp& op) {
   }
 }
 
+// The op for tensors of `dtype`, refused here (before anything is posted) when undefined for it.
+ReduceKind reduceKind(const c10d::ReduceOp& op, c10::ScalarType dtype) {
+  const ReduceKind kind = reduceKind(op);
+  checkReducible(dtype, kind);
+  return kind;
+}
+
 std::string shapeOf(const at::Tensor& t) {
   // Built per op (it names the op in errors): plain concatenation, no stream and locale.
   return std::to_string(t.numel()) + " x " + c10::toString(t.scalar_type()) + " on " +
@@ -65,6 +72,8 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
     : Backend(rank, size), options_(std::move(options)) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "dicomm: rank ", rank,
               " out of range for a group of size ", size);
+  TORCH_CHECK(size <= kMaxGroupSize, "dicomm: a group of ", size, " ranks is larger than the ",
+              kMaxGroupSize, " its collective message tags can address (a 10-bit ring step)");
   CommunicatorOptions co;
   co.store = store;
   co.rank = rank;
@@ -374,7 +383,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::recvAnysource(std::vector<at:
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
   at::Tensor t = single(tensors, "allreduce");
-  ReduceKind op = reduceKind(opts.reduceOp);
+  ReduceKind op = reduceKind(opts.reduceOp, t.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::ALLREDUCE, "allreduce (" + shapeOf(t) + ")", {t},
                  timeoutOf(opts.timeout), [t, op, policy, algo = allreduceAlgorithm_](CollectiveContext& ctx) {
@@ -388,6 +397,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "dicomm allreduce_coalesced: expected at least one tensor");
   ReduceKind op = reduceKind(opts.reduceOp);
+  for (auto& t : tensors) checkReducible(t.scalar_type(), op);
   auto policy = options_.staging;
   std::vector<at::Tensor> ts = tensors;
   return enqueue(OpType::ALLREDUCE_COALESCED,
@@ -432,7 +442,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce(std::vector<at::Tensor
   int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK(root >= 0 && root < getSize(), "dicomm reduce: root ", root, " out of range [0, ",
               getSize(), ")");
-  ReduceKind op = reduceKind(opts.reduceOp);
+  ReduceKind op = reduceKind(opts.reduceOp, t.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::REDUCE, "reduce to rank " + std::to_string(root) + " (" + shapeOf(t) + ")",
                  {t}, timeoutOf(opts.timeout), [t, root, op, policy](CollectiveContext& ctx) {
@@ -607,7 +617,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce_scatter(
     TORCH_CHECK(i.numel() == out.numel(), "dicomm reduce_scatter: input tensors must have ",
                 out.numel(), " elements like the output, got ", i.numel());
   }
-  ReduceKind op = reduceKind(opts.reduceOp);
+  ReduceKind op = reduceKind(opts.reduceOp, out.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter (" + shapeOf(out) + ")", {out},
                  timeoutOf(opts.timeout), [ins, out, op, policy](CollectiveContext& ctx) {
@@ -629,7 +639,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_reduce_scatter_base(
   checkSameKind(in, out, "reduce_scatter_tensor");
   TORCH_CHECK(in.numel() == out.numel() * getSize(), "dicomm reduce_scatter_tensor: input has ",
               in.numel(), " elements, expected ", getSize(), " x ", out.numel());
-  ReduceKind op = reduceKind(opts.reduceOp);
+  ReduceKind op = reduceKind(opts.reduceOp, out.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor (" + shapeOf(out) + ")",
                  {out}, timeoutOf(opts.timeout), [in, out, op, policy](CollectiveContext& ctx) {

@@ -1,5 +1,6 @@
 #include "comm/backend/WorkDicomm.hpp"
 
+#include <stdexcept>
 #include <thread>
 
 #include "comm/backend/ProcessGroupDicomm.hpp"
@@ -134,10 +135,17 @@ bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait_until(lock, until, [&] { return completed_; });
   }
+  if (!done_.load() && timeout != kNoTimeout && std::chrono::steady_clock::now() < deadline_) {
+    // torch's contract (and gloo's): the wait raises; the op itself stays in flight, bounded by
+    // its own timeout, and may still be waited for.
+    throw std::runtime_error("dicomm " + description_ + ": wait(timeout=" +
+                             std::to_string(timeout.count()) + " ms) expired; the operation is " +
+                             "still in flight (its own timeout is " +
+                             std::to_string(timeout_.count()) + " ms)");
+  }
   if (!done_.load()) {
-    auto ms = timeout != kNoTimeout ? std::min(timeout, timeout_) : timeout_;
     backend_->abortWith("dicomm " + description_ + " timed out after " +
-                        std::to_string(ms.count()) + " ms");
+                        std::to_string(timeout_.count()) + " ms");
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [&] { return completed_; });  // abort fails every pending work
   }

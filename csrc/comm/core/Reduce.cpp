@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
 namespace dicomm {
 
 namespace {
@@ -48,6 +52,39 @@ void reduceInto(void* dst, const void* src, size_t numel, c10::ScalarType dtype,
       d.bitwise_xor_(s);
       break;
   }
+}
+
+const char* reduceName(ReduceKind op) {
+  switch (op) {
+    case ReduceKind::kSum: return "SUM";
+    case ReduceKind::kAvg: return "AVG";
+    case ReduceKind::kProduct: return "PRODUCT";
+    case ReduceKind::kMin: return "MIN";
+    case ReduceKind::kMax: return "MAX";
+    case ReduceKind::kBand: return "BAND";
+    case ReduceKind::kBor: return "BOR";
+    case ReduceKind::kBxor: return "BXOR";
+  }
+  return "?";
+}
+
+void checkReducible(c10::ScalarType dtype, ReduceKind op) {
+  // One bit per (op, dtype) already found to work: the check allocates, an op should not.
+  static std::atomic<uint64_t> known[8] = {};
+  const int o = static_cast<int>(op), d = static_cast<int>(dtype);
+  const bool cacheable = o < 8 && d >= 0 && d < 64;
+  if (cacheable && (known[o].load(std::memory_order_relaxed) >> d & 1)) return;
+  try {
+    at::Tensor a = at::zeros({1}, at::TensorOptions().dtype(dtype));
+    at::Tensor b = at::ones({1}, at::TensorOptions().dtype(dtype));
+    reduceInto(a.data_ptr(), b.data_ptr(), 1, dtype, op);
+    if (op == ReduceKind::kAvg) finishAvg(a.data_ptr(), 1, dtype, 2);
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument(std::string("dicomm: reduce op ") + reduceName(op) +
+                                " is not defined for " + c10::toString(dtype) +
+                                " tensors (ATen: " + e.what_without_backtrace() + ")");
+  }
+  if (cacheable) known[o].fetch_or(uint64_t(1) << d, std::memory_order_relaxed);
 }
 
 void finishAvg(void* dst, size_t numel, c10::ScalarType dtype, int divisor) {

@@ -13,5 +13,10 @@ enum class ReduceKind { kSum, kAvg, kProduct, kMin, kMax, kBand, kBor, kBxor };
 void reduceInto(void* dst, const void* src, size_t numel, c10::ScalarType dtype, ReduceKind op);
 // dst[i] /= divisor (integer types: truncating division). Used once on the final sum for kAvg.
 void finishAvg(void* dst, size_t numel, c10::ScalarType dtype, int divisor);
+// Throws std::invalid_argument naming both when `op` is not defined for `dtype` (BAND on float,
+// MIN on complex, ...). Runs the very kernels above on one element, so it agrees with them; called
+// before a collective posts anything, so a refused op leaves the group as it was.
+void checkReducible(c10::ScalarType dtype, ReduceKind op);
+const char* reduceName(ReduceKind op);
 
 }  // namespace dicomm

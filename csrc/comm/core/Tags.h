@@ -16,6 +16,10 @@ inline uint64_t p2pTag(int64_t userTag) {
   return (uint64_t(1) << 60) | (static_cast<uint64_t>(userTag) & 0xffffffffULL);
 }
 
+// A ring over n ranks takes steps 0 .. n-2, and the step field has 10 bits: larger groups are
+// refused when they are made, never in the middle of a collective.
+constexpr int kMaxGroupSize = 1025;
+
 inline uint64_t collectiveTag(uint64_t seq, unsigned phase, unsigned step, unsigned chunk) {
   if (phase > 3 || step > 1023 || chunk > 65535) {
     throw std::invalid_argument("dicomm: collective tag out of range (phase " +

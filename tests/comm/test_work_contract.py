@@ -1,0 +1,65 @@
+"""Refusals that must leave the group as it was: a reduce op undefined for the tensor's dtype is
+refused before anything is posted; work.wait(timeout) that expires raises (torch's and gloo's
+contract) while the op stays in flight; a group too large for the message tags is refused when
+it is made."""
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+from launcher import error_of, run_ranks
+
+
+def refusals(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    out = {}
+    out["band_float"] = error_of(dist.all_reduce, torch.ones(4), op=ReduceOp.BAND)
+    out["bxor_float_reduce_scatter"] = error_of(dist.reduce_scatter_tensor, torch.empty(2),
+                                                torch.ones(2 * world), op=ReduceOp.BXOR)
+    t = torch.ones(4)
+    dist.all_reduce(t)  # the group still works
+    out["after"] = t[0].item()
+    ints = torch.tensor([rank + 1, 3], dtype=torch.int32)
+    dist.all_reduce(ints, op=ReduceOp.BAND)  # defined for integers
+    out["band_int"] = ints.tolist()
+
+    # wait(timeout) raises; the receive stays posted and completes once the message comes
+    if rank == 0:
+        buf = torch.zeros(3)
+        work = dist.irecv(buf, 1, tag=7)
+        out["wait_timeout"] = error_of(work.wait, datetime.timedelta(milliseconds=300))
+        dist.send(torch.ones(1), 1, tag=8)  # now rank 1 may send
+        work.wait()
+        out["received"] = buf.tolist()
+    else:
+        dist.recv(torch.empty(1), 0, tag=8)
+        dist.send(torch.full((3,), 7.0), 0, tag=7)
+    dist.barrier()
+    out["aborted"] = dist.group.WORLD._get_backend(torch.device("cpu")).aborted
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_refusals_leave_the_group_usable():
+    out = run_ranks(refusals, 2, op_timeout_s=30)
+    for rank, r in out.items():
+        assert "reduce op BAND is not defined for Float" in r["band_float"], r
+        assert "reduce op BXOR is not defined for Float" in r["bxor_float_reduce_scatter"], r
+        assert r["after"] == 2.0, r
+        assert r["band_int"] == [1 & 2, 3], r
+        assert r["aborted"] is False, r
+    assert "wait(timeout=300 ms) expired" in out[0]["wait_timeout"], out[0]
+    assert "still in flight" in out[0]["wait_timeout"], out[0]
+    assert out[0]["received"] == [7.0, 7.0, 7.0], out[0]
+
+
+def test_a_group_larger_than_the_tags_is_refused_at_once():
+    import dicomm
+
+    store = torch.distributed.HashStore()
+    with pytest.raises(RuntimeError, match="a group of 1026 ranks is larger than the 1025"):
+        dicomm.ProcessGroupDicomm(store, 0, 1026, 5.0)
