@@ -185,19 +185,6 @@ Fd dial(const std::string& address, Clock::time_point deadline, int peer) {
   }
 }
 
-Fd acceptUntil(int listenFd, Clock::time_point deadline) {
-  while (true) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) return Fd();
-    pollfd p{listenFd, POLLIN, 0};
-    int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
-    if (rc > 0) {
-      int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) return Fd(fd);
-    }
-  }
-}
-
 void tuneSocket(int fd, bool tcp, int bufferBytes, const std::string& congestion,
                 int peerTimeoutS) {
   int one = 1;

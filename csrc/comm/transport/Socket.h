@@ -1,5 +1,5 @@
-// Stream-socket helpers shared by the tcp and shm transports: listen, dial with retry, accept
-// with a deadline, authenticated hello, and exact reads/writes that report the peer on failure.
+// Stream-socket helpers shared by the tcp and shm transports: listen, dial with retry, the
+// authenticated hello, and exact reads/writes that report the peer on failure.
 #pragma once
 
 #include <sys/uio.h>
@@ -61,8 +61,6 @@ Listener listenUnix(const std::string& name);  // abstract-namespace AF_UNIX soc
 // Dial `address` (as published by a Listener), retrying refused or unanswered connections until
 // `deadline`. Throws TransportError "cannot connect to rank <peer> at <address>: <errno>".
 Fd dial(const std::string& address, Clock::time_point deadline, int peer);
-// Accept one connection, or an invalid Fd when `deadline` passes.
-Fd acceptUntil(int listenFd, Clock::time_point deadline);
 
 // Tune a connected socket: TCP_NODELAY; `bufferBytes` > 0 fixes the kernel buffers (which turns
 // off their auto-tuning; on loopback, buffers larger than the cache slow a stream down); a

@@ -1,6 +1,7 @@
 #include "comm/transport/StreamTransport.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -987,10 +988,9 @@ Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline,
       accepted_.erase(it);
       return fd;
     }
-    // Accept in one-second slices: between them, look whether a dialer gave up on this rank,
-    // so that both ends of an unreachable pair fail within seconds, not at the group timeout.
-    Fd c = acceptUntil(listener_.fd.get(), std::min(deadline, Clock::now() + std::chrono::seconds(1)));
-    if (!c) {
+    // In one-second slices: between them, look whether a dialer gave up on this rank, so that
+    // both ends of an unreachable pair fail within seconds, not at the group timeout.
+    if (!admitOnce(std::min(deadline, Clock::now() + std::chrono::seconds(1)))) {
       bool given = false;
       try {
         given = ctx_.store->check({unreachableKey(ctx_.rank)});
@@ -1013,22 +1013,61 @@ Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline,
                                      std::to_string(ctx_.timeout.count()) +
                                      " ms (did it join the process group?)");
     }
-    Hello h;
-    try {
-      readAllUntil(c.get(), &h, sizeof(h), std::min(deadline, Clock::now() + std::chrono::seconds(10)),
-                   -1, name);
-    } catch (const std::exception&) {
-      continue;  // a stray or slow client: drop it
-    }
-    // Not one of ours (wrong secret, rank or lane): drop it.
-    if (!helloOk(h) || h.rank < 0 || h.rank >= ctx_.size || h.lanes < 1 || h.lanes > kMaxLanes ||
-        h.lane < 0 || h.lane >= h.lanes) {
-      continue;
-    }
-    Hello mine = myHello(0, 1);
-    writeAll(c.get(), &mine, sizeof(mine), h.rank, name);
-    accepted_[{h.rank, h.lane}] = {std::move(c), h};
   }
+}
+
+bool StreamTransport::admitOnce(Clock::time_point until) {
+  // Every connection that has not finished its Hello is read as its bytes come, beside the
+  // listener: one that sends nothing (or dribbles) holds up nobody and is dropped after
+  // kHelloWindow.
+  std::vector<pollfd> fds{{listener_.fd.get(), POLLIN, 0}};
+  for (auto& h : greeting_) fds.push_back({h.fd.get(), POLLIN, 0});
+  auto soonest = until;
+  for (auto& h : greeting_) soonest = std::min(soonest, h.deadline);
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(soonest - Clock::now());
+  const int n = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, left.count())));
+  bool progressed = false;
+  if (n > 0 && (fds[0].revents & POLLIN)) {
+    const int c = ::accept4(listener_.fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c >= 0) {
+      greeting_.push_back(Greeting{Fd(c), Hello{}, 0, Clock::now() + kHelloWindow});
+      progressed = true;
+    }
+  }
+  const auto now = Clock::now();
+  for (size_t i = 1; i < fds.size(); ++i) {
+    Greeting& g = greeting_[i - 1];
+    if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    const ssize_t k = ::recv(g.fd.get(), reinterpret_cast<char*>(&g.hello) + g.got,
+                             sizeof(Hello) - g.got, MSG_DONTWAIT);
+    if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) {
+      g.fd.reset();  // closed or broken before its Hello: drop it
+    } else if (k > 0) {
+      g.got += static_cast<size_t>(k);
+    }
+  }
+  for (auto& g : greeting_) {
+    if (!g.fd || g.got < sizeof(Hello)) continue;
+    const Hello& h = g.hello;
+    // Not one of ours (wrong secret, rank or lane): drop it.
+    if (helloOk(h) && h.rank >= 0 && h.rank < ctx_.size && h.lanes >= 1 && h.lanes <= kMaxLanes &&
+        h.lane >= 0 && h.lane < h.lanes) {
+      const int flags = fcntl(g.fd.get(), F_GETFL);
+      fcntl(g.fd.get(), F_SETFL, flags & ~O_NONBLOCK);
+      Hello mine = myHello(0, 1);
+      try {
+        writeAll(g.fd.get(), &mine, sizeof(mine), h.rank, config_.name);
+        accepted_[{h.rank, h.lane}] = {std::move(g.fd), h};
+        progressed = true;
+      } catch (const std::exception&) {
+      }
+    }
+    g.fd.reset();
+  }
+  greeting_.erase(std::remove_if(greeting_.begin(), greeting_.end(),
+                                 [&](const Greeting& g) { return !g.fd || g.deadline <= now; }),
+                  greeting_.end());
+  return progressed;
 }
 
 Fd StreamTransport::dialPeer(int peer, const std::string& address, Clock::time_point deadline) {

@@ -250,6 +250,18 @@ class StreamTransport : public Transport {
   std::mutex acceptMu_;
   // Connections that arrived before connect(p) took them, by (rank, lane).
   std::map<std::pair<int, int>, std::pair<Fd, Hello>> accepted_;
+  // Connections accepted whose Hello has not fully arrived (under acceptMu_).
+  struct Greeting {
+    Fd fd;
+    Hello hello;
+    size_t got = 0;
+    Clock::time_point deadline;
+  };
+  std::vector<Greeting> greeting_;
+  static constexpr std::chrono::seconds kHelloWindow{10};
+  // Wait until `until` for the listener and the greetings; move complete, authentic ones to
+  // accepted_. True when something arrived (the caller looks again), false on the timeout.
+  bool admitOnce(Clock::time_point until);
   // Store key where a dialer that gave up on `rank` says why (the accepting side polls it).
   std::string unreachableKey(int rank) const;
   // Dial `peer` at its published `address` within DICOMM_CONNECT_TIMEOUT; on failure tell the
