@@ -30,8 +30,8 @@ class Completion {
   bool done() const { return done_.load(std::memory_order_acquire); }
   std::exception_ptr error() const { return error_; }
   int source() const { return source_; }
-  // Wait until done or `until`; returns done(). Spins briefly first: most small messages
-  // complete within microseconds and a futex sleep/wake costs more than that.
+  // Wait until done or `until`; returns done(). Polls briefly first while the host is quiet
+  // (PollPhase, comm/transport/Spin.h): a futex sleep and wake costs more than a small message.
   bool waitUntil(std::chrono::steady_clock::time_point until);
 
  private:
