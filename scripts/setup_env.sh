@@ -6,10 +6,11 @@ cd "$(dirname "$0")/.."
 VENV=${DITORCH_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-# Debian packages: verbs headers let the RDMA transport compile (it is skipped without them).
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libibverbs-dev >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs-dev librdmacm-dev >/dev/null) \
-    || echo "setup: libibverbs-dev not installed; the rdma transport will not be built" >&2
+# Debian packages: verbs headers let the RDMA transport compile (it is skipped without them);
+# libcrypto (libssl-dev) signs dicomm's connection handshake.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libibverbs-dev libssl-dev >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs-dev librdmacm-dev libssl-dev >/dev/null) \
+    || echo "setup: libibverbs-dev or libssl-dev not installed; the rdma transport will not be built" >&2
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

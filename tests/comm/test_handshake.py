@@ -1,26 +1,21 @@
-"""Connection set-up against a peer the test plays itself, at the protocol level: connections
-that reach a rank's listener and never say a word must not hold its set-up up. The test is the
-group's rank 0 (it hosts the store, publishes its auth key and info, dials with a proper Hello);
-rank 1 is a real dicomm backend in a subprocess, and the silent connections are in its backlog
-before the real ones, deterministically."""
+"""Connection set-up against a rank 0 the test plays at the protocol level (tests/fake_rank0.py):
+rank 1 is a real dicomm backend in a subprocess. The handshake is checked against an independent
+HMAC computed here."""
 from __future__ import annotations
 
-import datetime
+import hmac
 import os
 import secrets
 import socket
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from fake_rank0 import HELLO, HELLO_MAGIC, FakeRank0, closed_by_peer, master_store, proof
 
 ROOT = Path(__file__).resolve().parents[2]
-HELLO = struct.Struct("<QiiQ32sii")  # csrc/comm/transport/Socket.h: Hello (64 bytes)
-HELLO_MAGIC = 0x326D6D6F4369446C
-LANES = 2
 
 RANK1 = """
 import datetime, sys, time, torch, dicomm
@@ -32,50 +27,106 @@ print(f"init {time.monotonic() - t0:.3f}", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Rank1:
+    """A real rank 1 in a subprocess, beside the test's rank 0."""
+
+    def __init__(self):
+        store, port = master_store()
+        self.rank0 = FakeRank0(store)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT="tcp",
+                   DICOMM_TCP_STREAMS=str(self.rank0.lanes))
+        self.proc = subprocess.Popen([sys.executable, "-c", RANK1, str(port)], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        try:
+            self.rank0.rank1_address()
+        except Exception:
+            self.proc.kill()
+            raise AssertionError("rank 1 did not publish its address: " + self.proc.communicate()[1][-3000:]) from None
+
+    def finish(self) -> tuple[str, str]:
+        out, err = self.proc.communicate(timeout=60)
+        assert self.proc.returncode == 0, err[-3000:]
+        return out, err
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
 
 
 @pytest.mark.timeout(120)
 def test_silent_connections_do_not_hold_up_set_up():
-    port = _free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=60))
-    key = secrets.token_bytes(32)
-    store.set("dicomm/auth", key)
-    import dicomm
-
-    store.set("dicomm/info/0", f"{dicomm.local_host_id()}\ntcp".encode())  # this host; tcp only
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT="tcp", DICOMM_TCP_STREAMS=str(LANES))
-    rank1 = subprocess.Popen([sys.executable, "-c", RANK1, str(port)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    held: list[socket.socket] = []
+    rank1 = Rank1()
+    held = []
     try:
-        try:
-            store.wait(["dicomm/tcp/addr/1"], datetime.timedelta(seconds=30))
-        except Exception:
-            rank1.kill()
-            raise AssertionError("rank 1 did not publish its address: " + rank1.communicate()[1][-3000:]) from None
-        host, port1 = store.get("dicomm/tcp/addr/1").decode().removeprefix("tcp:").rsplit(":", 1)
         # Three connections that never send their Hello, first in rank 1's backlog.
-        held += [socket.create_connection((host, int(port1))) for _ in range(3)]
-        # Then rank 0's lanes, as the transport dials them.
-        for lane in range(LANES):
-            s = socket.create_connection((host, int(port1)))
-            s.sendall(HELLO.pack(HELLO_MAGIC, 0, os.getpid(), 0, key, lane, LANES))
-            reply = s.recv(HELLO.size, socket.MSG_WAITALL)
-            magic, rank, *_ = HELLO.unpack(reply)
-            assert (magic, rank) == (HELLO_MAGIC, 1), reply
-            held.append(s)
-        out, err = rank1.communicate(timeout=60)
+        held += [rank1.rank0.connect() for _ in range(3)]
+        held += rank1.rank0.join()
+        out, err = rank1.finish()
     finally:
         for s in held:
             s.close()
-        if rank1.poll() is None:
-            rank1.kill()
-    assert rank1.returncode == 0, err[-3000:]
+        rank1.kill()
     seconds = float(out.split()[1])
     # Each silent connection used to hold rank 1's accept loop for 10 s.
     assert seconds < 5, (seconds, out, err[-2000:])
+
+
+@pytest.mark.timeout(120)
+def test_key_never_crosses_the_wire_and_proofs_are_checked_both_ways():
+    rank1 = Rank1()
+    rank0 = rank1.rank0
+    held = []
+    try:
+        # Rank 1's answer: its Hello and an HMAC of both Hellos under the key; never the key.
+        s, mine, theirs, their_proof = rank0.greet(0)
+        magic, rank, pid, _, nonce, *_ = HELLO.unpack(theirs)
+        assert (magic, rank, pid) == (HELLO_MAGIC, 1, rank1.proc.pid)
+        assert rank0.key not in theirs + their_proof
+        assert hmac.compare_digest(their_proof, proof(rank0.key, "accept", mine, theirs))
+        # A wrong dialer proof: rank 1 drops the connection.
+        s.sendall(proof(secrets.token_bytes(32), "dial", mine, theirs))
+        assert closed_by_peer(s), "a connection with a wrong proof was kept"
+        # A replay: the proof that was right for an earlier exchange, on a new connection with
+        # the very same Hello. Rank 1's nonce is fresh, so the old proof no longer fits.
+        s1, mine1, theirs1, _ = rank0.greet(0)
+        recorded = proof(rank0.key, "dial", mine1, theirs1)
+        s1.close()
+        s2 = rank0.connect()
+        s2.sendall(mine1)
+        s2.settimeout(10)
+        theirs2 = s2.recv(HELLO.size + 32, socket.MSG_WAITALL)[:HELLO.size]
+        assert HELLO.unpack(theirs2)[4] != HELLO.unpack(theirs1)[4], "rank 1 reused its nonce"
+        s2.sendall(recorded)
+        assert closed_by_peer(s2), "a replayed proof was accepted"
+        # The acceptor's own proof sent back as the dialer's is refused too (roles are labelled).
+        s3, _, _, proof3 = rank0.greet(0)
+        s3.sendall(proof3)
+        assert closed_by_peer(s3), "the acceptor's proof was accepted as the dialer's"
+        # Then the real lanes: rank 1 completes its set-up with them alone.
+        held += rank0.join()
+        rank1.finish()
+    finally:
+        for s in held:
+            s.close()
+        rank1.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_hello_naming_a_rank_outside_the_group_gets_no_answer():
+    rank1 = Rank1()
+    rank0 = rank1.rank0
+    held = []
+    try:
+        lanes = rank0.lanes
+        for fields in [(HELLO_MAGIC, 7, 0, lanes), (HELLO_MAGIC, 1, 0, lanes), (HELLO_MAGIC, 0, 5, lanes),
+                       (HELLO_MAGIC, 0, 0, 99), (HELLO_MAGIC ^ 1, 0, 0, lanes)]:
+            magic, rank, lane, n = fields
+            s = rank0.connect()
+            s.sendall(HELLO.pack(magic, rank, os.getpid(), 0, secrets.token_bytes(32), lane, n))
+            assert closed_by_peer(s), f"rank 1 answered a Hello with (magic, rank, lane, lanes) = {fields}"
+        held += rank0.join()
+        rank1.finish()
+    finally:
+        for s in held:
+            s.close()
+        rank1.kill()

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 out=build/comm_rdma
 bin=$out/transport_check
 srcs=(tests/comm_rdma/transport_check.cpp csrc/comm/transport/Transport.cpp csrc/comm/transport/Env.cpp csrc/comm/transport/Socket.cpp
-      csrc/comm/transport/Log.cpp csrc/comm/transport/Spin.cpp csrc/comm/transport/ListenAddress.cpp
+      csrc/comm/transport/Log.cpp csrc/comm/transport/Spin.cpp csrc/comm/transport/ListenAddress.cpp csrc/comm/transport/Handshake.cpp
       csrc/comm/transport/StreamTransport.cpp csrc/comm/transport/tcp/TcpTransport.cpp
       csrc/comm/transport/rdma/Verbs.cpp csrc/comm/transport/rdma/MemoryRegistry.cpp
       csrc/comm/transport/rdma/RdmaTransport.cpp)
@@ -30,5 +30,5 @@ for s in "${srcs[@]}"; do
   fi
 done
 wait
-g++ -o "$bin" "${objs[@]}" -L"$T/lib" -Wl,-rpath,"$T/lib" -ltorch_cpu -lc10 -libverbs -lpthread
+g++ -o "$bin" "${objs[@]}" -L"$T/lib" -Wl,-rpath,"$T/lib" -ltorch_cpu -lc10 -libverbs -lcrypto -lpthread
 echo "$bin"

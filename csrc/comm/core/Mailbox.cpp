@@ -3,10 +3,13 @@
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "comm/core/Tags.h"
+#include "comm/transport/Env.h"
 #include "comm/transport/Spin.h"
 
 namespace dicomm {
@@ -37,6 +40,35 @@ bool Completion::waitUntil(std::chrono::steady_clock::time_point until) {
   if (done()) return true;
   std::unique_lock<std::mutex> lock(mu_);
   return cv_.wait_until(lock, until, [&] { return done(); });
+}
+
+uint64_t maxMessageBytes() {
+  static const uint64_t limit =
+      static_cast<uint64_t>(envLong("DICOMM_MAX_MESSAGE_BYTES", 1L << 40, 1, 1L << 50));
+  return limit;
+}
+
+void checkEnvelope(int peer, const Envelope& env) {
+  const uint64_t kind = env.tag >> 60;
+  const char* bad = nullptr;
+  if (kind == 1 && (env.tag & 0x0fffffff00000000ULL)) {
+    bad = "a point-to-point tag with bits set beyond its 32";
+  } else if (kind == 3 && env.tag != abortNoticeTag()) {
+    bad = "an unknown control tag";
+  } else if (kind < 1 || kind > 3) {
+    bad = "an unknown tag kind";
+  } else if (env.dtype < -1 || env.dtype >= static_cast<int32_t>(c10::ScalarType::NumOptions)) {
+    bad = "a dtype that is no c10::ScalarType";
+  } else if (env.nbytes > maxMessageBytes()) {
+    bad = "a size above DICOMM_MAX_MESSAGE_BYTES";
+  }
+  if (!bad) return;
+  char tag[24];
+  std::snprintf(tag, sizeof(tag), "0x%016llx", static_cast<unsigned long long>(env.tag));
+  throw TransportError(peer, "dicomm: protocol error from rank " + std::to_string(peer) +
+                                 ": a message with " + bad + " (tag " + tag + ", " +
+                                 std::to_string(env.nbytes) + " bytes, dtype " +
+                                 std::to_string(env.dtype) + ")");
 }
 
 static std::string dtypeName(int32_t dtype) {
@@ -155,6 +187,7 @@ Landing Mailbox::landingFor(const std::shared_ptr<RecvRequest>& r, int peer, con
 }
 
 Landing Mailbox::arrive(int peer, const Envelope& env) {
+  checkEnvelope(peer, env);
   if (isControlTag(env.tag)) {
     // A peer aborted and says why: fail like a broken pair, with the peer's own cause.
     auto text = std::make_shared<std::string>(std::min<uint64_t>(env.nbytes, 1 << 16), '\0');
@@ -176,8 +209,15 @@ Landing Mailbox::arrive(int peer, const Envelope& env) {
     std::lock_guard<std::mutex> lock(mu_);
     r = takePosted(peer, env);
     if (!r) {
+      std::unique_ptr<char[]> data(new (std::nothrow) char[env.nbytes ? env.nbytes : 1]);
+      if (!data) {
+        throw TransportError(peer, "dicomm: cannot allocate " + std::to_string(env.nbytes) +
+                                       " bytes for a message from rank " + std::to_string(peer) +
+                                       " that no receive has claimed yet (" +
+                                       describeTag(env.tag) + ")");
+      }
       auto m = queueUnexpectedLocked(peer, env);
-      m->data.reset(new char[env.nbytes ? env.nbytes : 1]);
+      m->data = std::move(data);
       Landing landing;
       landing.data = m->data.get();
       landing.capacity = env.nbytes;
@@ -207,6 +247,7 @@ std::shared_ptr<Mailbox::Unexpected> Mailbox::queueUnexpectedLocked(int peer, co
 }
 
 void Mailbox::arriveWhenPosted(int peer, const Envelope& env, std::function<void(Landing)> ready) {
+  checkEnvelope(peer, env);
   if (isControlTag(env.tag)) {
     ready(arrive(peer, env));
     return;

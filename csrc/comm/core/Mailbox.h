@@ -53,6 +53,15 @@ struct RecvRequest {
   uint64_t order = 0;  // post order, to pick between a (peer, tag) and an any-source receive
 };
 
+// The largest payload a peer may announce (DICOMM_MAX_MESSAGE_BYTES, default 1 TiB): a
+// header claiming more is a protocol error, before anything is allocated or matched.
+uint64_t maxMessageBytes();
+
+// Throws TransportError naming `peer` when an arriving envelope is malformed: an unknown tag
+// kind, a point-to-point tag with bits beyond its 32, a control tag that is not the abort
+// notice, a dtype that is no c10::ScalarType, or a size above maxMessageBytes().
+void checkEnvelope(int peer, const Envelope& envelope);
+
 class Mailbox : public Inbox {
  public:
   explicit Mailbox(int rank) : rank_(rank) {}

@@ -1,5 +1,5 @@
-// Stream-socket helpers shared by the tcp and shm transports: listen, dial with retry, the
-// authenticated hello, and exact reads/writes that report the peer on failure.
+// Stream-socket helpers shared by the tcp and shm transports: listen, dial with retry, and
+// exact reads/writes that report the peer on failure.
 #pragma once
 
 #include <sys/uio.h>
@@ -13,18 +13,6 @@
 namespace dicomm {
 
 using Clock = std::chrono::steady_clock;
-
-// First bytes on every new connection: proves the dialer belongs to this process group.
-struct Hello {
-  uint64_t magic = 0;
-  int32_t rank = -1;
-  int32_t pid = 0;
-  uint64_t probe = 0;  // address of kHelloMagic in the sender (cross-memory attach probe)
-  uint8_t key[32] = {0};
-  int32_t lane = 0;    // which connection of the pair this is (0: the main one)
-  int32_t lanes = 1;   // how many connections the dialer opens to this peer
-};
-constexpr uint64_t kHelloMagic = 0x326d6d6f4369446cULL;  // "lDiComm2"
 
 // An owned file descriptor.
 class Fd {

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -68,6 +69,36 @@ void relax(unsigned round) {
     asm volatile("yield");
 #endif
   }
+}
+
+// Yama's ptrace_scope (0 when Yama is absent).
+int yamaScope() {
+  FILE* f = std::fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+  if (!f) return 0;
+  int scope = 0;
+  if (std::fscanf(f, "%d", &scope) != 1) scope = 0;
+  std::fclose(f);
+  return scope;
+}
+
+// Under Yama ptrace_scope=1 only a declared tracer may read this process's memory, and
+// PR_SET_PTRACER names one pid while a rank has several local peers: so any process of this
+// user is declared, for as long as a shm transport lives (the token), and only where Yama asks
+// for it (scope 0 already allows same-user reads; 2 and 3 forbid them whatever is declared).
+// Peers are still checked at connect: pid and uid from the socket (SO_PEERCRED).
+std::shared_ptr<void> allowSiblingReads() {
+  static std::mutex mu;
+  static std::weak_ptr<void> current;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto held = current.lock()) return held;
+  if (yamaScope() != 1) return nullptr;
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  std::shared_ptr<void> token(nullptr, [](void*) {
+    std::lock_guard<std::mutex> lock(mu);
+    prctl(PR_SET_PTRACER, 0, 0, 0, 0);
+  });
+  current = token;
+  return token;
 }
 
 }  // namespace
@@ -504,10 +535,13 @@ void StreamPair::receivePayload(const Frame& frame) {
   if (frame.kind == kData) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = expected_.find(frame.seq);
-    if (it == expected_.end()) {
+    if (it == expected_.end() || it->second.nbytes != env.nbytes) {
       throw TransportError(peer_, std::string(config_.name) + ": protocol error from rank " +
-                                      std::to_string(peer_) + ": data for unknown sequence " +
-                                      std::to_string(frame.seq));
+                                      std::to_string(peer_) + ": " + std::to_string(env.nbytes) +
+                                      " bytes of data for sequence " + std::to_string(frame.seq) +
+                                      (it == expected_.end() ? ", which was never asked for"
+                                                             : ", which was asked for " +
+                                                                   std::to_string(it->second.nbytes)));
     }
     landing = std::move(it->second.landing);
     expected_.erase(it);
@@ -962,8 +996,7 @@ void StreamTransport::start(const TransportContext& context) {
   if (config_.tcp) {
     listener_ = listenTcp(ctx_.listen.host);
   } else {
-    // Let sibling processes (same user) read this process's memory under Yama ptrace_scope=1.
-    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    siblingReads_ = allowSiblingReads();
     char name[96];
     snprintf(name, sizeof(name), "dicomm-%d-%p-%d", getpid(), static_cast<void*>(this),
              ctx_.rank);
@@ -1017,57 +1050,107 @@ Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline,
 }
 
 bool StreamTransport::admitOnce(Clock::time_point until) {
-  // Every connection that has not finished its Hello is read as its bytes come, beside the
-  // listener: one that sends nothing (or dribbles) holds up nobody and is dropped after
-  // kHelloWindow.
+  // Every connection not yet admitted is read as its bytes come, beside the listener: one that
+  // sends nothing (or dribbles) holds up nobody and is dropped after kHelloWindow.
   std::vector<pollfd> fds{{listener_.fd.get(), POLLIN, 0}};
-  for (auto& h : greeting_) fds.push_back({h.fd.get(), POLLIN, 0});
+  for (auto& g : greeting_) fds.push_back({g.fd.get(), POLLIN, 0});
   auto soonest = until;
-  for (auto& h : greeting_) soonest = std::min(soonest, h.deadline);
+  for (auto& g : greeting_) soonest = std::min(soonest, g.deadline);
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(soonest - Clock::now());
   const int n = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, left.count())));
   bool progressed = false;
+  for (size_t i = 1; n > 0 && i < fds.size(); ++i) {
+    Greeting& g = greeting_[i - 1];
+    if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    if (!advanceGreeting(g)) {
+      g.fd.reset();
+    } else if (g.answered && g.got == sizeof(g.proof)) {
+      const int flags = fcntl(g.fd.get(), F_GETFL);
+      fcntl(g.fd.get(), F_SETFL, flags & ~O_NONBLOCK);
+      accepted_[{g.theirs.rank, g.theirs.lane}] = {std::move(g.fd), g.theirs};
+      progressed = true;
+    }
+  }
   if (n > 0 && (fds[0].revents & POLLIN)) {
     const int c = ::accept4(listener_.fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (c >= 0) {
-      greeting_.push_back(Greeting{Fd(c), Hello{}, 0, Clock::now() + kHelloWindow});
+      greeting_.push_back(Greeting{});
+      greeting_.back().fd = Fd(c);
+      greeting_.back().deadline = Clock::now() + kHelloWindow;
       progressed = true;
     }
   }
   const auto now = Clock::now();
-  for (size_t i = 1; i < fds.size(); ++i) {
-    Greeting& g = greeting_[i - 1];
-    if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-    const ssize_t k = ::recv(g.fd.get(), reinterpret_cast<char*>(&g.hello) + g.got,
-                             sizeof(Hello) - g.got, MSG_DONTWAIT);
-    if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) {
-      g.fd.reset();  // closed or broken before its Hello: drop it
-    } else if (k > 0) {
-      g.got += static_cast<size_t>(k);
-    }
-  }
-  for (auto& g : greeting_) {
-    if (!g.fd || g.got < sizeof(Hello)) continue;
-    const Hello& h = g.hello;
-    // Not one of ours (wrong secret, rank or lane): drop it.
-    if (helloOk(h) && h.rank >= 0 && h.rank < ctx_.size && h.lanes >= 1 && h.lanes <= kMaxLanes &&
-        h.lane >= 0 && h.lane < h.lanes) {
-      const int flags = fcntl(g.fd.get(), F_GETFL);
-      fcntl(g.fd.get(), F_SETFL, flags & ~O_NONBLOCK);
-      Hello mine = myHello(0, 1);
-      try {
-        writeAll(g.fd.get(), &mine, sizeof(mine), h.rank, config_.name);
-        accepted_[{h.rank, h.lane}] = {std::move(g.fd), h};
-        progressed = true;
-      } catch (const std::exception&) {
-      }
-    }
-    g.fd.reset();
-  }
   greeting_.erase(std::remove_if(greeting_.begin(), greeting_.end(),
                                  [&](const Greeting& g) { return !g.fd || g.deadline <= now; }),
                   greeting_.end());
   return progressed;
+}
+
+bool StreamTransport::advanceGreeting(Greeting& g) {
+  char* into = g.answered ? reinterpret_cast<char*>(g.proof) : reinterpret_cast<char*>(&g.theirs);
+  const size_t want = g.answered ? sizeof(g.proof) : sizeof(Hello);
+  const ssize_t k = ::recv(g.fd.get(), into + g.got, want - g.got, MSG_DONTWAIT);
+  if (k < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  if (k == 0) return false;  // closed before it finished
+  g.got += static_cast<size_t>(k);
+  if (g.got < want) return true;
+  if (g.answered) {
+    // Admitted only with the proof for this very exchange (our fresh nonce is in it).
+    return proofMatches(handshakeProof(ctx_.authKey, HandshakeRole::kDialer, g.theirs, g.mine),
+                        g.proof);
+  }
+  // Not one of ours (wrong magic, rank or lane, or an impostor process): drop it unanswered.
+  if (!helloFieldsOk(g.theirs) || !peerCredentialsOk(g.fd.get(), g.theirs)) return false;
+  g.mine = myHello(0, 1);
+  struct {
+    Hello hello;
+    Proof proof;
+  } answer{g.mine, handshakeProof(ctx_.authKey, HandshakeRole::kAcceptor, g.theirs, g.mine)};
+  static_assert(sizeof(answer) == sizeof(Hello) + sizeof(Proof), "no padding on the wire");
+  // 96 bytes into a fresh connection's empty send buffer: all or nothing in practice.
+  if (::send(g.fd.get(), &answer, sizeof(answer), MSG_DONTWAIT | MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(sizeof(answer))) {
+    return false;
+  }
+  g.answered = true;
+  g.got = 0;
+  return true;
+}
+
+bool StreamTransport::helloFieldsOk(const Hello& h) const {
+  return h.magic == kHelloMagic && h.rank >= 0 && h.rank < ctx_.size && h.rank != ctx_.rank &&
+         h.lanes >= 1 && h.lanes <= kMaxLanes && h.lane >= 0 && h.lane < h.lanes;
+}
+
+bool StreamTransport::peerCredentialsOk(int fd, const Hello& h) const {
+  if (config_.tcp) return true;  // only a local socket carries the peer's credentials
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
+  // The pid matters: it is the process whose memory cross-memory attach will read.
+  return cred.pid == h.pid && cred.uid == ::getuid();
+}
+
+void StreamTransport::proveAsDialer(int fd, int peer, int lane, int lanes,
+                                    Clock::time_point deadline, Hello* theirs) {
+  const char* name = config_.name;
+  const Hello mine = myHello(lane, lanes);
+  writeAll(fd, &mine, sizeof(mine), peer, name);
+  uint8_t proof[sizeof(Proof)];
+  readAllUntil(fd, theirs, sizeof(*theirs), deadline, peer, name);
+  readAllUntil(fd, proof, sizeof(proof), deadline, peer, name);
+  const bool authentic =
+      theirs->magic == kHelloMagic && theirs->rank == peer &&
+      proofMatches(handshakeProof(ctx_.authKey, HandshakeRole::kAcceptor, mine, *theirs), proof) &&
+      peerCredentialsOk(fd, *theirs);
+  if (!authentic) {
+    throw TransportError(peer, std::string("dicomm ") + name + ": the listener at rank " +
+                                   std::to_string(peer) + "'s address failed authentication " +
+                                   "(not a rank of this process group)");
+  }
+  const Proof answer = handshakeProof(ctx_.authKey, HandshakeRole::kDialer, mine, *theirs);
+  writeAll(fd, answer.data(), answer.size(), peer, name);
 }
 
 Fd StreamTransport::dialPeer(int peer, const std::string& address, Clock::time_point deadline) {
@@ -1101,16 +1184,10 @@ Hello StreamTransport::myHello(int lane, int lanes) const {
   mine.rank = ctx_.rank;
   mine.pid = getpid();
   mine.probe = reinterpret_cast<uint64_t>(&kProbeWord);
-  std::copy_n(ctx_.authKey.begin(), std::min<size_t>(ctx_.authKey.size(), sizeof(mine.key)),
-              mine.key);
+  freshNonce(mine.nonce);
   mine.lane = lane;
   mine.lanes = lanes;
   return mine;
-}
-
-bool StreamTransport::helloOk(const Hello& h) const {
-  Hello mine = myHello(0, 1);
-  return h.magic == kHelloMagic && memcmp(h.key, mine.key, sizeof(mine.key)) == 0;
 }
 
 std::unique_ptr<Pair> StreamTransport::connect(int peer) {
@@ -1133,13 +1210,7 @@ std::unique_ptr<Pair> StreamTransport::connect(int peer) {
     const int lanes = std::max(1, std::min(config_.lanes, kMaxLanes));
     for (int lane = 0; lane < lanes; ++lane) {
       Fd fd = dialPeer(peer, std::string(bytes.begin(), bytes.end()), deadline);
-      Hello mine = myHello(lane, lanes);
-      writeAll(fd.get(), &mine, sizeof(mine), peer, name);
-      readAllUntil(fd.get(), &theirs, sizeof(theirs), deadline, peer, name);
-      if (!helloOk(theirs) || theirs.rank != peer) {
-        throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
-                                       std::to_string(peer) + " failed authentication");
-      }
+      proveAsDialer(fd.get(), peer, lane, lanes, deadline, &theirs);
       fds.push_back(std::move(fd));
     }
   } else {

@@ -41,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/transport/Handshake.h"
 #include "comm/transport/Socket.h"
 #include "comm/transport/Transport.h"
 
@@ -247,21 +248,35 @@ class StreamTransport : public Transport {
   StreamConfig config_;
   TransportContext ctx_;
   Listener listener_;
+  std::shared_ptr<void> siblingReads_;  // shm: Yama lets peers read this process while held
   std::mutex acceptMu_;
   // Connections that arrived before connect(p) took them, by (rank, lane).
   std::map<std::pair<int, int>, std::pair<Fd, Hello>> accepted_;
-  // Connections accepted whose Hello has not fully arrived (under acceptMu_).
+  // Connections accepted but not yet admitted (under acceptMu_): reading the dialer's Hello,
+  // then (once answered with ours and our proof) its proof. See Handshake.h.
   struct Greeting {
     Fd fd;
-    Hello hello;
-    size_t got = 0;
+    bool answered = false;  // our Hello and proof went out; now reading the dialer's proof
+    Hello theirs;
+    Hello mine;
+    uint8_t proof[sizeof(Proof)] = {0};
+    size_t got = 0;  // bytes of the current stage's message received
     Clock::time_point deadline;
   };
   std::vector<Greeting> greeting_;
   static constexpr std::chrono::seconds kHelloWindow{10};
-  // Wait until `until` for the listener and the greetings; move complete, authentic ones to
-  // accepted_. True when something arrived (the caller looks again), false on the timeout.
+  // Wait until `until` for the listener and the greetings; move admitted ones to accepted_.
+  // True when something arrived (the caller looks again), false on the timeout.
   bool admitOnce(Clock::time_point until);
+  // One step of greeting `g` whose socket is readable; false drops the connection.
+  bool advanceGreeting(Greeting& g);
+  // Whether a dialer's Hello names a rank and lane of this group (before any proof).
+  bool helloFieldsOk(const Hello& h) const;
+  // shm: the connected process is the one the Hello names, run by this user (SO_PEERCRED).
+  bool peerCredentialsOk(int fd, const Hello& h) const;
+  // Dialer side of the handshake on a fresh connection to `peer`; throws naming the peer.
+  void proveAsDialer(int fd, int peer, int lane, int lanes, Clock::time_point deadline,
+                     Hello* theirs);
   // Store key where a dialer that gave up on `rank` says why (the accepting side polls it).
   std::string unreachableKey(int rank) const;
   // Dial `peer` at its published `address` within DICOMM_CONNECT_TIMEOUT; on failure tell the
@@ -269,7 +284,6 @@ class StreamTransport : public Transport {
   Fd dialPeer(int peer, const std::string& address, Clock::time_point deadline);
   Fd takeAccepted(int peer, int lane, Clock::time_point deadline, Hello* theirs);
   Hello myHello(int lane, int lanes) const;
-  bool helloOk(const Hello& h) const;
   static constexpr int kMaxLanes = 16;
 };
 

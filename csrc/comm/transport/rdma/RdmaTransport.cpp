@@ -424,10 +424,16 @@ void RdmaPair::progressLoop() {
 }
 
 void RdmaPair::handle(const ibv_wc& wc, Deferred& deferred) {
-  if (wc.wr_id & kRecvBit) {
-    handleRecv(wc, deferred);
-  } else {
-    handleSendCompletion(wc, deferred);
+  // Whatever a completion throws (a malformed message the core refuses, an allocation that
+  // fails) fails this pair with a cause naming the peer; it never escapes the progress thread.
+  try {
+    if (wc.wr_id & kRecvBit) {
+      handleRecv(wc, deferred);
+    } else {
+      handleSendCompletion(wc, deferred);
+    }
+  } catch (const std::exception& e) {
+    deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
   }
 }
 
@@ -509,12 +515,21 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
     if (in.landing.done) deferred.push_back([done = std::move(in.landing.done)] { done(nullptr); });
     return;
   }
+  if (wc.byte_len < sizeof(Ctrl)) {
+    repost();
+    deferred.push_back([this, len = wc.byte_len] {
+      fail("rdma: protocol error: rank " + std::to_string(peer_) + " sent a " +
+           std::to_string(len) + "-byte message, shorter than a header");
+    });
+    return;
+  }
   Ctrl c;
   memcpy(&c, recvSlot(slot), sizeof(c));
   const Envelope& env = c.envelope;
   switch (c.kind) {
     case kEager: {
-      if (wc.byte_len != sizeof(Ctrl) + env.nbytes) {
+      // Compared without adding to the peer's size, which could wrap.
+      if (env.nbytes > config_.eagerMax || wc.byte_len - sizeof(Ctrl) != env.nbytes) {
         repost();
         deferred.push_back([this, len = wc.byte_len] {
           fail("rdma: protocol error: rank " + std::to_string(peer_) + " sent " +
@@ -648,7 +663,16 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
     return;
   }
   if (reply.ctrl.status == kCtsOk) {
-    largeRecvs_[static_cast<uint32_t>(rts.id)] = LargeRecv{std::move(landing), std::move(reg)};
+    const auto id = static_cast<uint32_t>(rts.id);
+    if (largeRecvs_.count(id)) {
+      // A second announcement under a live transfer's id would orphan the first landing.
+      const std::string cause = "rdma: protocol error: rank " + std::to_string(peer_) +
+                                " announced transfer " + std::to_string(id) + " twice";
+      if (landing.done) deferred.push_back([done = std::move(landing.done), e = error(cause)] { done(e); });
+      deferred.push_back([this, cause] { fail(cause); });
+      return;
+    }
+    largeRecvs_[id] = LargeRecv{std::move(landing), std::move(reg)};
   }
   try {
     enqueue(std::move(reply), deferred);
