@@ -26,9 +26,27 @@ import os
 import torch
 import torch.distributed as dist
 
-from dicomm._C import ProcessGroupDicomm, local_host_id
-from dicomm._C import transports_built as _transports_built
-from dicomm._C import transports_usable as _transports_usable
+
+def _load_extension_from(path: str) -> None:
+    """Use the backend built at `path` (a sanitizer build: `make test-asan`) as dicomm._C."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("dicomm._C", path)
+    if spec is None or not os.path.isfile(path):
+        raise ImportError(f"DICOMM_EXTENSION={path!r}: expected the path of a built dicomm _C module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dicomm._C"] = module
+    spec.loader.exec_module(module)
+    globals()["_C"] = module  # as an import of the submodule would bind it
+
+
+if os.environ.get("DICOMM_EXTENSION"):
+    _load_extension_from(os.environ["DICOMM_EXTENSION"])
+
+from dicomm._C import ProcessGroupDicomm, local_host_id  # noqa: E402
+from dicomm._C import transports_built as _transports_built  # noqa: E402
+from dicomm._C import transports_usable as _transports_usable  # noqa: E402
 
 __all__ = [
     "ProcessGroupDicomm",

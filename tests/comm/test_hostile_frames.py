@@ -63,6 +63,9 @@ CASES = {
     "a payload frame on a data lane": ([(1, frame("inline", TAG, 16, FLOAT) + PAYLOAD)], "data lane"),
     "a frame cut short": ([(0, frame("inline", TAG, 16, FLOAT)[:40]), (0, None)], "closed"),
     "data of another size than announced": ([_rts_then_data_of_another_size], "asked for 16"),
+    # Over tcp the pid rank 0 gave belongs to another host: never read a local process's memory.
+    "a cross-memory frame over tcp": ([(0, frame("remote", TAG, 16, FLOAT, address=4096, seq=1))],
+                                      "does not use cross-memory attach"),
     "an abort notice": ([(0, frame("inline", 3 << 60, 9) + b"out of it")], "out of it"),
 }
 

@@ -505,6 +505,13 @@ void StreamPair::pullAndAck(const Frame& frame, Landing landing) {
 
 void StreamPair::receivePayload(const Frame& frame) {
   const Envelope& env = frame.envelope;
+  if (frame.kind == kRemote && !remoteOk_) {
+    // Only a pair whose two ends proved cross-memory attach may name an address to read:
+    // over tcp the pid in the peer's Hello belongs to another host.
+    throw TransportError(peer_, std::string(config_.name) + ": protocol error from rank " +
+                                    std::to_string(peer_) + ": a cross-memory frame on a pair " +
+                                    "that does not use cross-memory attach");
+  }
   if (frame.kind == kRemote) {
     // Copied straight from the sender's memory once a receive is posted (maybe later, by the
     // thread that posts it).
