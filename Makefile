@@ -2,7 +2,7 @@
 # Each sets itself up on a fresh machine and is safe to rerun.
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-single test test-rdma build bench
+.PHONY: setup demo demo-single test test-asan test-rdma build bench
 setup:
 	@bash scripts/setup_env.sh
 
@@ -18,6 +18,10 @@ demo-single: setup
 
 test: setup
 	GLOO_SOCKET_IFNAME=lo $(PY) -m pytest -q tests $(TEST_ARGS)
+
+# tests/comm against a sanitized (ASan + UBSan) dicomm, then the frame fuzzer: scripts/test_asan.sh.
+test-asan: setup
+	bash scripts/test_asan.sh $(TEST_ARGS)
 
 # The rdma tests on real (soft-RoCE) verbs, inside a qemu guest: see docs/rdma.md.
 test-rdma: setup

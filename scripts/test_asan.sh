@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# `make test-asan`: dicomm under AddressSanitizer and UndefinedBehaviorSanitizer.
+#  1. builds the backend with DITORCH_SANITIZE=address,undefined into build/asan (the regular
+#     build is untouched) and runs tests/comm against it (DICOMM_EXTENSION, runtimes preloaded);
+#     any sanitizer report, in any rank process, fails the run;
+#  2. builds and runs the stream-frame fuzzer (tests/comm/fuzz, clang's libFuzzer) for
+#     FUZZ_SECONDS (default 60), leaks checked.
+# Installs clang-14 when run as root and missing. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+export PATH="$PWD/.venv/bin:$PATH"
+
+if ! command -v clang++-14 >/dev/null && ! command -v clang++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test-asan: installing clang-14 (libFuzzer)" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang-14 libclang-rt-14-dev >/dev/null) \
+    || echo "test-asan: clang-14 not installed; the fuzzer cannot be built" >&2
+fi
+
+build=build/asan
+T=$("$PY" -c "import os, torch; print(os.path.dirname(torch.__file__))")
+if [ ! -f "$build/build.ninja" ]; then
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDITORCH_SANITIZE=address,undefined \
+    -DPython3_EXECUTABLE="$PWD/$PY" -DTORCH_ROOT="$T" >/dev/null
+fi
+echo "test-asan: building the sanitized backend" >&2
+cmake --build "$build" -j 2 --target dicomm_backend | grep -vE "^\[[0-9]+/[0-9]+\]" || true
+ext=$(ls "$build"/dicomm/_C.*.so)
+
+reports="$PWD/$build/reports"
+rm -rf "$reports" && mkdir -p "$reports"
+rc=0
+# Leak checking stays off in Python processes (the interpreter keeps its objects at exit); the
+# fuzzer checks leaks of the transport itself.
+LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
+ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:log_path=$reports/asan" \
+UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
+DICOMM_EXTENSION="$PWD/$ext" GLOO_SOCKET_IFNAME=lo \
+  "$PY" -m pytest -q tests/comm -p no:cacheprovider "$@" || rc=$?
+found=$(ls "$reports" | wc -l)
+echo "test-asan: tests/comm exit $rc, sanitizer reports: $found"
+for f in "$reports"/*; do [ -f "$f" ] && { echo "--- $f"; head -60 "$f"; }; done
+[ "$rc" = 0 ] && [ "$found" = 0 ] || exit 1
+
+bash tests/comm/fuzz/run.sh
