@@ -63,3 +63,26 @@ def test_a_group_larger_than_the_tags_is_refused_at_once():
     store = torch.distributed.HashStore()
     with pytest.raises(RuntimeError, match="a group of 1026 ranks is larger than the 1025"):
         dicomm.ProcessGroupDicomm(store, 0, 1026, 5.0)
+
+
+def too_many_chunks(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+
+    # 131073 floats over 2 ranks: segments of 65537 and 65536 elements, in 4-byte chunks. Rank 1
+    # could post the receives of the smaller segment before meeting the larger one; both ranks
+    # must refuse before posting anything, and the group stays usable.
+    out = {"error": error_of(dist.all_reduce, torch.ones(131073))}
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    out["after"] = t.tolist()
+    out["aborted"] = dist.group.WORLD._get_backend(torch.device("cpu")).aborted
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_with_more_chunks_than_tags_is_refused_before_posting():
+    out = run_ranks(too_many_chunks, 2, env={"DICOMM_CHUNK_BYTES": "4"}, op_timeout_s=30)
+    for r in out.values():
+        assert "262148-byte segment in chunks of 4 bytes makes 65537 chunks" in r["error"], r
+        assert "raise DICOMM_CHUNK_BYTES (now 4)" in r["error"], r
+        assert r["after"] == [3.0] * 4 and r["aborted"] is False, r

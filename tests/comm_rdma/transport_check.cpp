@@ -244,7 +244,7 @@ int main(int argc, char** argv) {
   ctx.authKey = std::vector<uint8_t>(32, 7);
   auto transport = it->second.create();
   transport->start(ctx);
-  std::map<int, std::unique_ptr<Pair>> pairs;
+  std::map<int, std::shared_ptr<Pair>> pairs;
   for (int p = 0; p < size; ++p) {
     if (p != rank) pairs[p] = transport->connect(p);
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <vector>
 
@@ -39,6 +40,32 @@ void await(CollectiveContext& ctx, const CompletionPtr& c, int peer, const char*
   }
 }
 
+// Declared first in every collective: if an exception leaves the collective after this thread
+// posted transfers for it, the communicator is closed while the caller's buffers still exist
+// (they are freed as the exception unwinds further). await() closes it itself, with the
+// transfer's own cause; this catches everything else (an allocation that fails, say).
+class CloseOnUnwind {
+ public:
+  explicit CloseOnUnwind(CollectiveContext& ctx)
+      : ctx_(ctx), uncaught_(std::uncaught_exceptions()), posted_(Communicator::postedByThisThread()) {}
+  ~CloseOnUnwind() {
+    if (std::uncaught_exceptions() <= uncaught_ || Communicator::postedByThisThread() == posted_) return;
+    try {
+      ctx_.abort("dicomm " + ctx_.op + " (collective #" + std::to_string(ctx_.seq) +
+                 ") failed after posting transfers; the group is aborted so that none lands in "
+                 "freed memory (the op's own error says why)");
+    } catch (...) {
+    }
+  }
+  CloseOnUnwind(const CloseOnUnwind&) = delete;
+  CloseOnUnwind& operator=(const CloseOnUnwind&) = delete;
+
+ private:
+  CollectiveContext& ctx_;
+  const int uncaught_;
+  const uint64_t posted_;
+};
+
 struct Pending {
   CompletionPtr c;
   int peer;
@@ -50,14 +77,33 @@ void awaitAll(CollectiveContext& ctx, std::vector<Pending>& ps) {
   ps.clear();
 }
 
+constexpr size_t kMaxChunks = 65536;  // the tag's 16-bit chunk field (Tags.h)
+
+size_t chunkStride(size_t elem, size_t chunkBytes) {
+  return std::max<size_t>(elem, chunkBytes / elem * elem);
+}
+
+// Throws before anything is posted when a segment would need more chunks than a tag can number.
+void checkChunkCount(const std::vector<Segment>& segs, size_t elem, size_t chunkBytes) {
+  const size_t per = chunkStride(elem, chunkBytes);
+  for (auto& s : segs) {
+    const size_t chunks = (s.count * elem + per - 1) / per;
+    if (chunks > kMaxChunks) {
+      throw std::invalid_argument(
+          "dicomm: a " + std::to_string(s.count * elem) + "-byte segment in chunks of " +
+          std::to_string(per) + " bytes makes " + std::to_string(chunks) + " chunks, more than the " +
+          std::to_string(kMaxChunks) + " a collective can number; raise DICOMM_CHUNK_BYTES (now " +
+          std::to_string(chunkBytes) + ")");
+    }
+  }
+}
+
 // Byte ranges of the chunks of one segment; identical on sender and receiver.
 std::vector<std::pair<size_t, size_t>> chunksOf(const Segment& s, size_t elem, size_t chunkBytes) {
+  checkChunkCount({s}, elem, chunkBytes);
   std::vector<std::pair<size_t, size_t>> out;
-  size_t bytes = s.count * elem;
-  if (bytes == 0) return out;
-  size_t per = std::max<size_t>(elem, chunkBytes / elem * elem);
+  const size_t bytes = s.count * elem, per = chunkStride(elem, chunkBytes);
   for (size_t off = 0; off < bytes; off += per) out.emplace_back(off, std::min(per, bytes - off));
-  if (out.size() > 65536) throw std::invalid_argument("dicomm: too many chunks; raise DICOMM_CHUNK_BYTES");
   return out;
 }
 
@@ -91,10 +137,12 @@ void ringReduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segm
 void ringReduceScatter(CollectiveContext& ctx, const Ring& ring, void* buf,
                        const std::vector<Segment>& segs, c10::ScalarType dtype, ReduceKind op,
                        unsigned phase) {
+  CloseOnUnwind guard(ctx);
   Communicator& comm = *ctx.comm;
   const int n = ring.size(), r = ring.position;
   if (n == 1) return;
   const size_t elem = c10::elementSize(dtype);
+  checkChunkCount(segs, elem, ctx.chunkBytes);
   const int right = ring.ranks[mod(r + 1, n)], left = ring.ranks[mod(r - 1, n)];
   char* base = static_cast<char*>(buf);
   size_t maxSeg = 0;
@@ -150,10 +198,12 @@ void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>
 
 void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
                    const std::vector<Segment>& segs, c10::ScalarType dtype, unsigned phase) {
+  CloseOnUnwind guard(ctx);
   Communicator& comm = *ctx.comm;
   const int n = ring.size(), r = ring.position;
   if (n == 1) return;
   const size_t elem = c10::elementSize(dtype);
+  checkChunkCount(segs, elem, ctx.chunkBytes);
   const int right = ring.ranks[mod(r + 1, n)], left = ring.ranks[mod(r - 1, n)];
   char* base = static_cast<char*>(buf);
   std::vector<Pending> sends;
@@ -269,6 +319,7 @@ void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
 
 void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
                ReduceKind op, AllreduceAlgorithm algorithm) {
+  CloseOnUnwind guard(ctx);
   if (ctx.comm->size() == 1) return;
   const bool small = numel * c10::elementSize(dtype) < kHierarchyMaxBytes;
   if (algorithm == AllreduceAlgorithm::kHierarchical ||
@@ -303,6 +354,7 @@ std::vector<int> treeChildren(int vr, int n) {
 }  // namespace
 
 void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, int root) {
+  CloseOnUnwind guard(ctx);
   Communicator& comm = *ctx.comm;
   const int n = comm.size(), r = comm.rank();
   if (n == 1) return;
@@ -335,6 +387,7 @@ void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType 
 
 void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype, ReduceKind op,
             int root) {
+  CloseOnUnwind guard(ctx);
   Communicator& comm = *ctx.comm;
   const int n = comm.size(), r = comm.rank();
   const size_t elem = c10::elementSize(dtype), bytes = numel * elem;
@@ -416,12 +469,14 @@ void rootedExchange(CollectiveContext& ctx, bool toRoot, char* rootBuffer, void*
 
 void gather(CollectiveContext& ctx, const void* in, size_t numel, c10::ScalarType dtype, void* out,
             int root) {
+  CloseOnUnwind guard(ctx);
   rootedExchange(ctx, /*toRoot=*/true, static_cast<char*>(out), const_cast<void*>(in), numel,
                  dtype, root);
 }
 
 void scatter(CollectiveContext& ctx, const void* in, void* out, size_t numel,
              c10::ScalarType dtype, int root) {
+  CloseOnUnwind guard(ctx);
   rootedExchange(ctx, /*toRoot=*/false, static_cast<char*>(const_cast<void*>(in)), out, numel,
                  dtype, root);
 }
@@ -430,6 +485,7 @@ void alltoall(CollectiveContext& ctx, const void* in, const std::vector<size_t>&
               const std::vector<size_t>& sendCounts, void* out,
               const std::vector<size_t>& recvOffsets, const std::vector<size_t>& recvCounts,
               c10::ScalarType dtype) {
+  CloseOnUnwind guard(ctx);
   Communicator& comm = *ctx.comm;
   const int n = comm.size(), r = comm.rank();
   const size_t elem = c10::elementSize(dtype);
@@ -456,6 +512,7 @@ void alltoall(CollectiveContext& ctx, const void* in, const std::vector<size_t>&
 }
 
 void barrier(CollectiveContext& ctx) {
+  CloseOnUnwind guard(ctx);
   // Dissemination barrier: ceil(log2 n) rounds of empty messages.
   Communicator& comm = *ctx.comm;
   const int n = comm.size(), r = comm.rank();

@@ -3,8 +3,10 @@
 // Ring reduce-scatter / allgather (and allreduce = both) move each segment in chunks so that
 // the transfer of chunk j+1 overlaps the reduction of chunk j and a rank forwards chunk j as
 // soon as it has it. Broadcast and reduce use a binomial tree, also chunked. Every wait honours
-// the op's deadline; on any failure the communicator is closed *before* the error unwinds,
-// so no transport thread can still be writing into a buffer that is being freed.
+// the op's deadline. A collective refuses what it cannot do before it posts anything; any
+// failure after it posted a transfer closes the communicator *before* the error unwinds
+// (await() for a failed transfer, a guard in every entry point for anything else), so no
+// transport thread can still be writing into a buffer that is being freed.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -48,10 +50,8 @@ struct Ring {
 // (a ring per host over shm, then one ring per local index across hosts, then the host ring
 // again: fewer steps, and fewer bytes across hosts). kAuto takes the two levels for payloads
 // below kHierarchyMaxBytes when the group spans two or more hosts holding the same number (two
-// or more) of its ranks each, and the flat ring otherwise: in benchmarks/comm.py on two
-// emulated hosts x 2 ranks the two levels ran 1.0-1.9x the flat ring's speed up to 256 KiB
-// (quiet, loaded, and over a 1 Gbit/s link), 0.89-1.48x at 2 MiB and 0.83-1.07x from 16 MiB,
-// where both are bound by the CPUs or the link.
+// or more) of its ranks each, and the flat ring otherwise: small payloads gain from fewer
+// steps, large ones are bound by the CPUs or the link either way (docs/dicomm.md, Measured).
 enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical };
 constexpr size_t kHierarchyMaxBytes = size_t(4) << 20;
 // What `wanted` resolves to for this group: kAuto stays kAuto only where the hierarchy is

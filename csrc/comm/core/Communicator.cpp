@@ -266,7 +266,9 @@ std::string Communicator::congestionOf(int peer) const {
 bool Communicator::progress(int peer, const std::atomic<bool>& done,
                             std::chrono::steady_clock::time_point until, bool block) {
   if (closed_ || peer < 0 || peer >= size() || !pairs_[peer]) return false;
-  return pairs_[peer]->progress(done, until, block);
+  // Held here: a completion handled on this thread may close the group and release it.
+  const std::shared_ptr<Pair> pair = pairs_[peer];
+  return pair->progress(done, until, block);
 }
 
 void Communicator::unpark(int peer) {
@@ -283,6 +285,12 @@ void Communicator::unpark(int peer) {
 void Communicator::setFailureHandler(std::function<void(int, const std::string&)> handler) {
   onFailure_ = std::move(handler);
 }
+
+namespace {
+thread_local uint64_t postedHere = 0;
+}  // namespace
+
+uint64_t Communicator::postedByThisThread() { return postedHere; }
 
 std::shared_ptr<Completion> Communicator::isend(int peer, uint64_t tag, const void* data,
                                                 size_t nbytes, int32_t dtype,
@@ -302,6 +310,7 @@ std::shared_ptr<Completion> Communicator::isend(int peer, uint64_t tag, const vo
     c->complete(std::make_exception_ptr(std::runtime_error("dicomm: communicator is closed")));
     return c;
   }
+  ++postedHere;
   pairs_[peer]->send(env, data, MemoryKind::kHost,
                      [c, peer](std::exception_ptr e) { c->complete(e, peer); });
   return c;
@@ -327,6 +336,7 @@ std::shared_ptr<Completion> Communicator::irecv(int peer, uint64_t tag, void* da
   r.nbytes = nbytes;
   r.dtype = dtype;
   r.completion = c;
+  ++postedHere;
   mailbox_.post(std::move(r));
   return c;
 }

@@ -68,6 +68,10 @@ class Communicator {
   // when -1: before waiting for messages without polling for them.
   void unpark(int peer);
 
+  // Transfers posted (isend/irecv) by the calling thread so far, in any communicator: a
+  // collective that fails compares it to know whether it left transfers behind.
+  static uint64_t postedByThisThread();
+
   // Stop every transport thread, then fail all pending receives with `error`. Not callable from
   // a transport thread. Idempotent.
   void close(const std::exception_ptr& error);
@@ -83,7 +87,7 @@ class Communicator {
   CommunicatorOptions options_;
   Mailbox mailbox_;
   std::vector<std::unique_ptr<Transport>> transports_;
-  std::vector<std::unique_ptr<Pair>> pairs_;  // indexed by rank; null for self
+  std::vector<std::shared_ptr<Pair>> pairs_;  // indexed by rank; null for self
   std::vector<std::string> pairTransport_;
   std::vector<std::string> peerHost_;  // host id of each rank (localHostId())
   std::vector<std::vector<int>> hosts_;

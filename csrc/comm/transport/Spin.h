@@ -1,7 +1,7 @@
 // How long a thread that waits for the network polls before it blocks in the kernel.
 //
-// Polling pays on a quiet host: waking a sleeping thread costs 20-30 us on a VM whose idle vCPUs
-// halt, more than a small message's whole trip, and a poller that runs out of time costs only a
+// Polling pays on a quiet host: waking a sleeping thread costs more than a small message's whole
+// trip on a VM whose idle vCPUs halt, and a poller that runs out of time costs only a
 // core nobody else wanted. On a busy host it is the worst thing to do: the poller holds a core
 // that the thread it waits for, or the peer rank, needs (a training job beside the communication
 // threads, or more ranks than cores). So a waiter polls for DICOMM_SPIN_US (default 200; 0 never
@@ -13,8 +13,8 @@
 // keeps a momentary peak (a peer's thread waking) from stopping the polls of a ping-pong. A
 // thread's own history does not tell the two hosts apart: a poll that runs out says only that
 // the wait was long, and context switches during polls happen on a quiet host too (our own
-// threads take turns); an adaptive budget built on either collapsed on the quiet 2-core VM
-// (8 B one-way from 8 us to 45-80 us).
+// threads take turns); an adaptive budget built on either collapsed small-message latency on a
+// quiet host (docs/dicomm.md).
 #pragma once
 
 #include <chrono>

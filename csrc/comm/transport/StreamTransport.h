@@ -53,7 +53,7 @@ struct StreamConfig {
   size_t remoteThreshold = SIZE_MAX;  // payloads >= this go by cross-memory attach
   // Copy a large cross-memory payload with two threads: one process_vm_readv stream stays well
   // under memcpy speed. Only while this host has a core per local rank (set by start()): with
-  // 4 ranks on 2 cores the helper only adds switches, and a 64 MiB allreduce ran 8-10% slower.
+  // more ranks than cores the helper only adds switches.
   bool parallelPull = true;
   // Payloads >= this (and not going by cross-memory attach) use request-to-send: the payload
   // follows only once the receiver has a matching receive, so it lands in place, never in a
@@ -71,9 +71,8 @@ struct StreamConfig {
   // TCP congestion control (DICOMM_TCP_CONGESTION): "auto" puts reno on connections that stay
   // on this host and keeps the system's choice elsewhere; "system" always keeps it; any other
   // value is an algorithm set on every connection. Congestion control has nothing to control
-  // within a host, and a pacing one costs there: with BBR (this VM's default, pacing every
-  // segment from a timer since lo has no fq qdisc) a 64 MiB message moved 1.4-1.6x slower over
-  // dicomm tcp than with reno.
+  // within a host, and a pacing one (BBR on lo, which has no fq qdisc, paces every segment
+  // from a timer) costs there (docs/dicomm.md).
   std::string congestion = "auto";
   // tcp: a peer host that stops answering fails the pair after this many seconds (keepalive and
   // TCP_USER_TIMEOUT; DICOMM_PEER_TIMEOUT, 0 = only at the op timeout), and a dial that is not
@@ -90,9 +89,12 @@ struct StreamConfig {
   static int defaultLanes();
 };
 
-class StreamPair : public Pair {
+class StreamPair : public Pair, public std::enable_shared_from_this<StreamPair> {
  public:
-  // `fds[0]` is the main connection, the rest are data lanes (see the top of this file).
+  // A running pair. `fds[0]` is the main connection, the rest are data lanes (see the top of
+  // this file). Its threads hold it until they exit (Transport.h).
+  static std::shared_ptr<StreamPair> start(int peer, std::vector<Fd> fds, Inbox* inbox,
+                                           StreamConfig config, pid_t peerPid, bool remoteOk);
   StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig config, pid_t peerPid,
              bool remoteOk);
   ~StreamPair() override;
@@ -114,9 +116,8 @@ class StreamPair : public Pair {
   enum Kind : uint32_t {
     kInline = 1, kRemote = 2, kAck = 3, kGoodbye = 4, kRts = 5, kCts = 6, kData = 7, kPart = 8
   };
-  // One cache line. Measured on loopback: with a 48-byte (or 56-byte) frame, 1-16 MiB payloads
-  // moved at about half a plain socket's speed, the kernel's copy into the receiving buffer
-  // taking 4-5x longer per byte; with 64 or 128 bytes they move as fast as the plain socket.
+  // One cache line: a header that is not a multiple of the cache line slowed large payloads
+  // that follow it in the same socket to about half speed (docs/dicomm.md).
   struct Frame {
     uint32_t kind = 0;
     int32_t status = 0;  // ACK: 0 ok, else errno of the receiver's copy
@@ -166,6 +167,10 @@ class StreamPair : public Pair {
   void laneRxLoop(Lane& lane);
   void txLoop(Lane& lane);
   void writeFrame(Lane& lane, const Outgoing& out);  // throws TransportError
+  // The three writers of a lane (the send thread, send()'s latency path, a control frame) take
+  // turns through `writing`, never holding mu_ while they write (the receive threads need it):
+  // a caller claims an idle lane (nothing queued, nobody writing; mu_ held) or queues behind.
+  bool claimIdleLocked(Lane& lane);
   void releaseLane(Lane& lane);  // writing = false; wakes the send thread if frames queued
   void receivePayload(const Frame& frame);
   // Ring pollerBell_ if a thread is in progress(): an op completed on a lane's thread.
@@ -205,6 +210,19 @@ class StreamPair : public Pair {
   Fd mainReady_;                   // epoll set the main receive thread sleeps on
   Fd parkBell_;                    // eventfd in that set: a poller parked while it slept untimed
   Fd pollerBell_;                  // eventfd a blocking poller sleeps on beside the main lane
+  // The main lane's reading protocol. Invariants (each step that relies on one says so):
+  //  R1 only readMu_'s holder reads the main socket or rxBuf_, and it records itself in reader_;
+  //  R2 masked_ (socket events off in mainReady_) changes only under readMu_; a poller masks it
+  //     while it reads, and may leave it masked when it lets go ("parks", parkedAt_ = when);
+  //  R3 a parked socket is unmasked by whoever next holds readMu_ once parkOver() says so (an
+  //     error or hang-up, unparkWanted_, or kParkGrace since parkedAt_), so a frame nobody polls
+  //     for waits at most kParkGrace;
+  //  R4 the receive thread never sleeps untimed on a parked socket: it sets sleepsUntimed_
+  //     before reading masked_, a parking poller sets masked_ before reading sleepsUntimed_ and
+  //     rings parkBell_ if set, so one of the two sees the other;
+  //  R5 rxBuf_ is empty whenever readMu_ is free, unless down_ (the holder handles every
+  //     buffered frame);
+  //  R6 down_ set means nobody starts reading again; after close() no thread calls inbox_.
   std::mutex readMu_;              // one reader of the main lane at a time
   // What the main lane's reader received beyond the frame it handles: a small message arrives
   // with its header in one recv(). Empty whenever readMu_ is free.
@@ -241,7 +259,7 @@ class StreamTransport : public Transport {
   explicit StreamTransport(StreamConfig config) : config_(config) {}
   std::string name() const override { return config_.name; }
   void start(const TransportContext& context) override;
-  std::unique_ptr<Pair> connect(int peer) override;
+  std::shared_ptr<Pair> connect(int peer) override;
 
  private:
   std::string addressKey(int rank) const;

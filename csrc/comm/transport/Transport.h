@@ -20,7 +20,10 @@
 //  - every error names the peer rank and the cause, e.g. "tcp: connection to rank 3 lost: EOF";
 //  - when a pair breaks, pending sends complete with an error and the transport calls
 //    `Inbox::peerFailed(peer, cause)` once; the cause is `Inbox::abortNotice(peer)` when the
-//    peer said why it aborted.
+//    peer said why it aborted;
+//  - a pair is shared: its own threads hold it until they exit, so a completion callback may
+//    close it and drop every other reference (destroy the process group) on the pair's own
+//    thread; once close() has returned the pair never calls its Inbox again.
 #pragma once
 
 #include <atomic>
@@ -175,7 +178,7 @@ class Transport {
   virtual ~Transport() = default;
   virtual std::string name() const = 0;
   virtual void start(const TransportContext& context) = 0;
-  virtual std::unique_ptr<Pair> connect(int peer) = 0;
+  virtual std::shared_ptr<Pair> connect(int peer) = 0;
 };
 
 // Error thrown/reported by transports; what() names the peer.

@@ -134,12 +134,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   config.tcp = false;
   config.lanes = 2;
   {
-    StreamPair pair(kPeer, std::move(theirs), &mailbox, config, ::getpid(), /*remoteOk=*/false);
+    auto pair = StreamPair::start(kPeer, std::move(theirs), &mailbox, config, ::getpid(),
+                                  /*remoteOk=*/false);
     offer(ourMain.get(), data + 2, mainBytes);
     offer(ourLane.get(), data + 2 + mainBytes, body - mainBytes);
     ::shutdown(ourMain.get(), SHUT_WR);
     ::shutdown(ourLane.get(), SHUT_WR);
     mailbox.expectOneEnd();
+    pair->close();  // joins its threads: nothing of this input runs on into the next
   }
   mailbox.failAll(std::make_exception_ptr(std::runtime_error("fuzz: pair closed")));
   for (auto& r : receives) {

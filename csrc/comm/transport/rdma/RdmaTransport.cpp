@@ -132,11 +132,13 @@ RdmaPair::RdmaPair(std::shared_ptr<Device> device, int peer, Inbox* inbox, Confi
 RdmaPair::~RdmaPair() {
   close();
   if (progress_.joinable()) {
+    // On the progress thread itself only as its last act, once its loop has ended (it holds
+    // the pair until then): nothing uses the verbs objects any more.
     if (progress_.get_id() == std::this_thread::get_id()) {
       progress_.detach();
-      return;  // destroyed by its own progress thread: leak the verbs objects rather than crash
+    } else {
+      progress_.join();
     }
-    progress_.join();
   }
   // Order matters: the QP before its CQ, the CQ before its channel, MRs before the PD.
   qp_.reset();
@@ -206,7 +208,7 @@ void RdmaPair::startProgress() {
   if (int err = ibv_req_notify_cq(cq_.get(), 0)) {
     throw TransportError(peer_, callError("ibv_req_notify_cq", peer_, err));
   }
-  progress_ = std::thread([this] { progressLoop(); });
+  progress_ = std::thread([self = shared_from_this()] { self->progressLoop(); });
 }
 
 void RdmaPair::postRecv(int slot) {
@@ -258,7 +260,7 @@ void RdmaPair::send(const Envelope& envelope, const void* data, MemoryKind memor
       try {
         enqueue(std::move(p), deferred);
       } catch (const std::exception& e) {
-        deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
+        failLater(deferred, e.what());
       }
     }
   }
@@ -367,6 +369,14 @@ bool RdmaPair::tryPost(Pending& p, Deferred& deferred) {
 
 // ---- progress -----------------------------------------------------------------------------
 
+void RdmaPair::failLater(Deferred& deferred, std::string cause) {
+  deferred.push_back([this, cause = std::move(cause)] { fail(cause); });
+}
+
+std::string RdmaPair::protocolError(const std::string& what) const {
+  return "rdma: protocol error: rank " + std::to_string(peer_) + " " + what;
+}
+
 void RdmaPair::progressLoop() {
   ibv_wc wcs[32];
   unsigned unacked = 0;
@@ -414,7 +424,7 @@ void RdmaPair::progressLoop() {
         try {
           tryPost(p, deferred);
         } catch (const std::exception& e) {
-          deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
+          failLater(deferred, e.what());
         }
       }
     }
@@ -433,7 +443,7 @@ void RdmaPair::handle(const ibv_wc& wc, Deferred& deferred) {
       handleSendCompletion(wc, deferred);
     }
   } catch (const std::exception& e) {
-    deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
+    failLater(deferred, e.what());
   }
 }
 
@@ -454,7 +464,7 @@ void RdmaPair::handleSendCompletion(const ibv_wc& wc, Deferred& deferred) {
       try {
         drainBacklog(deferred);
       } catch (const std::exception& e) {
-        deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
+        failLater(deferred, e.what());
       }
     }
   }
@@ -463,7 +473,7 @@ void RdmaPair::handleSendCompletion(const ibv_wc& wc, Deferred& deferred) {
     // The op's own error names the root cause too, as the pair's failure will.
     std::string cause = rootCause(wcError(f.op, "to", peer_, wc));
     if (f.done) deferred.push_back([done = std::move(f.done), e = error(cause)] { done(e); });
-    deferred.push_back([this, cause] { fail(cause); });
+    failLater(deferred, cause);
     return;
   }
   if (f.done) deferred.push_back([done = std::move(f.done)] { done(nullptr); });
@@ -479,7 +489,7 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
     }
     if (!quiet || wc.status != IBV_WC_WR_FLUSH_ERR) {
       std::string cause = wcError("receive", "from", peer_, wc);
-      deferred.push_back([this, cause] { fail(cause); });
+      failLater(deferred, cause);
     }
     return;
   }
@@ -487,7 +497,7 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
     try {
       postRecv(slot);
     } catch (const std::exception& e) {
-      deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
+      failLater(deferred, e.what());
     }
   };
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
@@ -506,10 +516,8 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
     }
     repost();
     if (!known) {
-      deferred.push_back([this, id] {
-        fail("rdma: protocol error: rank " + std::to_string(peer_) + " wrote transfer " +
-             std::to_string(id) + ", which this rank never asked for");
-      });
+      failLater(deferred, protocolError("wrote transfer " + std::to_string(id) +
+                                        ", which this rank never asked for"));
       return;
     }
     if (in.landing.done) deferred.push_back([done = std::move(in.landing.done)] { done(nullptr); });
@@ -517,10 +525,8 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
   }
   if (wc.byte_len < sizeof(Ctrl)) {
     repost();
-    deferred.push_back([this, len = wc.byte_len] {
-      fail("rdma: protocol error: rank " + std::to_string(peer_) + " sent a " +
-           std::to_string(len) + "-byte message, shorter than a header");
-    });
+    failLater(deferred, protocolError("sent a " + std::to_string(wc.byte_len) +
+                                      "-byte message, shorter than a header"));
     return;
   }
   Ctrl c;
@@ -531,10 +537,9 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
       // Compared without adding to the peer's size, which could wrap.
       if (env.nbytes > config_.eagerMax || wc.byte_len - sizeof(Ctrl) != env.nbytes) {
         repost();
-        deferred.push_back([this, len = wc.byte_len] {
-          fail("rdma: protocol error: rank " + std::to_string(peer_) + " sent " +
-               std::to_string(len) + " bytes for an eager message");
-        });
+        failLater(deferred, protocolError("sent " + std::to_string(wc.byte_len) +
+                                          " bytes for an eager message of " +
+                                          std::to_string(env.nbytes)));
         return;
       }
       Landing landing = inbox_->arrive(peer_, env);
@@ -563,10 +568,8 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
       auto it = largeSends_.find(c.id);
       if (it == largeSends_.end()) {
         if (!failed_ && !closing_) {
-          deferred.push_back([this, id = c.id] {
-            fail("rdma: protocol error: rank " + std::to_string(peer_) +
-                 " answered transfer " + std::to_string(id) + ", which this rank never announced");
-          });
+          failLater(deferred, protocolError("answered transfer " + std::to_string(c.id) +
+                                            ", which this rank never announced"));
         }
         return;
       }
@@ -583,9 +586,9 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
         return;
       }
       if (env.nbytes != out.nbytes) {
-        auto e = error("rdma: protocol error: rank " + std::to_string(peer_) + " answered transfer " +
-                       std::to_string(c.id) + " for " + std::to_string(env.nbytes) +
-                       " bytes, this rank announced " + std::to_string(out.nbytes));
+        auto e = error(protocolError("answered transfer " + std::to_string(c.id) + " for " +
+                                     std::to_string(env.nbytes) + " bytes, this rank announced " +
+                                     std::to_string(out.nbytes)));
         deferred.push_back([done = std::move(out.done), e] { done(e); });
         return;
       }
@@ -602,13 +605,13 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
                             " failed: " + strerror(e.code().value());
         // The receiver waits for this write; nothing can complete it now.
         deferred.push_back([done = std::move(w.done), e = error(cause)] { done(e); });
-        deferred.push_back([this, cause] { fail(cause); });
+        failLater(deferred, cause);
         return;
       }
       try {
         enqueue(std::move(w), deferred);
       } catch (const std::exception& e) {
-        deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
+        failLater(deferred, e.what());
       }
       return;
     }
@@ -617,16 +620,11 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
       return;
     case kGoodbye:
       repost();
-      deferred.push_back([this] {
-        fail("rdma: rank " + std::to_string(peer_) + " shut down its process group");
-      });
+      failLater(deferred, "rdma: rank " + std::to_string(peer_) + " shut down its process group");
       return;
     default:
       repost();
-      deferred.push_back([this, kind = c.kind] {
-        fail("rdma: protocol error from rank " + std::to_string(peer_) + ": unknown message kind " +
-             std::to_string(kind));
-      });
+      failLater(deferred, protocolError("sent a message of unknown kind " + std::to_string(c.kind)));
   }
 }
 
@@ -666,10 +664,9 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
     const auto id = static_cast<uint32_t>(rts.id);
     if (largeRecvs_.count(id)) {
       // A second announcement under a live transfer's id would orphan the first landing.
-      const std::string cause = "rdma: protocol error: rank " + std::to_string(peer_) +
-                                " announced transfer " + std::to_string(id) + " twice";
+      const std::string cause = protocolError("announced transfer " + std::to_string(id) + " twice");
       if (landing.done) deferred.push_back([done = std::move(landing.done), e = error(cause)] { done(e); });
-      deferred.push_back([this, cause] { fail(cause); });
+      failLater(deferred, cause);
       return;
     }
     largeRecvs_[id] = LargeRecv{std::move(landing), std::move(reg)};
@@ -677,7 +674,7 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
   try {
     enqueue(std::move(reply), deferred);
   } catch (const std::exception& e) {
-    deferred.push_back([this, cause = std::string(e.what())] { fail(cause); });
+    failLater(deferred, e.what());
   }
 }
 
@@ -690,6 +687,11 @@ std::string RdmaPair::rootCause(const std::string& lost) const {
 }
 
 void RdmaPair::fail(const std::string& lost) {
+  {
+    // Closed (maybe from a callback on the progress thread, its inbox gone since): nothing to say.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_ || closing_) return;
+  }
   const std::string cause = rootCause(lost);
   Orphans orphans;
   {
@@ -791,8 +793,8 @@ void RdmaTransport::start(const TransportContext& context) {
   trackCpuAllocations();
 }
 
-std::unique_ptr<Pair> RdmaTransport::connect(int peer) {
-  auto pair = std::make_unique<RdmaPair>(device_, peer, ctx_.inbox, config_);
+std::shared_ptr<Pair> RdmaTransport::connect(int peer) {
+  auto pair = std::make_shared<RdmaPair>(device_, peer, ctx_.inbox, config_);
   ConnInfo mine = pair->localInfo();
   const uint8_t* b = reinterpret_cast<const uint8_t*>(&mine);
   ctx_.store->set(key("qp", ctx_.rank, peer), std::vector<uint8_t>(b, b + sizeof(mine)));

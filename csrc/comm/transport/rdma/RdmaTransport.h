@@ -75,7 +75,7 @@ struct ConnInfo {
   uint8_t gid[16] = {0};
 };
 
-class RdmaPair : public Pair {
+class RdmaPair : public Pair, public std::enable_shared_from_this<RdmaPair> {
  public:
   RdmaPair(std::shared_ptr<Device> device, int peer, Inbox* inbox, Config config);
   ~RdmaPair() override;
@@ -87,7 +87,7 @@ class RdmaPair : public Pair {
 
   ConnInfo localInfo() const;
   void connectTo(const ConnInfo& remote);  // INIT -> RTR -> RTS; throws TransportError
-  void startProgress();
+  void startProgress();  // the progress thread holds the pair until it exits (Transport.h)
 
  private:
   enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kKeepalive = 4, kGoodbye = 5 };
@@ -143,6 +143,10 @@ class RdmaPair : public Pair {
   void fail(const std::string& cause);
   // The peer's abort notice when it sent one (the root cause), else `lost`.
   std::string rootCause(const std::string& lost) const;
+  // fail(cause) once the completions being handled are done (outside the pair's lock).
+  void failLater(Deferred& deferred, std::string cause);
+  // "rdma: protocol error: rank <peer> <what>".
+  std::string protocolError(const std::string& what) const;
   std::exception_ptr error(const std::string& what) const;
   // Every pending completion, taken out of the pair (under mu_) to be failed outside the lock.
   struct Orphans {
@@ -192,7 +196,7 @@ class RdmaTransport : public Transport {
  public:
   std::string name() const override { return "rdma"; }
   void start(const TransportContext& context) override;
-  std::unique_ptr<Pair> connect(int peer) override;
+  std::shared_ptr<Pair> connect(int peer) override;
 
  private:
   std::string key(const char* what, int from, int to) const;
