@@ -27,5 +27,6 @@ test-asan: setup
 test-rdma: setup
 	bash scripts/rdma_vm/run_tests.sh $(TEST_ARGS)
 
+# Every benchmark program; comm_builds.py compares two builds and needs the baseline's path.
 bench: setup
-	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+	for b in benchmarks/*.py; do [ $$b = benchmarks/comm_builds.py ] || $(PY) $$b || exit 1; done

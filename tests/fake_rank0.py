@@ -60,27 +60,38 @@ def closed_by_peer(s: socket.socket, within: float = 5.0) -> bool:
 class FakeRank0:
     """The store and rank 0 of one group under `prefix` in `store` (tcp only, `lanes` lanes)."""
 
-    def __init__(self, store: torch.distributed.Store, prefix: str = "", lanes: int = 2):
-        self.store, self.prefix, self.lanes = store, prefix, lanes
+    def __init__(self, store: torch.distributed.Store, prefix: str = "", lanes: int = 2, transport: str = "tcp"):
+        self.store, self.prefix, self.lanes, self.transport = store, prefix, lanes, transport
         self.key = secrets.token_bytes(32)
         import dicomm
 
         store.set(prefix + "dicomm/auth", self.key)
-        store.set(prefix + "dicomm/info/0", f"{dicomm.local_host_id()}\ntcp".encode())  # this host; tcp only
+        # This host, and the one transport rank 1 is to use with us.
+        store.set(prefix + "dicomm/info/0", f"{dicomm.local_host_id()}\n{transport}".encode())
 
-    def rank1_address(self, timeout: float = 30.0) -> tuple[str, int]:
-        key = self.prefix + "dicomm/tcp/addr/1"
+    def rank1_address(self, timeout: float = 30.0) -> tuple[str, int] | str:
+        """Rank 1's listener: (host, port) for tcp, the abstract socket name for shm."""
+        key = self.prefix + f"dicomm/{self.transport}/addr/1"
         self.store.wait([key], datetime.timedelta(seconds=timeout))
-        host, port = self.store.get(key).decode().removeprefix("tcp:").rsplit(":", 1)
+        address = self.store.get(key).decode()
+        if self.transport == "shm":
+            return "\0" + address.removeprefix("unix:")
+        host, port = address.removeprefix("tcp:").rsplit(":", 1)
         return host, int(port)
 
     def connect(self) -> socket.socket:
-        return socket.create_connection(self.rank1_address())
+        address = self.rank1_address()
+        if isinstance(address, str):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(address)
+            return s
+        return socket.create_connection(address)
 
-    def greet(self, lane: int, rank: int = 0) -> tuple[socket.socket, bytes, bytes, bytes]:
+    def greet(self, lane: int, rank: int = 0, pid: int | None = None) -> tuple[socket.socket, bytes, bytes, bytes]:
         """Send rank 0's Hello for `lane`; returns the socket, our Hello, rank 1's Hello and proof."""
         s = self.connect()
-        mine = HELLO.pack(HELLO_MAGIC, rank, os.getpid(), 0, secrets.token_bytes(32), lane, self.lanes)
+        mine = HELLO.pack(HELLO_MAGIC, rank, os.getpid() if pid is None else pid, 0, secrets.token_bytes(32),
+                          lane, self.lanes)
         s.sendall(mine)
         s.settimeout(10)
         answer = s.recv(HELLO.size + 32, socket.MSG_WAITALL)
@@ -94,6 +105,11 @@ class FakeRank0:
             s, mine, theirs, _ = self.greet(lane)
             s.sendall(proof(self.key, "dial", mine, theirs))
             lanes.append(s)
+        if self.transport == "shm":
+            # The cross-memory attach probe results, one byte each way: we read nothing of rank 1.
+            lanes[0].sendall(b"\0")
+            lanes[0].settimeout(10)
+            assert len(lanes[0].recv(1)) == 1
         return lanes
 
 

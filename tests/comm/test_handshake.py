@@ -30,10 +30,10 @@ print(f"init {time.monotonic() - t0:.3f}", flush=True)
 class Rank1:
     """A real rank 1 in a subprocess, beside the test's rank 0."""
 
-    def __init__(self):
+    def __init__(self, transport: str = "tcp"):
         store, port = master_store()
-        self.rank0 = FakeRank0(store)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT="tcp",
+        self.rank0 = FakeRank0(store, lanes=2 if transport == "tcp" else 1, transport=transport)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT=transport,
                    DICOMM_TCP_STREAMS=str(self.rank0.lanes))
         self.proc = subprocess.Popen([sys.executable, "-c", RANK1, str(port)], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
@@ -125,6 +125,29 @@ def test_a_hello_naming_a_rank_outside_the_group_gets_no_answer():
             s.sendall(HELLO.pack(magic, rank, os.getpid(), 0, secrets.token_bytes(32), lane, n))
             assert closed_by_peer(s), f"rank 1 answered a Hello with (magic, rank, lane, lanes) = {fields}"
         held += rank0.join()
+        rank1.finish()
+    finally:
+        for s in held:
+            s.close()
+        rank1.kill()
+
+
+@pytest.mark.timeout(120)
+def test_shm_admits_only_the_process_its_hello_names():
+    import dicomm
+
+    if "shm" not in dicomm.transports_usable():
+        pytest.skip("cross-memory attach is not permitted here, so there is no shm transport")
+    rank1 = Rank1("shm")
+    rank0 = rank1.rank0
+    held = []
+    try:
+        # The Hello names another process (the one whose memory rank 1 would read): dropped
+        # unanswered, whatever the proof. SO_PEERCRED tells rank 1 who really connected.
+        s = rank0.connect()
+        s.sendall(HELLO.pack(HELLO_MAGIC, 0, rank1.proc.pid, 0, secrets.token_bytes(32), 0, 1))
+        assert closed_by_peer(s), "rank 1 answered a Hello naming a pid that is not the caller's"
+        held += rank0.join()  # our own pid: admitted
         rank1.finish()
     finally:
         for s in held:
