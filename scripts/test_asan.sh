@@ -4,7 +4,8 @@
 #     build is untouched) and runs tests/comm against it (DICOMM_EXTENSION, runtimes preloaded);
 #     any sanitizer report, in any rank process, fails the run;
 #  2. builds and runs the stream-frame fuzzer (tests/comm/fuzz, clang's libFuzzer) for
-#     FUZZ_SECONDS (default 60), leaks checked.
+#     FUZZ_SECONDS (default 60) under ASan + UBSan, leaks checked, then for TSAN_FUZZ_SECONDS
+#     (default 30) under ThreadSanitizer (races between a pair's threads and its closing).
 # Installs clang-14 when run as root and missing. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +43,5 @@ echo "test-asan: tests/comm exit $rc, sanitizer reports: $found"
 for f in "$reports"/*; do [ -f "$f" ] && { echo "--- $f"; head -60 "$f"; }; done
 [ "$rc" = 0 ] && [ "$found" = 0 ] || exit 1
 
-bash tests/comm/fuzz/run.sh
+FUZZ_SANITIZER=address bash tests/comm/fuzz/run.sh
+FUZZ_SANITIZER=thread FUZZ_SECONDS="${TSAN_FUZZ_SECONDS:-30}" bash tests/comm/fuzz/run.sh
