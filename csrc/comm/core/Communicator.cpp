@@ -213,9 +213,17 @@ Communicator::Communicator(CommunicatorOptions options)
     if (onFailure_) onFailure_(peer, cause);
   });
   pairs_.resize(size);
-  for (int p = 0; p < size; ++p) {
-    if (p == rank) continue;
-    pairs_[p] = started.at(pairTransport_[p])->connect(p);
+  try {
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      pairs_[p] = started.at(pairTransport_[p])->connect(p);
+    }
+  } catch (...) {
+    // The pairs already up are held by their own threads: stop them before mailbox_ goes.
+    for (auto& pair : pairs_) {
+      if (pair) pair->close();
+    }
+    throw;
   }
 }
 
