@@ -1,0 +1,34 @@
+"""The independent reference: the same model trained in one process, one step per batch."""
+from __future__ import annotations
+
+import torch
+
+from ditorch.datasets import step_batch, text_corpus
+from ditorch.models.llama import Llama
+from volunteer.job import Job
+
+
+def reference_run(job: Job) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """(loss per step, full-batch gradient per step by parameter name) of plain training."""
+    torch.manual_seed(job.seed)
+    model = Llama(job.config)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
+    data = text_corpus()[0]
+    losses, grads = [], []
+    for step in range(job.steps):
+        tokens = step_batch(data, job.batch, job.seq, job.seed, step)
+        opt.zero_grad()
+        loss = model.loss(tokens)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return losses, grads
+
+
+def stage_gradient(job: Job, stage: int, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The reference gradient laid out as stage ``stage``'s flat parameter vector."""
+    names = [n for n, _ in job.stage_module(stage).named_parameters()]
+    missing = [n for n in names if n not in grads]
+    assert not missing, f"stage parameters without a counterpart in the full model: {missing}"
+    return torch.cat([grads[n].reshape(-1) for n in names])

@@ -1,0 +1,378 @@
+"""A client: any device, reliable or not, that computes for one stage for as long as it likes.
+
+It asks the stage's frontal servers for tasks in turn, runs them on its copy of the stage, and
+keeps the forward graphs of the rows it sent on, so that when the backward servers return their
+gradient it finishes the backward without recomputing. Per step it sums the parameter
+gradients of the rows the frontal servers accepted from it and pushes that sum, in shards, to
+every server of the stage; then it pulls the next version of the parameters. It can stop at
+any moment: whatever it had not finished is in the servers' task pool.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from typing import Callable
+
+import torch
+import zmq
+
+from heteropp.model_spec import ModelSpec
+
+from .job import Job, flat_parameters, shard_bounds
+from .ranges import RowSet
+from .security import JobKeys, connecting_socket
+from .server import max_message_bytes
+from .wire import Message, ProtocolError
+
+log = logging.getLogger("volunteer.client")
+
+HEARTBEAT = 1.0
+MAX_GRAPHS = 4  # forward graphs kept at once (memory, as 1F1B bounds in-flight micro-batches)
+
+
+@dataclasses.dataclass
+class Work:
+    """A task the client holds: its rows, input and, once computed, its forward graph."""
+
+    key: tuple[int, int, int]
+    step: int
+    mb: int
+    rows: tuple[int, int]
+    kind: str
+    attempt: int
+    x: torch.Tensor
+    targets: torch.Tensor | None
+    graph: tuple[torch.Tensor, torch.Tensor] | None = None  # (input leaf, output)
+    grad: torch.Tensor | None = None
+    grad_rows: RowSet = dataclasses.field(default_factory=RowSet)
+
+
+class Departed(Exception):
+    """Raised by a fault-injection hook: the client vanishes at once, sending nothing more."""
+
+
+class Client:
+    """Client ``name`` of ``stage``; ``run()`` computes until the job finishes or ``stop()``."""
+
+    def __init__(self, job: Job, stage: int, name: str, keys: JobKeys, flops: float = 1e12,
+                 emulate_flops: float | None = None, leave_after: float | None = None,
+                 fault: Callable[[str], None] | None = None):
+        self.job, self.stage, self.name = job, stage, name
+        self.flops, self.emulate_flops, self.leave_after = flops, emulate_flops, leave_after
+        self.fault = fault or (lambda point: None)  # fault injection: raises Departed at a point
+        self.spec = job.stages[stage]
+        self.first, self.last = stage == 0, stage == len(job.stages) - 1
+        self.identity = f"c:{name}:{secrets.token_hex(4)}".encode()
+        self.context = zmq.Context()
+        max_bytes = max_message_bytes(job)
+        self.sockets = [connecting_socket(self.context, keys, f"tcp://{s.address}", self.identity, max_bytes)
+                        for s in self.spec.servers]
+        self.frontal = self.sockets[:len(self.spec.frontal)]
+        self.backward = self.sockets[len(self.spec.frontal):]
+        self.module = job.stage_module(stage)
+        self.params = flat_parameters(self.module)
+        self.numel = sum(p.numel() for p in self.params)
+        layers = self.spec.layers[1] - self.spec.layers[0]
+        self.flops_per_sample = layers * 3 * ModelSpec.from_dict(job.model, seq=job.seq).layer_forward_flops()
+        self.version = -1
+        self.incoming: dict[int, dict[int, torch.Tensor]] = {}  # version -> shard -> piece
+        self.pulling: int | None = None
+        self.work: dict[tuple[int, int, int], Work] = {}
+        self.parked: list[Work] = []  # tasks waiting for a newer version of the parameters
+        self.awaiting_accept: dict[tuple[int, int, int], tuple[int, tuple[int, int], torch.Tensor]] = {}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, RowSet] = {}
+        self.seg_done: dict[int, set[int]] = {}
+        self.pushed: set[int] = set()
+        self.asking: int | None = None  # frontal server asked for a task, awaiting its answer
+        self.next_fs = secrets.randbelow(len(self.frontal))
+        self.finished_by: set[int] = set()
+        self.stop_event = threading.Event()
+        self.tasks_done = 0
+        self._last_beat = 0.0
+
+    # -- sending -------------------------------------------------------------------------------
+    def _send(self, sock: zmq.Socket, msg: Message) -> None:
+        sock.send_multipart(msg.encode(), copy=False)
+
+    def _broadcast(self, msg: Message) -> None:
+        for s in self.sockets:
+            self._send(s, msg)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Compute until every frontal server says the job is finished; returns tasks done."""
+        started = time.monotonic()
+        self._broadcast(Message("HELLO", {"flops": self.flops}))
+        self._pull(0)
+        poller = zmq.Poller()
+        for s in self.sockets:
+            poller.register(s, zmq.POLLIN)
+        try:
+            while not self.stop_event.is_set() and len(self.finished_by) < len(self.frontal):
+                if self.leave_after is not None and time.monotonic() - started > self.leave_after:
+                    log.info("%s leaves", self.name)
+                    break
+                busy = self._step_once()
+                for sock, _ in poller.poll(0 if busy else 20):
+                    self._receive(sock)
+                now = time.monotonic()
+                if now - self._last_beat > HEARTBEAT:
+                    self._last_beat = now
+                    self._broadcast(Message("HEARTBEAT", {}))
+        except Departed:
+            log.info("%s departs without warning", self.name)
+        finally:
+            self.close()
+        return self.tasks_done
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close(0)
+        self.context.term()
+
+    def _step_once(self) -> bool:
+        """Do one piece of local work, if any is ready; True when something was done."""
+        self._apply_version()
+        for w in list(self.work.values()):
+            if w.grad is not None and w.grad_rows.covers(w.rows) and self._can_compute(w):
+                self._finish_backward(w)
+                return True
+        for w in list(self.parked):
+            if self._can_compute(w):
+                self.parked.remove(w)
+                self._start(w)
+                return True
+        self._push_finished_steps()
+        if self.asking is None and not self.parked and len(self._graphs()) < MAX_GRAPHS:
+            self.asking = self.next_fs
+            self.next_fs = (self.next_fs + 1) % len(self.frontal)
+            self._send(self.frontal[self.asking], Message("REQ_TASK", {}))
+        return False
+
+    def _graphs(self) -> list[Work]:
+        return [w for w in self.work.values() if w.graph is not None]
+
+    def _required_version(self, step: int) -> int:
+        return max(0, step - 1) if self.job.delayed_updates else step
+
+    def _can_compute(self, w: Work) -> bool:
+        need = self._required_version(w.step)
+        if self.version >= need:
+            return True
+        self._pull(need)
+        return False
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _receive(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart()
+        try:
+            msg = Message.decode(frames)
+            handler = getattr(self, f"_on_{msg.op.lower()}", None)
+            if handler is None:
+                raise ProtocolError(f"unexpected {msg.op!r}")
+            handler(sock, msg)
+        except ProtocolError as exc:
+            log.warning("%s refused a message: %s", self.name, exc)
+
+    def _on_task(self, sock: zmq.Socket, msg: Message) -> None:
+        self.asking = None
+        step, mb = msg.int("step", 0, self.job.steps - 1), msg.int("mb", 0, self.job.microbatches - 1)
+        lo, hi = msg.int("start", 0, self.job.batch - 1), msg.int("end", 1, self.job.batch)
+        if not (self.job.microbatch_rows(mb)[0] <= lo < hi <= self.job.microbatch_rows(mb)[1]):
+            raise ProtocolError(f"TASK rows [{lo}, {hi}) are outside micro-batch {mb}")
+        kind = msg.str("kind")
+        if kind not in ("fwd", "bwd", "redo"):
+            raise ProtocolError(f"TASK.kind = {kind!r}; expected fwd, bwd or redo")
+        n = hi - lo
+        x = (msg.tensor(0, torch.int64, (n, self.job.seq)) if self.first
+             else msg.tensor(0, torch.float32, self.job.boundary_shape(n), finite=True))
+        targets = msg.tensor(1, torch.int64, (n, self.job.seq)) if self.last else None
+        key = tuple(msg.fields["task"]) if isinstance(msg.fields.get("task"), list) else None
+        if key is None or len(key) != 3:
+            raise ProtocolError("TASK.task must be [step, server, number]")
+        w = Work(key, step, mb, (lo, hi), kind, msg.int("attempt"), x, targets)
+        if self._can_compute(w):
+            self._start(w)
+        else:
+            self.parked.append(w)
+
+    def _on_idle(self, sock: zmq.Socket, msg: Message) -> None:
+        self.asking = None
+
+    def _on_finished(self, sock: zmq.Socket, msg: Message) -> None:
+        self.asking = None
+        self.finished_by.add(self.frontal.index(sock))
+
+    def _on_bwd(self, sock: zmq.Socket, msg: Message) -> None:
+        key = tuple(msg.fields.get("task") or ())
+        w = self.work.get(key)
+        if w is None:
+            return  # a graph this client gave up (its step ended elsewhere)
+        lo, hi = msg.int("start", w.rows[0], w.rows[1] - 1), msg.int("end", w.rows[0] + 1, w.rows[1])
+        g = msg.tensor(0, torch.float32, self.job.boundary_shape(hi - lo), finite=True)
+        if w.grad is None:
+            w.grad = torch.zeros(self.job.boundary_shape(w.rows[1] - w.rows[0]))
+        w.grad[lo - w.rows[0]:hi - w.rows[0]] = g
+        w.grad_rows.add((lo, hi))
+
+    def _on_accept(self, sock: zmq.Socket, msg: Message) -> None:
+        entry = self.awaiting_accept.pop(tuple(msg.fields.get("task") or ()), None)
+        if entry is None:
+            return
+        step, rows, grads = entry
+        if step in self.grads:
+            self.grads[step] += grads
+        else:
+            self.grads[step] = grads
+        self.rows.setdefault(step, RowSet()).add(rows)
+
+    def _on_refuse(self, sock: zmq.Socket, msg: Message) -> None:
+        self.awaiting_accept.pop(tuple(msg.fields.get("task") or ()), None)
+
+    def _on_seg_done(self, sock: zmq.Socket, msg: Message) -> None:
+        step = msg.int("step", 0, self.job.steps - 1)
+        self.seg_done.setdefault(step, set()).add(msg.int("frontal", 0, len(self.frontal) - 1))
+        if len(self.seg_done[step]) == len(self.frontal):  # the step is over here: drop its graphs
+            for key in [k for k, w in self.work.items() if w.step == step]:
+                del self.work[key]
+
+    def _on_pushed(self, sock: zmq.Socket, msg: Message) -> None:
+        if not msg.fields.get("ok"):
+            log.info("%s: a push of step %s was refused (%s)", self.name, msg.fields.get("step"), msg.fields.get("reason"))
+
+    def _on_params(self, sock: zmq.Socket, msg: Message) -> None:
+        version = msg.int("version", 0, self.job.steps)
+        shard = self.sockets.index(sock)
+        lo, hi = shard_bounds(self.numel, len(self.sockets), shard)
+        self.incoming.setdefault(version, {})[shard] = msg.tensor(0, torch.float32, (hi - lo,), finite=True)
+
+    # -- parameters ----------------------------------------------------------------------------
+    def _pull(self, version: int) -> None:
+        if self.pulling is not None and self.pulling >= version:
+            return
+        self.pulling = version
+        self._broadcast(Message("PULL", {"version": version}))
+
+    def _apply_version(self) -> None:
+        """Install the newest complete version, once no forward graph depends on the old one."""
+        complete = [v for v, pieces in self.incoming.items() if len(pieces) == len(self.sockets) and v > self.version]
+        if not complete or self._graphs() or self.awaiting_accept:
+            return
+        v = max(complete)
+        flat = torch.cat([self.incoming[v][i] for i in range(len(self.sockets))])
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(flat, self.params)
+        self.version = v
+        self.incoming = {k: p for k, p in self.incoming.items() if k > v}
+        if self.pulling is not None and self.pulling <= v:
+            self.pulling = None
+
+    # -- compute -------------------------------------------------------------------------------
+    def _start(self, w: Work) -> None:
+        if w.kind == "fwd" and not self.last:
+            self._forward(w)
+        elif w.kind == "fwd" or self.last:
+            self._forward_backward_last(w)
+        else:  # bwd / redo on an inner stage: the gradient comes from the backward servers
+            self.work[w.key] = w
+            for b, rows in self.job.owners(self.spec.backward, w.mb, w.rows):
+                self._send(self.backward[b], Message("GET_GRAD", {"task": list(w.key), "step": w.step, "mb": w.mb,
+                                                                  "start": rows[0], "end": rows[1]}))
+
+    def _leaf(self, w: Work) -> torch.Tensor:
+        return w.x if self.first else w.x.clone().requires_grad_(True)
+
+    def _forward(self, w: Work) -> None:
+        self.fault("forward")
+        with self._paced(w.rows, 1 / 3):
+            x = self._leaf(w)
+            y = self.module(x)
+        w.graph = (x, y)
+        self.work[w.key] = w
+        out = y.detach()
+        for b, rows in self.job.owners(self.spec.backward, w.mb, w.rows):
+            self._send(self.backward[b], Message("ACT", {"task": list(w.key), "step": w.step, "mb": w.mb,
+                                                         "start": rows[0], "end": rows[1]},
+                                                 [out[rows[0] - w.rows[0]:rows[1] - w.rows[0]]]))
+        self._send(self.frontal[w.key[1]], Message("FWD_DONE", {"task": list(w.key), "attempt": w.attempt}))
+
+    def _forward_backward_last(self, w: Work) -> None:
+        """The last stage: forward, loss and backward in one task."""
+        self.fault("forward")
+        with self._paced(w.rows, 1.0):
+            x = self._leaf(w)
+            mean = self.module(x, w.targets)
+            loss_sum = mean * w.targets.numel()
+            grads = self._backward(x, loss_sum / (self.job.batch * self.job.seq), None)  # its share of the batch mean
+        self._report(w, grads, float(loss_sum.detach()))
+
+    def _finish_backward(self, w: Work) -> None:
+        self.fault("backward")
+        del self.work[w.key]
+        with self._paced(w.rows, 2 / 3 if w.graph is not None else 1.0):
+            if w.graph is not None:
+                x, y = w.graph
+            else:  # another client's forward: recompute it
+                x = self._leaf(w)
+                y = self.module(x)
+            grads = self._backward(x, y, w.grad)
+        self._report(w, grads, 0.0)
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None):
+        """(input gradient or None, flat parameter gradient) of one task. Gradients go through
+        ``.grad`` because the stage's linear layers accumulate their weight gradients there."""
+        for p in self.params:
+            p.grad = None
+        torch.autograd.backward(y, grad)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        for p in self.params:
+            p.grad = None
+        return (None if self.first else x.grad), flat
+
+    def _report(self, w: Work, grads: tuple[torch.Tensor | None, torch.Tensor], loss_sum: float) -> None:
+        input_grad, flat = grads
+        self.tasks_done += 1
+        if w.kind == "redo":  # the shards asked for exactly these rows: push them now
+            self._push(w.step, [list(w.rows)], flat)
+            return
+        self.awaiting_accept[w.key] = (w.step, w.rows, flat)
+        self._send(self.frontal[w.key[1]], Message("BWD_DONE", {"task": list(w.key), "attempt": w.attempt,
+                                                               "loss": loss_sum},
+                                                   [] if input_grad is None else [input_grad]))
+
+    def _push_finished_steps(self) -> None:
+        for step, done in self.seg_done.items():
+            if step in self.pushed or len(done) < len(self.frontal):
+                continue
+            if any(e[0] == step for e in self.awaiting_accept.values()):
+                continue
+            self.pushed.add(step)
+            rows = self.rows.pop(step, None)
+            grads = self.grads.pop(step, None)
+            if rows:
+                self._push(step, rows.ranges(), grads)
+
+    def _push(self, step: int, rows: list[list[int]], flat: torch.Tensor) -> None:
+        for i, sock in enumerate(self.sockets):
+            self.fault("push")  # between shards too: a client may leave having pushed to some
+            lo, hi = shard_bounds(self.numel, len(self.sockets), i)
+            self._send(sock, Message("PUSH", {"step": step, "rows": rows}, [flat[lo:hi]]))
+
+    @contextlib.contextmanager
+    def _paced(self, rows: tuple[int, int], fraction: float):
+        """Emulates a slower chip: the block takes at least ``fraction`` of the task's training
+        FLOPs at ``emulate_flops``, sleeping (never spinning) for the rest."""
+        t0 = time.monotonic()
+        yield
+        if self.emulate_flops:
+            rest = (rows[1] - rows[0]) * self.flops_per_sample * fraction / self.emulate_flops - (time.monotonic() - t0)
+            if rest > 0:
+                time.sleep(rest)

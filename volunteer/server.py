@@ -1,0 +1,209 @@
+"""A stage server process: one ROUTER socket that clients and other servers reach, the role it
+plays in its stage (frontal or backward) and the parameter shard every server holds.
+
+``StageServer`` wires sockets to handlers; the handlers live in ``frontal``, ``backward`` and
+``shard``. Messages are dispatched by op, and by whether they come from a client or from a
+server of the job (servers connect under the identity ``s:<name>``).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+import zmq
+
+from .backward import BackwardServer
+from .frontal import FrontalServer
+from .job import Job, flat_parameters
+from .roster import Roster
+from .security import Authenticator, JobKeys, connecting_socket, serving_socket
+from .shard import ParameterShard
+from .wire import Message, ProtocolError
+
+log = logging.getLogger("volunteer.server")
+
+TICK = 0.02  # seconds between timer passes
+PING_MAX_BYTES = 1 << 20
+
+
+def max_message_bytes(job: Job) -> int:
+    """The largest frame a job's sockets accept: a stage's whole parameter vector, or a whole
+    micro-batch of activations, plus room for the header."""
+    cfg = job.config
+    params = max(sum(p.numel() for p in flat_parameters(job.stage_module(k))) for k in range(len(job.stages)))
+    rows = job.microbatch_samples * job.seq * max(cfg.dim, 2)
+    return 4 * max(params, rows) + PING_MAX_BYTES + (64 << 10)
+
+
+def bind_endpoint(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {address!r}; expected HOST:PORT")
+    return f"tcp://{host}:{port}"
+
+
+class StageServer:
+    """Server ``name`` of ``job``, serving at ``bind`` (default: loopback at the port the job
+    gives it). ``run()`` returns once every step is committed and ``linger`` seconds passed."""
+
+    def __init__(self, job: Job, name: str, keys: JobKeys, bind: str | None = None, data: torch.Tensor | None = None,
+                 linger: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.job, self.name, self.keys, self.clock, self.linger = job, name, keys, clock, linger
+        self.stage, self.side, self.index = job.find(name)
+        spec = job.stages[self.stage]
+        self.shard_index = (spec.frontal + spec.backward).index(next(s for s in spec.servers if s.name == name))
+        self.address = next(s.address for s in spec.servers if s.name == name)
+        port = self.address.rpartition(":")[2]
+        self.bind = bind or f"127.0.0.1:{port}"
+        self.max_bytes = max_message_bytes(job)
+        self.roster = Roster(job.liveness, clock)
+        if data is None and self.stage in (0, len(job.stages) - 1):
+            from ditorch.datasets import text_corpus
+
+            data = text_corpus()[0]
+        initial = torch.cat([p.detach().reshape(-1) for p in flat_parameters(job.stage_module(self.stage))])
+        self.shard = ParameterShard(job, self.stage, self.shard_index, initial, self.roster,
+                                    self._to_client, self._to_server, clock)
+        if self.side == "frontal":
+            self.role = FrontalServer(job, self.stage, self.index, self.roster, self._to_client, self._to_server,
+                                      clock, data)
+        else:
+            self.role = BackwardServer(job, self.stage, self.index, self._to_client, self._to_server)
+        self.context = zmq.Context()
+        self.auth = Authenticator(self.context, keys)
+        self.socket = serving_socket(self.context, keys, bind_endpoint(self.bind), self.max_bytes)
+        self.peers: dict[str, zmq.Socket] = {}
+        self.stop_event = threading.Event()
+        self.refused = 0
+        self._local: collections.deque[Message] = collections.deque()
+        self._handlers = self._dispatch_table()
+
+    # -- delivery ------------------------------------------------------------------------------
+    def _to_client(self, identity: bytes, msg: Message) -> None:
+        self.socket.send_multipart([identity, *msg.encode()], copy=False)
+
+    def _to_server(self, name: str, msg: Message) -> None:
+        if name == self.name:  # its own role and shard: handled after the current message
+            self._local.append(msg)
+            return
+        sock = self.peers.get(name)
+        if sock is None:
+            address = next(s.address for st in self.job.stages for s in st.servers if s.name == name)
+            sock = self.peers[name] = connecting_socket(self.context, self.keys, bind_endpoint(address),
+                                                        f"s:{self.name}".encode(), self.max_bytes)
+        sock.send_multipart(msg.encode(), copy=False)
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _dispatch_table(self) -> dict[tuple[str, str], Callable]:
+        """(sender kind, op) -> handler(sender identity, message)."""
+        role, shard = self.role, self.shard
+        table: dict[tuple[str, str], Callable] = {
+            ("client", "JOIN"): lambda c, m: self._to_client(c, Message("JOB", {"job": self.job.to_dict()})),
+            ("client", "PING"): self._on_ping,
+            ("client", "HELLO"): lambda c, m: self.roster.hello(c, m.float("flops")),
+            ("client", "HEARTBEAT"): lambda c, m: None,
+            ("client", "PUSH"): shard.on_push,
+            ("client", "PULL"): shard.on_pull,
+            ("server", "SEG_DONE"): lambda s, m: shard.on_segment_done(m),
+            ("server", "COMMITTED"): lambda s, m: role.on_committed(m),
+        }
+        if isinstance(role, FrontalServer):
+            table.update({
+                ("client", "REQ_TASK"): role.on_request,
+                ("client", "FWD_DONE"): role.on_forward_done,
+                ("client", "BWD_DONE"): role.on_backward_done,
+                ("server", "ACT_FWD"): lambda s, m: role.on_activations(m),
+                ("server", "GRAD_READY"): lambda s, m: role.on_gradient_ready(m),
+                ("server", "REDO"): lambda s, m: role.on_redo(m),
+                ("server", "LOSS"): lambda s, m: role.on_loss_part(m),
+            })
+        else:
+            table.update({
+                ("client", "ACT"): role.on_activations,
+                ("client", "GET_GRAD"): role.on_get_gradient,
+                ("server", "GRAD"): lambda s, m: role.on_gradient(m),
+            })
+        return table
+
+    def _sender_kind(self, identity: bytes) -> str:
+        if identity.startswith(b"s:"):
+            name = identity[2:].decode(errors="replace")
+            if any(s.name == name for st in self.job.stages for s in st.servers):
+                return "server"
+        return "client"
+
+    def _on_ping(self, client: bytes, msg: Message) -> None:
+        payload = msg.tensors[0] if msg.tensors else torch.empty(0)
+        if payload.numel() * payload.element_size() > PING_MAX_BYTES:
+            raise ProtocolError(f"PING payload of {payload.numel() * payload.element_size()} bytes; at most {PING_MAX_BYTES}")
+        self._to_client(client, Message("PONG", {}, [payload]))
+
+    def _handle(self, identity: bytes, msg: Message) -> None:
+        kind = self._sender_kind(identity)
+        handler = self._handlers.get((kind, msg.op))
+        if handler is None:
+            raise ProtocolError(f"no {msg.op!r} is expected from a {kind} by a {self.side} server")
+        if kind == "client":
+            if msg.op not in ("JOIN", "PING", "HELLO") and not self.roster.known(identity):
+                raise ProtocolError(f"{msg.op} from a client that has not said hello")
+            self.roster.heard(identity)
+        handler(identity, msg)
+
+    def _receive(self) -> None:
+        frames = self.socket.recv_multipart()
+        identity, body = frames[0], frames[1:]
+        try:
+            self._handle(identity, Message.decode(body))
+        except ProtocolError as exc:
+            self.refused += 1
+            log.warning("%s refused a message from %s: %s", self.name, identity.decode(errors="replace")[:64], exc)
+        self._handle_local()
+
+    def _handle_local(self) -> None:
+        me = f"s:{self.name}".encode()
+        while self._local:
+            self._handle(me, self._local.popleft())
+
+    # -- loop ----------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.role.finished and self.shard.version >= self.job.steps
+
+    def run(self) -> None:
+        """Serve until every step is committed (then ``linger`` s more) or ``stop()``."""
+        log.info("%s: %s server %d of stage %d on %s", self.name, self.side, self.index, self.stage, self.bind)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        last_tick, finished_at = 0.0, None
+        try:
+            while not self.stop_event.is_set():
+                for _ in range(256):  # drain what came, but never starve the timers
+                    if not poller.poll(0 if _ else TICK * 1000):
+                        break
+                    self._receive()
+                now = self.clock()
+                if now - last_tick >= TICK:
+                    last_tick = now
+                    if isinstance(self.role, FrontalServer):
+                        self.role.tick()
+                    self.shard.tick()
+                    self._handle_local()
+                if self.finished:
+                    finished_at = finished_at or now
+                    if now - finished_at >= self.linger:
+                        break
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        for s in list(self.peers.values()) + [self.socket]:
+            s.close(0)
+        self.auth.stop()
+        self.context.term()
