@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "plan": "heteropp.cli",
     "simulate": "heteropp.cli",
     "ps": "dips.cli",
+    "volunteer": "volunteer.cli",
     "mre": "ditorch.tools.cli",
     "replay": "ditorch.tools.cli",
 }

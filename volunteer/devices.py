@@ -107,7 +107,7 @@ class Fleet:
     def to_dict(self) -> dict:
         """The ``devices.yaml`` mapping this fleet was (or could have been) read from."""
         def dev(d: Device) -> dict:
-            return {"name": d.name, "tflops": d.flops / 1e12, **({"address": d.address} if d.address else {})}
+            return {"name": d.name, "tflops": float(d.flops) / 1e12, **({"address": d.address} if d.address else {})}
         return {
             "reliable": [dev(d) for d in self.reliable],
             "unreliable": [dev(d) for d in self.unreliable],
@@ -141,6 +141,6 @@ def random_fleet(rng: np.random.Generator, n_reliable: int, n_unreliable: int, *
     r = slice(0, n_reliable)
     u = slice(n_reliable, n)
     return Fleet(
-        tuple(Device(f"s{i}", flops[i] * 1e12) for i in range(n_reliable)),
-        tuple(Device(f"u{i}", flops[n_reliable + i] * 1e12) for i in range(n_unreliable)),
+        tuple(Device(f"s{i}", float(flops[i]) * 1e12) for i in range(n_reliable)),
+        tuple(Device(f"u{i}", float(flops[n_reliable + i]) * 1e12) for i in range(n_unreliable)),
         delay[r, r] * 1e-3, bw[r, r] * 1e6 / 8, delay[u, r] * 1e-3, bw[u, r] * 1e6 / 8)

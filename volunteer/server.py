@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .backward import BackwardServer
 from .frontal import FrontalServer
@@ -28,6 +29,7 @@ log = logging.getLogger("volunteer.server")
 
 TICK = 0.02  # seconds between timer passes
 PING_MAX_BYTES = 1 << 20
+HANDSHAKE_LOG_INTERVAL = 10.0
 
 
 def max_message_bytes(job: Job) -> int:
@@ -76,6 +78,10 @@ class StageServer:
         self.context = zmq.Context()
         self.auth = Authenticator(self.context, keys)
         self.socket = serving_socket(self.context, keys, bind_endpoint(self.bind), self.max_bytes)
+        # handshake failures happen below the application: the monitor is how they get logged
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._handshake_logged_at, self._handshakes_unlogged = -HANDSHAKE_LOG_INTERVAL, 0
         self.peers: dict[str, zmq.Socket] = {}
         self.stop_event = threading.Event()
         self.refused = 0
@@ -163,6 +169,19 @@ class StageServer:
             log.warning("%s refused a message from %s: %s", self.name, identity.decode(errors="replace")[:64], exc)
         self._handle_local()
 
+    def _handshake_failed(self) -> None:
+        """Log refused connections, at most one line per HANDSHAKE_LOG_INTERVAL: a peer with the
+        wrong keys reconnects every few hundred milliseconds."""
+        event = recv_monitor_message(self.monitor)
+        self.refused += 1
+        self._handshakes_unlogged += 1
+        now = self.clock()
+        if now - self._handshake_logged_at >= HANDSHAKE_LOG_INTERVAL:
+            log.warning("%s refused %d connection(s), the last from %s: CURVE handshake failed: the peer does not "
+                        "hold the job's keys", self.name, self._handshakes_unlogged,
+                        event.get("endpoint", b"?").decode(errors="replace"))
+            self._handshake_logged_at, self._handshakes_unlogged = now, 0
+
     def _handle_local(self) -> None:
         me = f"s:{self.name}".encode()
         while self._local:
@@ -178,13 +197,18 @@ class StageServer:
         log.info("%s: %s server %d of stage %d on %s", self.name, self.side, self.index, self.stage, self.bind)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         last_tick, finished_at = 0.0, None
         try:
             while not self.stop_event.is_set():
                 for _ in range(256):  # drain what came, but never starve the timers
-                    if not poller.poll(0 if _ else TICK * 1000):
+                    ready = dict(poller.poll(0 if _ else TICK * 1000))
+                    if not ready:
                         break
-                    self._receive()
+                    if self.monitor in ready:
+                        self._handshake_failed()
+                    if self.socket in ready:
+                        self._receive()
                 now = self.clock()
                 if now - last_tick >= TICK:
                     last_tick = now
@@ -203,7 +227,8 @@ class StageServer:
         self.stop_event.set()
 
     def close(self) -> None:
-        for s in list(self.peers.values()) + [self.socket]:
+        self.socket.disable_monitor()
+        for s in list(self.peers.values()) + [self.monitor, self.socket]:
             s.close(0)
         self.auth.stop()
         self.context.term()

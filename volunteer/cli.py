@@ -1,0 +1,157 @@
+"""``ditorch volunteer plan|server|client|token``: allocate a fleet, run a stage server, join
+as a client, write a job token."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("volunteer", help="training on unreliable devices: plan, server, client")
+    sub = p.add_subparsers(dest="volunteer_command", metavar="SUBCOMMAND", required=True)
+
+    plan = sub.add_parser("plan", help="allocate reliable and unreliable devices to stages")
+    plan.add_argument("--devices", required=True, help="devices.yaml: devices, delays and bandwidths")
+    plan.add_argument("--model", required=True, help="model config YAML (LlamaConfig fields)")
+    plan.add_argument("--batch", type=int, default=64, help="samples per batch (the paper's B)")
+    plan.add_argument("--microbatches", type=int, default=8, help="micro-batches per batch (the paper's d)")
+    plan.add_argument("--seq", type=int, default=None, help="tokens per sample (default: the model's max_seq_len)")
+    plan.add_argument("--steps", type=int, default=100, help="batches to train")
+    plan.add_argument("--lr", type=float, default=1e-3)
+    plan.add_argument("--weight-decay", type=float, default=0.0)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--delayed-updates", action="store_true", help="DPU: compute step s with step s-1's parameters")
+    plan.add_argument("--rule", choices=["full", "paper"], default="full",
+                      help="how a clustering level is scored (docs/volunteer.md)")
+    plan.add_argument("--out", default="alloc.json")
+    plan.set_defaults(func=run_plan)
+
+    srv = sub.add_parser("server", help="run one reliable device's stage server")
+    srv.add_argument("--alloc", required=True, help="alloc.json written by 'plan'")
+    srv.add_argument("--id", required=True, help="this device's name in the allocation")
+    srv.add_argument("--bind", default=None,
+                     help="HOST:PORT to listen on (default: loopback at the port of its address in the fleet)")
+    srv.add_argument("--metrics", default=None, help="append each step's loss here as JSON lines (last stage)")
+    _common(srv)
+    srv.set_defaults(func=run_server)
+
+    cli = sub.add_parser("client", help="compute for a stage until the job ends or you stop it")
+    cli.add_argument("--join", required=True, help="HOST:PORT of any server of the job")
+    cli.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}")
+    cli.add_argument("--tflops", type=float, default=1.0, help="this device's compute, to size its tasks")
+    cli.add_argument("--stage", type=int, default=None, help="join this stage (default: the one it reaches best)")
+    cli.add_argument("--emulate-tflops", type=float, default=None,
+                     help="emulate a chip of this speed by sleeping out the rest of each task")
+    cli.add_argument("--leave-after", type=float, default=None, help="leave, without warning, after this many seconds")
+    _common(cli)
+    cli.set_defaults(func=run_client)
+
+    tok = sub.add_parser("token", help="write a fresh random job token file (mode 0600)")
+    tok.add_argument("path")
+    tok.set_defaults(func=lambda a: _token(a.path))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", required=True, help="file holding the job's shared secret")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+
+
+def _token(path: str) -> int:
+    from dips.auth import JobToken
+
+    JobToken.create(path)
+    print(f"wrote a job token to {path}")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import yaml
+
+    from .allocate import allocate
+    from .cost import Workload
+    from .devices import Fleet
+
+    fleet = Fleet.from_yaml(args.devices)
+    with open(args.model) as f:
+        model = yaml.safe_load(f)
+    seq = args.seq or int(model["max_seq_len"])
+    work = Workload.for_model(args.model, args.batch, args.microbatches, seq=seq)
+    alloc = allocate(fleet, work, rule=args.rule)
+    out = alloc.to_dict()
+    out["training"] = {"model": model, "seq": seq, "steps": args.steps, "seed": args.seed, "lr": args.lr,
+                       "weight_decay": args.weight_decay, "delayed_updates": args.delayed_updates}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{len(alloc.stages)} stage(s), predicted {alloc.pipeline_time:.3f} s per batch "
+          f"(levels tried: {', '.join(f'{t:.3f}' for t in alloc.level_times)})")
+    for k, (s, layers) in enumerate(zip(out["stages"], alloc.layer_ranges())):
+        print(f"stage {k}: layers {layers[0]}-{layers[1] - 1}  frontal {', '.join(s['frontal'])}  "
+              f"backward {', '.join(s['backward'])}  clients {', '.join(s['clients']) or '-'}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def load_job(path: str):
+    from .job import Job
+
+    alloc = json.loads(Path(path).read_text())
+    if "training" not in alloc:
+        raise ValueError(f"{path} has no 'training' section; write it with 'ditorch volunteer plan'")
+    training = dict(alloc["training"])
+    return Job.from_allocation(alloc, training.pop("model"), **training)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from dips.auth import JobToken
+
+    from .security import JobKeys
+    from .server import StageServer
+
+    _logging(args.log_level)
+    job = load_job(args.alloc)
+    server = StageServer(job, args.id, JobKeys(JobToken.from_file(args.token_file)), bind=args.bind)
+    if args.metrics and hasattr(server.role, "on_loss"):
+        def write(step: int, loss: float) -> None:
+            with open(args.metrics, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        server.role.on_loss = write
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    server.run()
+    return 0
+
+
+def run_client(args: argparse.Namespace) -> int:
+    from dips.auth import JobToken
+
+    from .client import Client
+    from .join import choose_stage, fetch_job
+    from .security import JobKeys
+
+    _logging(args.log_level)
+    keys = JobKeys(JobToken.from_file(args.token_file))
+    job = fetch_job(args.join, keys)
+    stage = args.stage if args.stage is not None else choose_stage(job, keys)
+    if not 0 <= stage < len(job.stages):
+        raise ValueError(f"--stage {stage}; the job has stages 0-{len(job.stages) - 1}")
+    client = Client(job, stage, args.name, keys, flops=args.tflops * 1e12,
+                    emulate_flops=args.emulate_tflops and args.emulate_tflops * 1e12, leave_after=args.leave_after)
+    signal.signal(signal.SIGTERM, lambda *_: client.stop())
+    done = client.run()
+    logging.getLogger("volunteer.client").info("%s computed %d task(s) for stage %d", args.name, done, stage)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m volunteer.cli")
+    register(parser.add_subparsers())
+    a = parser.parse_args(["volunteer", *sys.argv[1:]])
+    sys.exit(a.func(a))
