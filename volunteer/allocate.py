@@ -8,11 +8,15 @@ split into frontal and backward, unreliable devices and layers given to stages.
                               each side keeps at least one
     unreliable partition      each device to the stage of smallest mean alpha + t / beta
     layer partition sigma*    layers in proportion to each stage's total compute
+
+A level whose stages would not fit their smallest device's memory (the reason to pipeline at
+all) is never chosen.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +51,7 @@ class Allocation:
         return {
             "workload": dataclasses.asdict(self.workload),
             "pipeline_time_s": self.pipeline_time,
-            "level_times_s": list(self.level_times),
+            "level_times_s": [t if math.isfinite(t) else None for t in self.level_times],  # None: did not fit
             "stages": [{
                 "layers": list(ranges[k]),
                 "frontal": [f.reliable[j].name for j in s.frontal],
@@ -123,6 +127,15 @@ def build_stages(fleet: Fleet, work: Workload, ordered: list[list[int]]) -> tupl
     return tuple(stages)
 
 
+def fits(fleet: Fleet, work: Workload, stages: tuple[StageMembers, ...]) -> bool:
+    """Every device of every stage holds its stage's layer state."""
+    for s in stages:
+        smallest = min([fleet.reliable[j].memory for j in s.reliable] + [fleet.unreliable[i].memory for i in s.clients])
+        if s.layers * work.layer_state_bytes > smallest:
+            return False
+    return True
+
+
 def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") -> Allocation:
     """The allocation of ``fleet`` for ``work`` (see the module docstring for the steps).
 
@@ -142,9 +155,12 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
     for clusters in levels:
         ordered = order_clusters(fleet, work, clusters, seed)
         stages = build_stages(fleet, work, ordered)
+        if not fits(fleet, work, stages):
+            times.append(float("inf"))
+            continue
         if rule == "paper":
             t = approximate_pipeline_time(fleet, work, ordered)
-            if times and t > times[-1]:
+            if best is not None and t > times[-1]:
                 times.append(t)
                 break
             times.append(t)
@@ -154,5 +170,8 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
             times.append(t)
             if best is None or t < best[0]:
                 best = (t, stages)
+    if best is None:
+        raise ValueError(f"no allocation fits: a layer's state takes {work.layer_state_bytes / 2**30:.2f} GiB and "
+                         f"even {len(levels[-1])} stages leave some device short of memory")
     stages = best[1]
     return Allocation(fleet, work, stages, tuple(times), pipeline_time(fleet, work, stages))

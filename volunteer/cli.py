@@ -142,6 +142,7 @@ def run_client(args: argparse.Namespace) -> int:
     stage = args.stage if args.stage is not None else choose_stage(job, keys)
     if not 0 <= stage < len(job.stages):
         raise ValueError(f"--stage {stage}; the job has stages 0-{len(job.stages) - 1}")
+    logging.getLogger("volunteer.client").info("%s joins stage %d", args.name, stage)
     client = Client(job, stage, args.name, keys, flops=args.tflops * 1e12,
                     emulate_flops=args.emulate_tflops and args.emulate_tflops * 1e12, leave_after=args.leave_after)
     signal.signal(signal.SIGTERM, lambda *_: client.stop())

@@ -25,6 +25,7 @@ class Workload:
     layers: int
     flops_per_sample_layer: float
     boundary_bytes_per_sample: float
+    layer_state_bytes: float = 0.0  # parameters, gradients and optimizer state of one layer
 
     def __post_init__(self) -> None:
         for f in ("batch", "microbatches", "layers"):
@@ -51,7 +52,9 @@ class Workload:
         from heteropp.model_spec import ModelSpec
 
         spec = ModelSpec.from_yaml(model_yaml, seq=seq)
-        return cls(batch, microbatches, spec.n_layers, 3.0 * spec.layer_forward_flops(), 4.0 * spec.seq * spec.hidden)
+        # fp32 parameters and gradients, and AdamW's two moments: 16 bytes per parameter
+        return cls(batch, microbatches, spec.n_layers, 3.0 * spec.layer_forward_flops(), 4.0 * spec.seq * spec.hidden,
+                   16.0 * spec.params_per_layer)
 
 
 @dataclasses.dataclass(frozen=True)

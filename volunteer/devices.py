@@ -13,11 +13,13 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-    """One device: its name, its compute (FLOP/s) and, for a server, the address it serves on."""
+    """One device: its name, its compute (FLOP/s), its memory for model state (bytes; unbounded
+    when not given) and, for a server, the address it serves on."""
 
     name: str
     flops: float
     address: str | None = None
+    memory: float = float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,8 @@ class Fleet:
             for i, d in enumerate(spec.get(key) or []):
                 if not isinstance(d, dict) or "name" not in d or "tflops" not in d:
                     raise ValueError(f"devices: {key}[{i}] = {d!r}; expected a mapping with 'name' and 'tflops'")
-                out.append(Device(str(d["name"]), float(d["tflops"]) * 1e12, d.get("address")))
+                memory = float(d["memory_gb"]) * 2**30 if "memory_gb" in d else float("inf")
+                out.append(Device(str(d["name"]), float(d["tflops"]) * 1e12, d.get("address"), memory))
             return tuple(out)
 
         reliable, unreliable = devices("reliable"), devices("unreliable")
@@ -107,7 +110,8 @@ class Fleet:
     def to_dict(self) -> dict:
         """The ``devices.yaml`` mapping this fleet was (or could have been) read from."""
         def dev(d: Device) -> dict:
-            return {"name": d.name, "tflops": float(d.flops) / 1e12, **({"address": d.address} if d.address else {})}
+            return {"name": d.name, "tflops": float(d.flops) / 1e12, **({"address": d.address} if d.address else {}),
+                    **({"memory_gb": d.memory / 2**30} if d.memory != float("inf") else {})}
         return {
             "reliable": [dev(d) for d in self.reliable],
             "unreliable": [dev(d) for d in self.unreliable],

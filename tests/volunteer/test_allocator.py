@@ -176,3 +176,22 @@ def test_plan_command_writes_an_allocation(tmp_path):
     assert sum(s["layers"][1] - s["layers"][0] for s in alloc["stages"]) == 4
     assert sorted(n for s in alloc["stages"] for n in s["clients"]) == sorted(f"u{i}" for i in range(10))
     assert "stage" in r.stdout
+
+
+def test_no_stage_is_given_more_layers_than_its_smallest_device_holds():
+    rng = np.random.default_rng(5)
+    base = random_fleet(rng, 8, 4, sites=1)  # one fast site: without memory limits, one stage is best
+    work = Workload(batch=32, microbatches=4, layers=8, flops_per_sample_layer=1e9, boundary_bytes_per_sample=1e6,
+                    layer_state_bytes=2**30)
+    assert len(allocate(base, work).stages) == 1
+    spec = base.to_dict()
+    for d in spec["reliable"] + spec["unreliable"]:
+        d["memory_gb"] = 3.5  # three layers at most
+    small = Fleet.from_dict(spec)
+    for rule in ("full", "paper"):
+        alloc = allocate(small, work, rule=rule)
+        assert len(alloc.stages) >= 3 and all(s.layers <= 3 for s in alloc.stages), rule
+    for d in spec["reliable"] + spec["unreliable"]:
+        d["memory_gb"] = 0.5
+    with pytest.raises(ValueError, match="no allocation fits"):
+        allocate(Fleet.from_dict(spec), work)
