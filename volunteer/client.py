@@ -81,6 +81,7 @@ class Client:
         self.version = -1
         self.incoming: dict[int, dict[int, torch.Tensor]] = {}  # version -> shard -> piece
         self.pulling: int | None = None
+        self.pull_replies = 0
         self.work: dict[tuple[int, int, int], Work] = {}
         self.parked: list[Work] = []  # tasks waiting for a newer version of the parameters
         self.awaiting_accept: dict[tuple[int, int, int], tuple[int, tuple[int, int], torch.Tensor]] = {}
@@ -164,6 +165,9 @@ class Client:
         return max(0, step - 1) if self.job.delayed_updates else step
 
     def _can_compute(self, w: Work) -> bool:
+        """Whether the parameters for ``w`` are installed. A client newer than a late backward or
+        redo of an earlier step needs (only with delayed updates, under churn) uses its own:
+        the shards keep just the version before the current one."""
         need = self._required_version(w.step)
         if self.version >= need:
             return True
@@ -253,27 +257,34 @@ class Client:
         shard = self.sockets.index(sock)
         lo, hi = shard_bounds(self.numel, len(self.sockets), shard)
         self.incoming.setdefault(version, {})[shard] = msg.tensor(0, torch.float32, (hi - lo,), finite=True)
+        self.pull_replies += 1
 
     # -- parameters ----------------------------------------------------------------------------
     def _pull(self, version: int) -> None:
-        if self.pulling is not None and self.pulling >= version:
+        if self.pulling == version:
             return
-        self.pulling = version
+        self.pulling, self.pull_replies, self.incoming = version, 0, {}
         self._broadcast(Message("PULL", {"version": version}))
 
     def _apply_version(self) -> None:
-        """Install the newest complete version, once no forward graph depends on the old one."""
-        complete = [v for v, pieces in self.incoming.items() if len(pieces) == len(self.sockets) and v > self.version]
-        if not complete or self._graphs() or self.awaiting_accept:
+        """Install the version pulled once every shard sent its piece of it and no forward graph
+        depends on the old one. Shards that committed in between may answer with different
+        versions; then it asks again."""
+        if self.pulling is None:
             return
-        v = max(complete)
+        complete = [v for v, pieces in self.incoming.items() if len(pieces) == len(self.sockets) and v >= self.pulling]
+        if not complete:
+            if self.pull_replies >= len(self.sockets):
+                target, self.pulling = self.pulling, None
+                self._pull(target)
+            return
+        if self._graphs() or self.awaiting_accept:
+            return
+        v = min(complete)
         flat = torch.cat([self.incoming[v][i] for i in range(len(self.sockets))])
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat, self.params)
-        self.version = v
-        self.incoming = {k: p for k, p in self.incoming.items() if k > v}
-        if self.pulling is not None and self.pulling <= v:
-            self.pulling = None
+        self.version, self.pulling, self.incoming = v, None, {}
 
     # -- compute -------------------------------------------------------------------------------
     def _start(self, w: Work) -> None:

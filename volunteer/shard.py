@@ -45,6 +45,7 @@ class ParameterShard:
         self.redo_asked: dict[tuple[int, tuple[int, int]], float] = {}
         self.pulls: list[tuple[bytes, int]] = []
         self.pushes_refused = 0
+        self.previous: tuple[int, torch.Tensor] | None = None  # with delayed updates, step s computes on s - 1
         self.applied: list[torch.Tensor] | None = None  # set to [] to keep each step's summed gradient
 
     @property
@@ -120,6 +121,8 @@ class ParameterShard:
     def _apply_ready(self) -> None:
         while self.counted.get(self.version, RowSet()).covers((0, self.job.batch)):
             step = self.version
+            if self.job.delayed_updates:
+                self.previous = (self.version, self.param.detach().clone())
             self.param.grad = self.grads.pop(step)
             if self.applied is not None:
                 self.applied.append(self.param.grad.clone())
@@ -138,8 +141,9 @@ class ParameterShard:
         keep = []
         for client, version in self.pulls:
             if version <= self.version:
-                self.send_client(client, Message("PARAMS", {"version": self.version, "shard": self.index},
-                                                 [self.param.detach()]))
+                v, piece = ((version, self.previous[1]) if self.previous and self.previous[0] == version
+                            else (self.version, self.param.detach()))
+                self.send_client(client, Message("PARAMS", {"version": v, "shard": self.index}, [piece]))
             else:
                 keep.append((client, version))
         self.pulls = keep

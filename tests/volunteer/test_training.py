@@ -88,3 +88,23 @@ def test_clients_leaving_anywhere_lose_no_row_and_count_none_twice(seed):
     for i, point in enumerate(["forward", "backward", "push"] * 2):
         clients.append((i % 2, f"leave-{point}-{i}", {"fault": departing(rng, point)}))
     check_exact(job, run(job, clients))
+
+
+def test_delayed_updates_equal_single_process_training_with_delayed_updates():
+    """DPU: step s computes with the parameters of step s - 1 while step s - 1's update is being
+    aggregated; the reference applies the same rule in one process."""
+    job = loopback_job(TINY, [(0, 2), (2, 4)], [(1, 2), (2, 1)], batch=8, microbatches=2, seq=16, steps=4,
+                       lr=1e-2, delayed_updates=True, **FAST)
+    clients = [(0, "a", {}), (0, "b", {"flops": 2e12}), (1, "c", {}), (1, "d", {})]
+    check_exact(job, run(job, clients))
+
+
+def test_delayed_updates_under_churn_stay_within_2_percent_of_the_run_without():
+    job = loopback_job(TINY, [(0, 2), (2, 4)], [(1, 1), (1, 1)], batch=8, microbatches=2, seq=16, steps=5,
+                       lr=1e-2, delayed_updates=True, **FAST)
+    calm = run(job, [(0, "a", {}), (1, "b", {})]).losses
+    rng = random.Random(7)
+    clients = [(0, "a", {}), (1, "b", {})] + [(i % 2, f"leave{i}", {"fault": departing(rng, p)})
+                                              for i, p in enumerate(["forward", "backward", "push", "forward"])]
+    churn = run(job, clients).losses
+    assert [churn[s] for s in range(job.steps)] == pytest.approx([calm[s] for s in range(job.steps)], rel=0.02)

@@ -15,12 +15,24 @@ def reference_run(job: Job) -> tuple[list[float], list[dict[str, torch.Tensor]]]
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
     data = text_corpus()[0]
     losses, grads = [], []
+    stale = None  # with delayed updates: the parameters the step before computed with
     for step in range(job.steps):
         tokens = step_batch(data, job.batch, job.seq, job.seed, step)
         opt.zero_grad()
+        if job.delayed_updates and stale is not None:  # step s: gradient at the parameters of step s - 1
+            current = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(stale[n])
         loss = model.loss(tokens)
         loss.backward()
-        losses.append(float(loss))
+        if job.delayed_updates:
+            stale = {n: p.detach().clone() for n, p in model.named_parameters()} if stale is None else current
+            if step > 0:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(current[n])
+        losses.append(float(loss.detach()))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     return losses, grads
