@@ -31,6 +31,7 @@ from .wire import Message, ProtocolError
 log = logging.getLogger("volunteer.client")
 
 HEARTBEAT = 1.0
+PACED_OPS = ("TASK", "BWD", "ACT", "BWD_DONE")
 MAX_GRAPHS = 4  # forward graphs kept at once (memory, as 1F1B bounds in-flight micro-batches)
 
 
@@ -60,10 +61,11 @@ class Client:
 
     def __init__(self, job: Job, stage: int, name: str, keys: JobKeys, flops: float = 1e12,
                  emulate_flops: float | None = None, leave_after: float | None = None,
-                 fault: Callable[[str], None] | None = None):
+                 fault: Callable[[str], None] | None = None, link: tuple[float, float] | None = None):
         self.job, self.stage, self.name = job, stage, name
         self.flops, self.emulate_flops, self.leave_after = flops, emulate_flops, leave_after
         self.fault = fault or (lambda point: None)  # fault injection: raises Departed at a point
+        self.link = link  # emulated link for task data: (seconds of delay, bytes per second)
         self.spec = job.stages[stage]
         self.first, self.last = stage == 0, stage == len(job.stages) - 1
         self.identity = f"c:{name}:{secrets.token_hex(4)}".encode()
@@ -98,7 +100,15 @@ class Client:
 
     # -- sending -------------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, msg: Message) -> None:
+        self._cross_link(msg)
         sock.send_multipart(msg.encode(), copy=False)
+
+    def _cross_link(self, msg: Message) -> None:
+        """Emulates a slow link for the rows a task moves (not for parameters, whose transfer
+        delayed updates overlap with compute): sleeps its delay plus the bytes' time."""
+        if self.link is not None and msg.op in PACED_OPS and msg.tensors:
+            delay, rate = self.link
+            time.sleep(delay + sum(t.numel() * t.element_size() for t in msg.tensors) / rate)
 
     def _broadcast(self, msg: Message) -> None:
         for s in self.sockets:
@@ -179,6 +189,7 @@ class Client:
         frames = sock.recv_multipart()
         try:
             msg = Message.decode(frames)
+            self._cross_link(msg)
             handler = getattr(self, f"_on_{msg.op.lower()}", None)
             if handler is None:
                 raise ProtocolError(f"unexpected {msg.op!r}")
