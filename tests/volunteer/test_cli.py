@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from emulated_hosts import can_make_hosts, emulated_hosts
 from volunteer.cli import load_job
 from volunteer.local import free_port
 
@@ -26,7 +27,7 @@ def ditorch(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ditorch.cli", *args], cwd=ROOT, **kwargs)
 
 
-def devices_yaml(path: Path) -> None:
+def devices_yaml(path: Path, addresses: list[str]) -> None:
     """Two sites of two reliable devices each, far apart; three unreliable devices. No device can
     hold more than two of the model's four layers, so the model needs two stages."""
     far, near = 80.0, 0.5
@@ -34,7 +35,7 @@ def devices_yaml(path: Path) -> None:
     delay = [[0.0 if i == j else (near if site[i] == site[j] else far) for j in range(4)] for i in range(4)]
     bw = [[10000.0 if site[i] == site[j] else 100.0 for j in range(4)] for i in range(4)]
     path.write_text(yaml.safe_dump({
-        "reliable": [{"name": f"s{i}", "tflops": 10.0, "memory_gb": 0.0004, "address": f"127.0.0.1:{free_port()}"} for i in range(4)],
+        "reliable": [{"name": f"s{i}", "tflops": 10.0, "memory_gb": 0.0004, "address": addresses[i]} for i in range(4)],
         "unreliable": [{"name": f"u{i}", "tflops": 5.0, "memory_gb": 0.0004} for i in range(3)],
         "reliable_delay_ms": delay, "reliable_bandwidth_mbps": bw,
         "unreliable_delay_ms": [[1, 1, far, far], [far, far, 1, 1], [1, 1, far, far]],
@@ -42,9 +43,12 @@ def devices_yaml(path: Path) -> None:
     }))
 
 
-def test_plan_servers_and_clients_as_processes_with_a_client_killed(tmp_path):
+def run_job(tmp_path: Path, addresses: list[str], on_host=lambda name: [], bind=None, kill_a_client=True) -> None:
+    """Plan, then start the four servers and the clients as processes (``on_host(name)`` wraps
+    each command to run on an emulated host, ``bind(name)`` is a server's --bind), and check the
+    losses against single-process training."""
     devices, model, alloc = tmp_path / "devices.yaml", tmp_path / "model.yaml", tmp_path / "alloc.json"
-    devices_yaml(devices)
+    devices_yaml(devices, addresses)
     model.write_text(yaml.safe_dump(MODEL))
     token = tmp_path / "job.key"
     assert ditorch("volunteer", "token", str(token), stdout=subprocess.DEVNULL).wait(60) == 0
@@ -64,23 +68,26 @@ def test_plan_servers_and_clients_as_processes_with_a_client_killed(tmp_path):
 
     def start(name: str, *args: str) -> subprocess.Popen:
         logs[name] = open(tmp_path / f"{name}.log", "w")
-        p = ditorch("volunteer", *args, "--token-file", str(token), stdout=logs[name], stderr=subprocess.STDOUT)
+        cmd = [sys.executable, "-m", "ditorch.cli", "volunteer", *args, "--token-file", str(token)]
+        p = subprocess.Popen(on_host(name) + cmd, cwd=ROOT, stdout=logs[name], stderr=subprocess.STDOUT)
         procs.append(p)
         return p
 
     try:
-        servers = [start(s["name"], "server", "--alloc", str(alloc), "--id", s["name"], "--metrics", str(metrics))
+        servers = [start(s["name"], "server", "--alloc", str(alloc), "--id", s["name"], "--metrics", str(metrics),
+                         *(["--bind", bind(s["name"])] if bind else []))
                    for s in allocation["fleet"]["reliable"]]
         entry = job.stages[0].frontal[0].address
         clients = [start(f"c{k}", "client", "--join", entry, "--name", f"c{k}", "--stage", str(k)) for k in (0, 1)]
-        chooser = start("chooser", "client", "--join", entry, "--name", "chooser")  # picks its stage by probing
-        victim = start("victim", "client", "--join", entry, "--name", "victim", "--stage", "0")
-        deadline = time.monotonic() + 120
+        clients.append(start("chooser", "client", "--join", entry, "--name", "chooser"))  # picks its stage by probing
+        victim = start("victim", "client", "--join", entry, "--name", "victim", "--stage", "0") if kill_a_client else None
+        deadline = time.monotonic() + 150
         while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
             time.sleep(0.2)
         assert metrics.exists(), "no step finished"
-        os.kill(victim.pid, signal.SIGKILL)
-        for p in servers + clients + [chooser]:
+        if victim is not None:
+            os.kill(victim.pid, signal.SIGKILL)
+        for p in servers + clients:
             assert p.wait(max(1, deadline - time.monotonic())) == 0
     finally:
         for p in procs:
@@ -93,3 +100,20 @@ def test_plan_servers_and_clients_as_processes_with_a_client_killed(tmp_path):
     reference, _ = reference_run(job)
     assert [losses[s] for s in range(job.steps)] == pytest.approx(reference, abs=1e-5)
     assert "joins stage" in (tmp_path / "chooser.log").read_text()
+
+
+def test_plan_servers_and_clients_as_processes_with_a_client_killed(tmp_path):
+    run_job(tmp_path, [f"127.0.0.1:{free_port()}" for _ in range(4)])
+
+
+@pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
+def test_stages_and_clients_on_three_hosts(tmp_path):
+    """Each stage's servers on a host of their own, listening on all interfaces and advertised by
+    host name; the clients on a third host behind a 50 Mbit/s link."""
+    with emulated_hosts(3) as hosts:
+        subprocess.run(["tc", "-n", hosts[2].ns, "qdisc", "add", "dev", hosts[2].dev, "root", "tbf", "rate",
+                        "50mbit", "burst", "256kb", "latency", "100ms"], check=True, capture_output=True)
+        place = {f"s{i}": hosts[i // 2] for i in range(4)}
+        addresses = [f"{place[f's{i}'].name}:{7300 + i}" for i in range(4)]
+        run_job(tmp_path, addresses, on_host=lambda name: place.get(name, hosts[2]).run([]),
+                bind=lambda name: f"0.0.0.0:{7300 + int(name[1:])}", kill_a_client=False)
