@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np  # noqa: E402
 from volunteer.allocate import allocate  # noqa: E402
 from volunteer.cost import Workload, group_link_time  # noqa: E402
 from volunteer.devices import Device, Fleet  # noqa: E402
-from volunteer.simulator import SYSTEMS, Participant, Scenario, batch_time, mean_batch_time  # noqa: E402
+from volunteer.simulator import SYSTEMS, Participant, Scenario, mean_batch_time  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 NAMES = {"pool": "task pool (this system)", "swarm": "SWARM-like (no pool)", "sync": "sync 1F1B (restarts)"}

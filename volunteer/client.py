@@ -223,6 +223,8 @@ class Client:
         self.asking = None
 
     def _on_finished(self, sock: zmq.Socket, msg: Message) -> None:
+        if sock not in self.frontal:
+            raise ProtocolError("FINISHED from a server that hands out no tasks")
         self.asking = None
         self.finished_by.add(self.frontal.index(sock))
 

@@ -88,7 +88,6 @@ class FrontalServer:
         self.freed_through = -1
         self.waiting: dict[bytes, float] = {}
         self.redo_queued: set[tuple[int, Range]] = set()
-        self.opened = -1
         self.losses: dict[int, float] = {}  # step -> loss, on the last stage's FS 0
         self._loss_parts: dict[int, list[tuple[float, int]]] = {}
         self.on_loss: Callable[[int, float], None] | None = None
@@ -126,7 +125,6 @@ class FrontalServer:
 
     def _open_step(self, step: int) -> None:
         """The first stage's inputs are the batch itself: all of its rows arrive at once."""
-        self.opened = step
         for mb in range(self.job.microbatches):
             seg = self._segment(step, mb)
             seg.arrived.add(seg.rows)

@@ -136,6 +136,15 @@ class Job:
         stage.load_full(Llama(self.config).state_dict(), strict=True)
         return stage
 
+    def stage_parameters(self, k: int) -> int:
+        """How many parameters stage k holds (without building it)."""
+        from heteropp.model_spec import ModelSpec
+
+        spec = ModelSpec.from_dict(self.model, seq=self.seq)
+        first, last = self.stages[k].layers
+        return ((last - first) * spec.params_per_layer + (spec.embedding_params if k == 0 else 0)
+                + (spec.head_params if k == len(self.stages) - 1 else 0))
+
     def boundary_shape(self, rows: int) -> tuple[int, ...]:
         return (rows, self.seq, self.config.dim)
 

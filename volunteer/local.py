@@ -3,7 +3,7 @@ benchmark and trying the system out. Each server and client has its own ZeroMQ c
 sockets, exactly as in separate processes; only the address space is shared."""
 from __future__ import annotations
 
-import socket
+import secrets
 import threading
 import time
 from typing import Any
@@ -11,17 +11,12 @@ from typing import Any
 import torch
 
 from dips.auth import JobToken
+from dips.harness import free_port
 
 from .client import Client
 from .job import Job, Server, StageSpec
 from .security import JobKeys
 from .server import StageServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loopback_job(model: dict[str, Any], layers: list[tuple[int, int]], servers: list[tuple[int, int]],
@@ -40,7 +35,7 @@ class LocalJob:
 
     def __init__(self, job: Job, token: JobToken | None = None, data: torch.Tensor | None = None):
         self.job = job
-        self.keys = JobKeys(token or JobToken("local-job-token-" + "0" * 16))
+        self.keys = JobKeys(token or JobToken(secrets.token_hex(32)))
         self.servers = [StageServer(job, s.name, self.keys, data=data, linger=0.5)
                         for st in job.stages for s in st.servers]
         self.threads = [threading.Thread(target=s.run, name=s.name, daemon=True) for s in self.servers]

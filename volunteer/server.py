@@ -36,7 +36,7 @@ def max_message_bytes(job: Job) -> int:
     """The largest frame a job's sockets accept: a stage's whole parameter vector, or a whole
     micro-batch of activations, plus room for the header."""
     cfg = job.config
-    params = max(sum(p.numel() for p in flat_parameters(job.stage_module(k))) for k in range(len(job.stages)))
+    params = max(job.stage_parameters(k) for k in range(len(job.stages)))
     rows = job.microbatch_samples * job.seq * max(cfg.dim, 2)
     return 4 * max(params, rows) + PING_MAX_BYTES + (64 << 10)
 

@@ -173,3 +173,11 @@ def test_wrong_shape_nan_and_duplicate_results_are_refused_and_nothing_is_applie
     finally:
         for r in (producer, worker, pusher):
             r.close()
+
+
+def test_the_message_bound_is_the_largest_stage_or_micro_batch(served):
+    job, _ = served
+    for k in range(len(job.stages)):  # the count the bound is computed from, against the modules themselves
+        assert job.stage_parameters(k) == sum(p.numel() for p in job.stage_module(k).parameters())
+    largest = max(job.stage_parameters(k) for k in range(len(job.stages)))
+    assert max_message_bytes(job) >= 4 * largest
