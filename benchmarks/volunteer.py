@@ -37,7 +37,10 @@ V100 = 30e12  # sustained FLOP/s of a reliable device; an RTX 2080 takes 55% lon
 # 50 M parameters a layer at 16 bytes each (fp32 weights, gradients, AdamW moments).
 WORKLOAD = dict(layers=24, flops_per_sample_layer=3.4e11, boundary_bytes_per_sample=4.2e6, layer_state_bytes=16 * 50e6)
 V100_MEMORY, RTX2080_MEMORY = 32 * 2**30, 11 * 2**30  # an unreliable device holds at most 14 layers: two stages or more
-DETECT = 5.0  # seconds until servers act on a departure (the runtime's default liveness)
+# Seconds until the servers act on a departure: a device that vanishes is noticed when its
+# heartbeats stop for the runtime's default liveness; one that leaves says so (LEAVE) and is
+# noticed at the servers' next timer tick.
+DETECT = {"vanish": 3.0, "leave": 0.02}
 
 
 def paper_fleet(rng: np.random.Generator, n_reliable: int, n_unreliable: int) -> Fleet:
@@ -57,7 +60,8 @@ def paper_fleet(rng: np.random.Generator, n_reliable: int, n_unreliable: int) ->
                  delay * 1e-3, bw * 1e6 / 8, u_delay * 1e-3, u_bw * 1e6 / 8)
 
 
-def scenario(fleet: Fleet, work: Workload, unreliable_ratio: float, rng: np.random.Generator) -> Scenario:
+def scenario(fleet: Fleet, work: Workload, unreliable_ratio: float, rng: np.random.Generator,
+             detect: float) -> Scenario:
     """The allocation of ``fleet`` as the simulator sees it; ``unreliable_ratio`` of the client
     devices may leave (the rest stay)."""
     alloc = allocate(fleet, work)
@@ -78,16 +82,16 @@ def scenario(fleet: Fleet, work: Workload, unreliable_ratio: float, rng: np.rand
                                       sum(h[0] for h in hops), sum(h[1] for h in hops), unreliable=i in leaving))
     boundary = tuple(group_link_time(fleet, a.backward, b.frontal, work.microbatch_bytes)
                      for a, b in zip(alloc.stages, alloc.stages[1:]))
-    return Scenario(tuple(people), boundary, work.microbatches, work.microbatch_samples, DETECT)
+    return Scenario(tuple(people), boundary, work.microbatches, work.microbatch_samples, detect)
 
 
-def disconnection_sweep(rates: list[float], ratios: list[float], batches: int, seed: int) -> dict:
+def disconnection_sweep(rates: list[float], ratios: list[float], batches: int, seed: int, detect: float) -> dict:
     rng = np.random.default_rng(seed)
     fleet = paper_fleet(rng, 6, 10)
     work = Workload(batch=64, microbatches=8, **WORKLOAD)
     out = {}
     for ratio in ratios:
-        sc = scenario(fleet, work, ratio, np.random.default_rng(seed + 1))
+        sc = scenario(fleet, work, ratio, np.random.default_rng(seed + 1), detect)
         out[ratio] = {s: [mean_batch_time(sc, s, p, batches, seed=seed + 2) for p in rates] for s in SYSTEMS}
     return {"rates": rates, "stages": 1 + max(p.stage for p in sc.participants), "times": out}
 
@@ -100,7 +104,7 @@ def scaling(sizes: list[int], rate: float, ratio: float, batches: int, seed: int
         reliable = 3 * n // 8
         fleet = paper_fleet(rng, reliable, n - reliable)
         work = Workload(batch=4 * n, microbatches=8, **WORKLOAD)
-        sc = scenario(fleet, work, ratio, np.random.default_rng(seed + 1))
+        sc = scenario(fleet, work, ratio, np.random.default_rng(seed + 1), DETECT["vanish"])
         t = mean_batch_time(sc, "pool", rate, batches, seed=seed + 2)
         out[n] = {"seconds_per_batch": t, "samples_per_second": work.batch / t,
                   "stages": 1 + max(p.stage for p in sc.participants)}
@@ -110,22 +114,27 @@ def scaling(sizes: list[int], rate: float, ratio: float, batches: int, seed: int
     return out
 
 
-def plot(sweep: dict, path: Path) -> None:
+def plot(sweeps: dict[str, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ratios = sorted(sweep["times"])
-    fig, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios), 3.6), sharey=True)
-    for ax, ratio in zip(np.atleast_1d(axes), ratios):
-        for s in SYSTEMS:
-            ax.plot([100 * r for r in sweep["rates"]], sweep["times"][ratio][s], marker="o", label=NAMES[s])
-        ax.set_title(f"{round(100 * ratio)}% of clients unreliable")
-        ax.set_xlabel("disconnection rate per batch (%)")
-        ax.grid(alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel("seconds per batch")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
+    kinds = list(sweeps)
+    ratios = sorted(sweeps[kinds[0]]["times"])
+    fig, axes = plt.subplots(len(kinds), len(ratios), figsize=(5 * len(ratios), 3.4 * len(kinds)), sharey=True,
+                             squeeze=False)
+    for row, kind in zip(axes, kinds):
+        for ax, ratio in zip(row, ratios):
+            for s in SYSTEMS:
+                ax.plot([100 * r for r in sweeps[kind]["rates"]], sweeps[kind]["times"][ratio][s], marker="o",
+                        label=NAMES[s])
+            ax.set_title(f"devices {kind} ({DETECT[kind]:g} s to notice); {round(100 * ratio)}% of clients unreliable",
+                         fontsize=9)
+            ax.set_xlabel("disconnection rate per batch (%)")
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("seconds per batch")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -139,24 +148,27 @@ def main() -> int:
     OUT.mkdir(exist_ok=True)
     wall, cpu = time.perf_counter(), time.process_time()
     rates = [0.0, 0.2, 0.3, 0.4, 0.5, 0.6]
-    sweep = disconnection_sweep(rates, [0.3, 0.6], args.batches, args.seed)
-    print(f"6 reliable + 10 unreliable devices in {sweep['stages']} stage(s); seconds per batch (mean of "
-          f"{args.batches} batches)")
-    print(f"{'unreliable':>10} {'disconnect':>10} " + " ".join(f"{NAMES[s]:>24}" for s in SYSTEMS)
-          + f" {'vs SWARM':>9} {'vs sync':>8}")
-    for ratio, times in sweep["times"].items():
-        for i, r in enumerate(rates):
-            row = [times[s][i] for s in SYSTEMS]
-            print(f"{100 * ratio:>9.0f}% {100 * r:>9.0f}% " + " ".join(f"{t:>24.1f}" for t in row)
-                  + f" {row[1] / row[0]:>8.2f}x {row[2] / row[0]:>7.2f}x")
-    plot(sweep, OUT / "volunteer_disconnection.png")
+    sweeps = {kind: disconnection_sweep(rates, [0.3, 0.6], args.batches, args.seed, detect)
+              for kind, detect in DETECT.items()}
+    for kind, sweep in sweeps.items():
+        print(f"\n6 reliable + 10 unreliable devices in {sweep['stages']} stage(s); devices {kind} "
+              f"(noticed after {DETECT[kind]:g} s); seconds per batch (mean of {args.batches} batches)")
+        print(f"{'unreliable':>10} {'disconnect':>10} " + " ".join(f"{NAMES[s]:>24}" for s in SYSTEMS)
+              + f" {'vs SWARM':>9} {'vs sync':>8}")
+        for ratio, times in sweep["times"].items():
+            for i, r in enumerate(rates):
+                row = [times[s][i] for s in SYSTEMS]
+                print(f"{100 * ratio:>9.0f}% {100 * r:>9.0f}% " + " ".join(f"{t:>24.1f}" for t in row)
+                      + f" {row[1] / row[0]:>8.2f}x {row[2] / row[0]:>7.2f}x")
+    plot(sweeps, OUT / "volunteer_disconnection.png")
     scale = scaling([16, 32, 48], 0.5, 0.6, max(10, args.batches // 4), args.seed)
-    print("\nweak scaling of the task pool at 50% disconnection, 60% unreliable (4 samples per device)")
+    print("\nweak scaling of the task pool at 50% disconnection, 60% unreliable, devices vanish (4 samples per device)")
     print(f"{'devices':>8} {'stages':>7} {'s/batch':>8} {'samples/s':>10} {'efficiency':>11}")
     for n, r in scale.items():
         print(f"{n:>8} {r['stages']:>7} {r['seconds_per_batch']:>8.1f} {r['samples_per_second']:>10.2f} "
               f"{100 * r['efficiency']:>10.0f}%")
-    result = {"sweep": {str(k): v for k, v in sweep["times"].items()}, "rates": rates,
+    result = {"sweeps": {kind: {str(k): v for k, v in sw["times"].items()} for kind, sw in sweeps.items()},
+              "rates": rates, "detect_s": DETECT,
               "scaling": {str(k): v for k, v in scale.items()}}
     if not args.skip_measured:
         from measured_volunteer import measured_against_simulated

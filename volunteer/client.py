@@ -30,7 +30,8 @@ from .wire import Message, ProtocolError
 
 log = logging.getLogger("volunteer.client")
 
-HEARTBEAT = 1.0
+HEARTBEAT = 0.5  # seconds between heartbeats; the job's liveness is several of them
+LEAVE_LINGER_MS = 1000  # how long a leaving client keeps trying to deliver its LEAVE
 PACED_OPS = ("TASK", "BWD", "ACT", "BWD_DONE")
 MAX_GRAPHS = 4  # forward graphs kept at once (memory, as 1F1B bounds in-flight micro-batches)
 
@@ -70,6 +71,7 @@ class Client:
         self.first, self.last = stage == 0, stage == len(job.stages) - 1
         self.identity = f"c:{name}:{secrets.token_hex(4)}".encode()
         self.context = zmq.Context()
+        self.keys = keys
         max_bytes = max_message_bytes(job)
         self.sockets = [connecting_socket(self.context, keys, f"tcp://{s.address}", self.identity, max_bytes)
                         for s in self.spec.servers]
@@ -86,7 +88,8 @@ class Client:
         self.pull_replies = 0
         self.work: dict[tuple[int, int, int], Work] = {}
         self.parked: list[Work] = []  # tasks waiting for a newer version of the parameters
-        self.awaiting_accept: dict[tuple[int, int, int], tuple[int, tuple[int, int], torch.Tensor]] = {}
+        # finished tasks whose gradient waits for the FS's verdict: key -> (step, rows, gradient, sent at)
+        self.awaiting_accept: dict[tuple[int, int, int], tuple[int, tuple[int, int], torch.Tensor, float]] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.rows: dict[int, RowSet] = {}
         self.seg_done: dict[int, set[int]] = {}
@@ -96,7 +99,6 @@ class Client:
         self.finished_by: set[int] = set()
         self.stop_event = threading.Event()
         self.tasks_done = 0
-        self._last_beat = 0.0
 
     # -- sending -------------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, msg: Message) -> None:
@@ -123,34 +125,58 @@ class Client:
         poller = zmq.Poller()
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
+        beating = threading.Event()
+        heart = threading.Thread(target=self._heartbeat, args=(beating,), name=f"{self.name}-heartbeat", daemon=True)
+        heart.start()
+        graceful = False
         try:
             while not self.stop_event.is_set() and len(self.finished_by) < len(self.frontal):
                 if self.leave_after is not None and time.monotonic() - started > self.leave_after:
-                    log.info("%s leaves", self.name)
                     break
                 busy = self._step_once()
                 for sock, _ in poller.poll(0 if busy else 20):
                     self._receive(sock)
-                now = time.monotonic()
-                if now - self._last_beat > HEARTBEAT:
-                    self._last_beat = now
-                    self._broadcast(Message("HEARTBEAT", {}))
+            graceful = len(self.finished_by) < len(self.frontal)
         except Departed:
             log.info("%s departs without warning", self.name)
         finally:
-            self.close()
+            beating.set()
+            heart.join()
+            if graceful:  # say so: the servers hand its work to others at once
+                log.info("%s leaves", self.name)
+                self._broadcast(Message("LEAVE", {}))
+            self.close(LEAVE_LINGER_MS if graceful else 0)
         return self.tasks_done
 
+    def _heartbeat(self, done: threading.Event) -> None:
+        """Beats from a thread and sockets of its own (``<identity>:hb``), so that a long task
+        never makes a live client look gone."""
+        max_bytes = 64 << 10
+        socks = [connecting_socket(self.context, self.keys, f"tcp://{s.address}", self.identity + b":hb", max_bytes)
+                 for s in self.spec.servers]
+        beat = Message("HEARTBEAT", {}).encode()
+        try:
+            while not done.wait(HEARTBEAT):
+                for sock in socks:
+                    sock.send_multipart(beat)
+        finally:
+            for sock in socks:
+                sock.close(0)
+
     def stop(self) -> None:
+        """Leave at the next chance, telling the servers (a graceful departure)."""
         self.stop_event.set()
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         for s in self.sockets:
-            s.close(0)
+            s.close(linger_ms)
         self.context.term()
 
     def _step_once(self) -> bool:
         """Do one piece of local work, if any is ready; True when something was done."""
+        now = time.monotonic()
+        for key in [k for k, e in self.awaiting_accept.items() if now - e[3] > self.job.task_timeout]:
+            del self.awaiting_accept[key]  # no verdict came (the FS refused the message): the rows are not ours
         self._apply_version()
         for w in list(self.work.values()):
             if w.grad is not None and w.grad_rows.covers(w.rows) and self._can_compute(w):
@@ -244,7 +270,7 @@ class Client:
         entry = self.awaiting_accept.pop(tuple(msg.fields.get("task") or ()), None)
         if entry is None:
             return
-        step, rows, grads = entry
+        step, rows, grads, _ = entry
         if step in self.grads:
             self.grads[step] += grads
         else:
@@ -367,7 +393,7 @@ class Client:
         if w.kind == "redo":  # the shards asked for exactly these rows: push them now
             self._push(w.step, [list(w.rows)], flat)
             return
-        self.awaiting_accept[w.key] = (w.step, w.rows, flat)
+        self.awaiting_accept[w.key] = (w.step, w.rows, flat, time.monotonic())
         self._send(self.frontal[w.key[1]], Message("BWD_DONE", {"task": list(w.key), "attempt": w.attempt,
                                                                "loss": loss_sum},
                                                    [] if input_grad is None else [input_grad]))

@@ -152,6 +152,9 @@ class FrontalServer:
 
     def on_backward_done(self, client: bytes, msg: Message) -> None:
         task = self._task(msg)
+        if task is None and msg.fields["task"][0] <= self.freed_through:
+            self.send_client(client, Message("REFUSE", {"task": msg.fields["task"]}))  # its step is over
+            return
         if task is None or client not in task.given_to or task.kind == "redo":
             raise ProtocolError("BWD_DONE for a task this client was never given")
         seg = self.segments[(task.step, task.mb)]

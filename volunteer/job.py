@@ -62,7 +62,7 @@ class Job:
     weight_decay: float = 0.0
     delayed_updates: bool = False  # DPU: step s computes with the parameters of step s - 1
     task_timeout: float = 30.0  # a task not finished by then goes back to the pool
-    liveness: float = 5.0  # a client silent for this long is taken to have left
+    liveness: float = 3.0  # a client silent for this long is taken to have left (clients beat every 0.5 s)
     push_timeout: float = 30.0  # a live client that has not pushed its gradient by then is redone
 
     def __post_init__(self) -> None:

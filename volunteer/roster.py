@@ -26,6 +26,12 @@ class Roster:
         if info is not None:
             info.last_seen = self.clock()
 
+    def leave(self, identity: bytes) -> None:
+        """The client said it is leaving: from now on it counts as gone."""
+        info = self._clients.get(identity)
+        if info is not None:
+            info.last_seen = -float("inf")
+
     def known(self, identity: bytes) -> bool:
         return identity in self._clients
 

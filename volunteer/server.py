@@ -30,6 +30,7 @@ log = logging.getLogger("volunteer.server")
 TICK = 0.02  # seconds between timer passes
 PING_MAX_BYTES = 1 << 20
 HANDSHAKE_LOG_INTERVAL = 10.0
+HEARTBEAT_SUFFIX = b":hb"
 
 
 def max_message_bytes(job: Job) -> int:
@@ -111,7 +112,7 @@ class StageServer:
             ("client", "JOIN"): lambda c, m: self._to_client(c, Message("JOB", {"job": self.job.to_dict()})),
             ("client", "PING"): self._on_ping,
             ("client", "HELLO"): lambda c, m: self.roster.hello(c, m.float("flops")),
-            ("client", "HEARTBEAT"): lambda c, m: None,
+            ("client", "LEAVE"): lambda c, m: self.roster.leave(c),
             ("client", "PUSH"): shard.on_push,
             ("client", "PULL"): shard.on_pull,
             ("server", "SEG_DONE"): lambda s, m: shard.on_segment_done(m),
@@ -149,6 +150,11 @@ class StageServer:
         self._to_client(client, Message("PONG", {}, [payload]))
 
     def _handle(self, identity: bytes, msg: Message) -> None:
+        if identity.endswith(HEARTBEAT_SUFFIX):  # a client's heartbeat socket: beats only
+            if msg.op != "HEARTBEAT":
+                raise ProtocolError(f"{msg.op} from a heartbeat connection")
+            self.roster.heard(identity[: -len(HEARTBEAT_SUFFIX)])
+            return
         kind = self._sender_kind(identity)
         handler = self._handlers.get((kind, msg.op))
         if handler is None:

@@ -8,6 +8,7 @@ single-process run, and each shard's summed gradient against the full-batch grad
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -108,3 +109,16 @@ def test_delayed_updates_under_churn_stay_within_2_percent_of_the_run_without():
                                               for i, p in enumerate(["forward", "backward", "push", "forward"])]
     churn = run(job, clients).losses
     assert [churn[s] for s in range(job.steps)] == pytest.approx([calm[s] for s in range(job.steps)], rel=0.02)
+
+
+def test_a_client_that_says_it_leaves_has_its_work_redone_at_once():
+    """Timeouts of a minute: only the LEAVE a departing client sends lets the job end sooner."""
+    job = loopback_job(TINY, [(0, 2), (2, 4)], [(1, 1), (1, 1)], batch=8, microbatches=2, seq=16, steps=4,
+                       lr=1e-2, task_timeout=60.0, liveness=60.0, push_timeout=60.0)
+    slow = {"emulate_flops": 2e7}  # about 0.1 s a row: the job outlasts the leaver's second
+    clients = [(0, "a", slow), (1, "b", slow), (0, "leaver0", {**slow, "leave_after": 1.0}),
+               (1, "leaver1", {**slow, "leave_after": 1.5})]
+    t0 = time.monotonic()
+    lj = run(job, clients, timeout=45.0)
+    assert time.monotonic() - t0 < 45.0
+    check_exact(job, lj)
