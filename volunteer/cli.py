@@ -48,7 +48,8 @@ def register(subparsers) -> None:
     cli.add_argument("--stage", type=int, default=None, help="join this stage (default: the one it reaches best)")
     cli.add_argument("--emulate-tflops", type=float, default=None,
                      help="emulate a chip of this speed by sleeping out the rest of each task")
-    cli.add_argument("--leave-after", type=float, default=None, help="leave, without warning, after this many seconds")
+    cli.add_argument("--leave-after", type=float, default=None, help="leave (saying so) after this many seconds")
+    cli.add_argument("--device", default="cpu", help="where to compute: cpu, dipu (after 'import ditorch'), ...")
     _common(cli)
     cli.set_defaults(func=run_client)
 
@@ -143,7 +144,9 @@ def run_client(args: argparse.Namespace) -> int:
     if not 0 <= stage < len(job.stages):
         raise ValueError(f"--stage {stage}; the job has stages 0-{len(job.stages) - 1}")
     logging.getLogger("volunteer.client").info("%s joins stage %d", args.name, stage)
-    client = Client(job, stage, args.name, keys, flops=args.tflops * 1e12,
+    if args.device.startswith("dipu"):
+        import ditorch  # noqa: F401  (registers the dipu device)
+    client = Client(job, stage, args.name, keys, flops=args.tflops * 1e12, device=args.device,
                     emulate_flops=args.emulate_tflops and args.emulate_tflops * 1e12, leave_after=args.leave_after)
     signal.signal(signal.SIGTERM, lambda *_: client.stop())
     done = client.run()

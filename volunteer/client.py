@@ -62,7 +62,8 @@ class Client:
 
     def __init__(self, job: Job, stage: int, name: str, keys: JobKeys, flops: float = 1e12,
                  emulate_flops: float | None = None, leave_after: float | None = None,
-                 fault: Callable[[str], None] | None = None, link: tuple[float, float] | None = None):
+                 fault: Callable[[str], None] | None = None, link: tuple[float, float] | None = None,
+                 device: str = "cpu"):
         self.job, self.stage, self.name = job, stage, name
         self.flops, self.emulate_flops, self.leave_after = flops, emulate_flops, leave_after
         self.fault = fault or (lambda point: None)  # fault injection: raises Departed at a point
@@ -77,7 +78,8 @@ class Client:
                         for s in self.spec.servers]
         self.frontal = self.sockets[:len(self.spec.frontal)]
         self.backward = self.sockets[len(self.spec.frontal):]
-        self.module = job.stage_module(stage)
+        self.device = torch.device(device)  # "dipu" computes on the emulated (or a real) accelerator
+        self.module = job.stage_module(stage).to(self.device)
         self.params = flat_parameters(self.module)
         self.numel = sum(p.numel() for p in self.params)
         layers = self.spec.layers[1] - self.spec.layers[0]
@@ -322,7 +324,7 @@ class Client:
         v = min(complete)
         flat = torch.cat([self.incoming[v][i] for i in range(len(self.sockets))])
         with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(flat, self.params)
+            torch.nn.utils.vector_to_parameters(flat.to(self.device), self.params)
         self.version, self.pulling, self.incoming = v, None, {}
 
     # -- compute -------------------------------------------------------------------------------
@@ -338,7 +340,8 @@ class Client:
                                                                   "start": rows[0], "end": rows[1]}))
 
     def _leaf(self, w: Work) -> torch.Tensor:
-        return w.x if self.first else w.x.clone().requires_grad_(True)
+        x = w.x.to(self.device)
+        return x if self.first else x.clone().requires_grad_(True)
 
     def _forward(self, w: Work) -> None:
         self.fault("forward")
@@ -347,7 +350,7 @@ class Client:
             y = self.module(x)
         w.graph = (x, y)
         self.work[w.key] = w
-        out = y.detach()
+        out = y.detach().cpu()
         for b, rows in self.job.owners(self.spec.backward, w.mb, w.rows):
             self._send(self.backward[b], Message("ACT", {"task": list(w.key), "step": w.step, "mb": w.mb,
                                                          "start": rows[0], "end": rows[1]},
@@ -359,7 +362,7 @@ class Client:
         self.fault("forward")
         with self._paced(w.rows, 1.0):
             x = self._leaf(w)
-            mean = self.module(x, w.targets)
+            mean = self.module(x, w.targets.to(self.device))
             loss_sum = mean * w.targets.numel()
             grads = self._backward(x, loss_sum / (self.job.batch * self.job.seq), None)  # its share of the batch mean
         self._report(w, grads, float(loss_sum.detach()))
@@ -373,7 +376,7 @@ class Client:
             else:  # another client's forward: recompute it
                 x = self._leaf(w)
                 y = self.module(x)
-            grads = self._backward(x, y, w.grad)
+            grads = self._backward(x, y, w.grad.to(self.device))
         self._report(w, grads, 0.0)
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None):
@@ -382,10 +385,11 @@ class Client:
         for p in self.params:
             p.grad = None
         torch.autograd.backward(y, grad)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params]).cpu()
         for p in self.params:
             p.grad = None
-        return (None if self.first else x.grad), flat
+        return (None if self.first else x.grad.cpu()), flat
 
     def _report(self, w: Work, grads: tuple[torch.Tensor | None, torch.Tensor], loss_sum: float) -> None:
         input_grad, flat = grads

@@ -91,6 +91,7 @@ class FrontalServer:
         self.losses: dict[int, float] = {}  # step -> loss, on the last stage's FS 0
         self._loss_parts: dict[int, list[tuple[float, int]]] = {}
         self.on_loss: Callable[[int, float], None] | None = None
+        self._batches: dict[int, torch.Tensor] = {}
         if self.first:
             self._open_step(0)
 
@@ -119,9 +120,12 @@ class FrontalServer:
         return seg
 
     def _batch(self, step: int) -> torch.Tensor:
+        """The tokens of step ``step`` (a function of the seed and the step, as in every run)."""
         from ditorch.datasets import step_batch
 
-        return step_batch(self.data, self.job.batch, self.job.seq, self.job.seed, step)
+        if step not in self._batches:
+            self._batches[step] = step_batch(self.data, self.job.batch, self.job.seq, self.job.seed, step)
+        return self._batches[step]
 
     def _open_step(self, step: int) -> None:
         """The first stage's inputs are the batch itself: all of its rows arrive at once."""
@@ -357,4 +361,5 @@ class FrontalServer:
             del self.tasks[key]
         self.accepted.pop(step, None)
         self.loss_sum.pop(step, None)
+        self._batches.pop(step, None)
         self.redo_queued = {r for r in self.redo_queued if r[0] != step}
