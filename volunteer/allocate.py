@@ -15,9 +15,7 @@ all) is never chosen.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 
@@ -61,8 +59,6 @@ class Allocation:
             "fleet": f.to_dict(),
         }
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 def order_clusters(fleet: Fleet, work: Workload, clusters: list[list[int]], seed: int = 0) -> list[list[int]]:

@@ -9,8 +9,6 @@ from the owner of some rows on one side to the owner of the same rows on the oth
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -184,8 +182,6 @@ class Job:
         w = alloc["workload"]
         return cls(model=model, stages=stages, batch=w["batch"], microbatches=w["microbatches"], **training)
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 def flat_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

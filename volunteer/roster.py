@@ -49,7 +49,8 @@ class Roster:
         return mine / sum(live) if mine > 0 and sum(live) > 0 else 1.0
 
     def forget_departed(self, after: float) -> list[bytes]:
-        """Drop clients silent for ``after`` seconds (they rejoin with a new hello)."""
+        """Drop clients silent for ``after`` seconds, so that a long job's roster holds the clients
+        of the last while, not everyone who ever joined; their tasks went back to the pool long ago."""
         now = self.clock()
         gone = [c for c, i in self._clients.items() if now - i.last_seen > after]
         for c in gone:

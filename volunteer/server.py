@@ -31,6 +31,7 @@ TICK = 0.02  # seconds between timer passes
 PING_MAX_BYTES = 1 << 20
 HANDSHAKE_LOG_INTERVAL = 10.0
 HEARTBEAT_SUFFIX = b":hb"
+FORGET_AFTER = 600.0  # a client silent this long leaves the roster (a restarted one joins anew)
 
 
 def max_message_bytes(job: Job) -> int:
@@ -221,6 +222,7 @@ class StageServer:
                     if isinstance(self.role, FrontalServer):
                         self.role.tick()
                     self.shard.tick()
+                    self.roster.forget_departed(FORGET_AFTER)
                     self._handle_local()
                 if self.finished:
                     finished_at = finished_at or now
