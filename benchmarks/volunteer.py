@@ -11,7 +11,7 @@ the disconnection rate. A second part runs the real runtime (servers and clients
 compute and links paced by sleeping) on a small scenario and prints measured against simulated
 time per batch for the task pool, the check that the simulator models the system.
 
-    .venv/bin/python benchmarks/volunteer.py            # about 3 minutes on 2 cores
+    .venv/bin/python benchmarks/volunteer.py            # about a minute on 2 cores
 """
 from __future__ import annotations
 
