@@ -32,6 +32,8 @@ def _add_commands(sub) -> None:
     lead.add_argument("--heartbeat", type=float, default=1.0, help="cluster heartbeat interval, seconds")
     lead.add_argument("--follower-heartbeat", type=float, default=1.0, help="follower heartbeat interval, seconds")
     lead.add_argument("--token-budget", type=int, default=None, help="stop after this many consumed tokens")
+    lead.add_argument("--max-cluster-tokens-per-s", type=float, default=1e7,
+                      help="refuse a push claiming more tokens than this rate since the cluster's last push")
     lead.add_argument("--metadata", default="dips-leader.json", help="metadata checkpoint file")
     lead.add_argument("--no-restart-followers", action="store_true",
                       help="do not relaunch followers that stop heartbeating")
@@ -120,6 +122,7 @@ def run_leader(args: argparse.Namespace) -> int:
                        seed=args.seed, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                        alpha=args.alpha, beta=args.beta, clip_norm=args.clip_norm if args.clip_norm > 0 else None,
                        heartbeat_s=args.heartbeat, follower_heartbeat_s=args.follower_heartbeat, token_budget=args.token_budget, metadata=args.metadata,
+                       max_cluster_tokens_per_s=args.max_cluster_tokens_per_s,
                        restart_followers=not args.no_restart_followers)
     leader = Leader(cfg, JobToken.from_file(args.token_file))
     logging.getLogger("dips.leader").info("leader (%s) listening on %s for %d followers", args.mode,

@@ -59,6 +59,9 @@ class LeaderConfig:
     follower_heartbeat_s: float = 1.0
     push_timeout_s: float = 10.0
     token_budget: int | None = None
+    # the most tokens per second one cluster is believed to consume: a push claiming more than
+    # this rate since the cluster's last sealed push is refused (it would dominate the average)
+    max_cluster_tokens_per_s: float = 1e7
     metadata: str | None = None
     restart_followers: bool = True
 
@@ -67,6 +70,8 @@ class LeaderConfig:
             raise ValueError(f"mode {self.mode!r}; expected one of {MODES}")
         if self.n_followers < 1:
             raise ValueError(f"n_followers={self.n_followers}; expected >= 1")
+        if not self.max_cluster_tokens_per_s > 0:
+            raise ValueError(f"max_cluster_tokens_per_s={self.max_cluster_tokens_per_s}; expected > 0")
 
 
 @dataclasses.dataclass
@@ -88,6 +93,7 @@ class ClusterRecord:
     base: int
     tokens: int = 0
     last_hb: float = 0.0
+    counted_at: float = 0.0  # wall time its tokens were last counted (join or sealed push)
 
 
 @dataclasses.dataclass
@@ -213,7 +219,7 @@ class Leader:
             if not self._ready():
                 return {"status": "not_ready"}
             cid = str(msg.get("name") or uuid.uuid4().hex[:8])
-            self.clusters[cid] = ClusterRecord(cid, self.complete, last_hb=time.monotonic())
+            self.clusters[cid] = ClusterRecord(cid, self.complete, last_hb=time.monotonic(), counted_at=time.time())
             log.info("cluster %s joined at version %d", cid, self.complete)
             self._save_metadata()
             return {"status": "ok", "id": cid, "version": self.complete, "hb": self.cfg.heartbeat_s,
@@ -263,10 +269,24 @@ class Leader:
             if base != rec.base:  # e.g. its last pull failed: it must re-join from the latest version
                 log.warning("cluster %s pushes against version %d; the PS expects %d: it re-joins", cid, base, rec.base)
                 return {"status": "unknown"}
-            push = PushRecord(uuid.uuid4().hex[:12], cid, int(msg["tokens"]), base, t=time.monotonic())
+            push = PushRecord(uuid.uuid4().hex[:12], cid, self._checked_tokens(rec, msg["tokens"]), base,
+                              t=time.monotonic())
             self.pushes[push.id] = push
             steps = greedy_schedule(workers, self.dest)
             return {"status": "ok", "push": push.id, "schedule": steps}
+
+    def _checked_tokens(self, rec: ClusterRecord, tokens) -> int:
+        """A push's consumed-token count, bounded by what the cluster could have consumed since
+        its tokens were last counted: the count is the push's averaging weight."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"push of cluster {rec.id}: tokens={tokens!r}; expected a whole count >= 0")
+        elapsed = max(0.0, time.time() - rec.counted_at)
+        bound = self.cfg.max_cluster_tokens_per_s * (elapsed + 1.0)  # a second of slack for clock steps
+        if tokens > bound:
+            raise ValueError(f"push of cluster {rec.id}: {tokens} tokens in {elapsed:.1f} s since its tokens were "
+                             f"last counted; at most {bound:.0f} at {self.cfg.max_cluster_tokens_per_s:g} tokens/s "
+                             f"(--max-cluster-tokens-per-s)")
+        return tokens
 
     def _push_done(self, msg: dict) -> dict:
         with self.cond:
@@ -291,6 +311,7 @@ class Leader:
             if self._budget_done() and self.budget_reached_at is None:
                 self.budget_reached_at = time.time()
             self.clusters[push.cluster].tokens += push.tokens
+            self.clusters[push.cluster].counted_at = time.time()
             self._save_metadata()
             self.cond.notify_all()
             return {"status": "sealed"}

@@ -100,6 +100,9 @@ class PseudoGradientPenalty:
 
 def token_weights(tokens: Mapping[str, float]) -> dict[str, float]:
     """Weights T_j / sum T over the given pushes (equal weights when no tokens were reported)."""
+    bad = {p: t for p, t in tokens.items() if not t >= 0}
+    if bad:
+        raise ValueError(f"token counts {bad}; expected counts >= 0 (a weight is never negative)")
     total = float(sum(tokens.values()))
     if not tokens:
         return {}

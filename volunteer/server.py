@@ -17,11 +17,13 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dips.curve import tcp_endpoint
+
 from .backward import BackwardServer
 from .frontal import FrontalServer
 from .job import Job, flat_parameters
 from .roster import Roster
-from .security import Authenticator, JobKeys, connecting_socket, serving_socket
+from .security import JobKeys, authenticator, connecting_socket, serving_socket
 from .shard import ParameterShard
 from .wire import Message, ProtocolError
 
@@ -41,13 +43,6 @@ def max_message_bytes(job: Job) -> int:
     params = max(job.stage_parameters(k) for k in range(len(job.stages)))
     rows = job.microbatch_samples * job.seq * max(cfg.dim, 2)
     return 4 * max(params, rows) + PING_MAX_BYTES + (64 << 10)
-
-
-def bind_endpoint(address: str) -> str:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address {address!r}; expected HOST:PORT")
-    return f"tcp://{host}:{port}"
 
 
 class StageServer:
@@ -78,8 +73,8 @@ class StageServer:
         else:
             self.role = BackwardServer(job, self.stage, self.index, self._to_client, self._to_server)
         self.context = zmq.Context()
-        self.auth = Authenticator(self.context, keys)
-        self.socket = serving_socket(self.context, keys, bind_endpoint(self.bind), self.max_bytes)
+        self.auth = authenticator(self.context, keys)
+        self.socket = serving_socket(self.context, keys, tcp_endpoint(self.bind), self.max_bytes)
         # handshake failures happen below the application: the monitor is how they get logged
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -101,7 +96,7 @@ class StageServer:
         sock = self.peers.get(name)
         if sock is None:
             address = next(s.address for st in self.job.stages for s in st.servers if s.name == name)
-            sock = self.peers[name] = connecting_socket(self.context, self.keys, bind_endpoint(address),
+            sock = self.peers[name] = connecting_socket(self.context, self.keys, tcp_endpoint(address),
                                                         f"s:{self.name}".encode(), self.max_bytes)
         sock.send_multipart(msg.encode(), copy=False)
 
