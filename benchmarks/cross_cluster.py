@@ -52,11 +52,13 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path) -> dic
     work.mkdir(parents=True)
     token_file = str(work / "job.key")
     token = JobToken.create(token_file)
+    server_token_file = str(work / "servers.key")
+    server_token = JobToken.create(server_token_file)
     leader = Leader(LeaderConfig(model=model_cfg, n_followers=args.followers, bind="127.0.0.1:0", mode=mode,
                                  token_budget=args.budget, metadata=str(work / "leader.json"),
                                  clip_norm=args.clip_norm if args.clip_norm > 0 else None,
-                                 heartbeat_s=args.heartbeat, restart_followers=False), token)
-    followers = [start_follower(leader.address, f"127.0.0.1:{free_port()}", token_file, str(work / f"f{i}"),
+                                 heartbeat_s=args.heartbeat, restart_followers=False), token, server_token)
+    followers = [start_follower(leader.address, f"127.0.0.1:{free_port()}", server_token_file, str(work / f"f{i}"),
                                 str(work / f"f{i}.log")) for i in range(args.followers)]
     n = args.clusters
     delays = [args.eta / 100 * i / (n - 1) for i in range(n)] if n > 1 else [0.0]

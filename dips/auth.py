@@ -1,4 +1,9 @@
-"""The job token: a shared secret every Di-PS message must carry."""
+"""Shared secrets of a Di-PS job, one per role.
+
+A job has two: the *job token* clusters hold, and the *server token* the leader and followers
+hold. A cluster's token cannot register a follower or drive a follower's outer step; the
+CURVE key pairs of the data flow are derived from them (:mod:`dips.curve`).
+"""
 from __future__ import annotations
 
 import hmac
@@ -10,6 +15,9 @@ from pathlib import Path
 log = logging.getLogger("dips.auth")
 
 MIN_TOKEN_CHARS = 16
+# labels of the CURVE key pairs derived from each role's secret (dips.curve.KeyPair.derive)
+CLUSTER_KEY_LABEL = "dips-cluster"    # from the job token
+FOLLOWER_KEY_LABEL = "dips-follower"  # from the server token
 
 
 class JobToken:
@@ -40,11 +48,20 @@ class JobToken:
             f.write(secret + "\n")
         return JobToken(secret)
 
-    def verify(self, presented: str | bytes | None, what: str = "message") -> bool:
-        """True when ``presented`` is the token; a refusal is logged (never the token itself)."""
+    def matches(self, presented: object) -> bool:
+        """True when ``presented`` is the token (constant-time compare; no log)."""
         if isinstance(presented, str):
             presented = presented.encode()
-        ok = isinstance(presented, bytes) and hmac.compare_digest(presented, self._bytes)
+        return isinstance(presented, bytes) and hmac.compare_digest(presented, self._bytes)
+
+    @staticmethod
+    def log_refusal(presented: object, what: str) -> None:
+        """Log a refused request (never the token presented)."""
+        log.warning("refused %s: %s token", what, "missing" if not presented else "wrong")
+
+    def verify(self, presented: object, what: str = "message") -> bool:
+        """True when ``presented`` is the token; a refusal is logged (never the token itself)."""
+        ok = self.matches(presented)
         if not ok:
-            log.warning("refused %s: %s job token", what, "missing" if not presented else "wrong")
+            self.log_refusal(presented, what)
         return ok

@@ -12,14 +12,31 @@ import threading
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token-file", required=True, help="file holding the job's shared secret")
+    p.add_argument("--server-token-file", required=True,
+                   help="file holding the secret the leader and followers share (not the clusters' job token)")
+    p.add_argument("--advertise", default=None,
+                   help="HOST:PORT peers dial (default: --bind, or for 0.0.0.0 the address that routes to the peer)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate the job's gRPC servers are checked against")
+    p.add_argument("--tls-cert", default=None, help="this server's TLS certificate (gRPC)")
+    p.add_argument("--tls-key", default=None, help="this server's TLS private key (gRPC)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _tls(args: argparse.Namespace):
+    from .rpc import Tls
+
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    if not args.tls_ca:
+        raise ValueError("TLS needs --tls-ca (the CA that signed the servers' certificates)")
+    return Tls(args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def _add_commands(sub) -> None:
     lead = sub.add_parser("leader", help="run the leader PS (control flow, gRPC)")
     lead.add_argument("--bind", default="127.0.0.1:7000", help="HOST:PORT of the control service")
     lead.add_argument("--followers", type=int, required=True, help="number of follower PSs")
+    lead.add_argument("--token-file", required=True, help="file holding the job token clusters present")
     lead.add_argument("--model", required=True, help="model config YAML (LlamaConfig fields)")
     lead.add_argument("--mode", default="dips", choices=["dips", "sync", "async"],
                       help="dips: grace time + penalty; sync: DiLoCo; async: async DiLoCo without penalty")
@@ -35,8 +52,12 @@ def _add_commands(sub) -> None:
     lead.add_argument("--max-cluster-tokens-per-s", type=float, default=1e7,
                       help="refuse a push claiming more tokens than this rate since the cluster's last push")
     lead.add_argument("--metadata", default="dips-leader.json", help="metadata checkpoint file")
+    lead.add_argument("--launch-followers", default="",
+                      help="comma-separated HOST:PORT data addresses: run the followers here and relaunch them")
+    lead.add_argument("--checkpoint-root", default="dips-followers",
+                      help="checkpoint directories of launched followers (<root>/follower-<i>)")
     lead.add_argument("--no-restart-followers", action="store_true",
-                      help="do not relaunch followers that stop heartbeating")
+                      help="do not relaunch launched followers that stop heartbeating")
     _common(lead)
     lead.set_defaults(func=_checked(run_leader))
 
@@ -45,7 +66,7 @@ def _add_commands(sub) -> None:
     fol.add_argument("--bind", default="127.0.0.1:7100", help="HOST:PORT of the data socket")
     fol.add_argument("--checkpoint-dir", default=None, help="default: dips-follower-<port>")
     fol.add_argument("--keep-checkpoints", type=int, default=3)
-    fol.add_argument("--index", type=int, default=None, help="slot to take (set by the leader on restart)")
+    fol.add_argument("--index", type=int, default=None, help="slot to take (set by the leader it launched it)")
     _common(fol)
     fol.set_defaults(func=_checked(run_follower))
 
@@ -118,13 +139,16 @@ def run_leader(args: argparse.Namespace) -> int:
     from .leader import Leader, LeaderConfig
     from .model import load_config
 
-    cfg = LeaderConfig(model=load_config(args.model), n_followers=args.followers, bind=args.bind, mode=args.mode,
+    launch = tuple(a for a in args.launch_followers.split(",") if a)
+    cfg = LeaderConfig(model=load_config(args.model), n_followers=args.followers, bind=args.bind,
+                       advertise=args.advertise, mode=args.mode, launch_followers=launch,
+                       checkpoint_root=args.checkpoint_root, server_token_file=args.server_token_file,
                        seed=args.seed, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                        alpha=args.alpha, beta=args.beta, clip_norm=args.clip_norm if args.clip_norm > 0 else None,
                        heartbeat_s=args.heartbeat, follower_heartbeat_s=args.follower_heartbeat, token_budget=args.token_budget, metadata=args.metadata,
                        max_cluster_tokens_per_s=args.max_cluster_tokens_per_s,
                        restart_followers=not args.no_restart_followers)
-    leader = Leader(cfg, JobToken.from_file(args.token_file))
+    leader = Leader(cfg, JobToken.from_file(args.token_file), JobToken.from_file(args.server_token_file), _tls(args))
     logging.getLogger("dips.leader").info("leader (%s) listening on %s for %d followers", args.mode,
                                           leader.address, args.followers)
     return _serve(leader.stop)
@@ -136,8 +160,9 @@ def run_follower(args: argparse.Namespace) -> int:
     from .follower import Follower
 
     ckpt = args.checkpoint_dir or f"dips-follower-{args.bind.rsplit(':', 1)[1]}"
-    follower = Follower(args.leader, args.bind, JobToken.from_file(args.token_file), ckpt,
-                        keep_checkpoints=args.keep_checkpoints, index=args.index, token_file=args.token_file)
+    follower = Follower(args.leader, args.bind, JobToken.from_file(args.server_token_file), ckpt,
+                        keep_checkpoints=args.keep_checkpoints, index=args.index, advertise=args.advertise,
+                        tls=_tls(args))
     return _serve(follower.stop)
 
 

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from .auth import JobToken
+from .auth import CLUSTER_KEY_LABEL, JobToken
+from .curve import KeyPair, connecting_socket, tcp_endpoint
 from .layout import ModelLayout, pack_unit, unpack_unit
-from .rpc import RpcClient, RpcError
+from .rpc import RpcClient, RpcError, Tls
 
 log = logging.getLogger("dips.client")
 
@@ -40,7 +41,8 @@ class OuterClient:
     def __init__(self, model: torch.nn.Module, leader: str, inner_steps: int,
                  token_file: str | os.PathLike | None = None, token: JobToken | None = None,
                  name: str | None = None, process_group=None, heartbeat_s: float = 0.5,
-                 round_timeout_s: float = 60.0, transfer_timeout_s: float = 30.0, join: bool = True):
+                 round_timeout_s: float = 60.0, transfer_timeout_s: float = 30.0, join: bool = True,
+                 tls: Tls | None = None):
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps}; expected >= 1")
         if (token is None) == (token_file is None):
@@ -67,7 +69,8 @@ class OuterClient:
         self._leader_up = threading.Event()
         self._stop = threading.Event()
         if self.rank == 0:
-            self.leader = RpcClient("dips.Leader", leader, self.token)
+            self.leader = RpcClient("dips.Leader", leader, self.token, tls)
+            self._keys = KeyPair.derive(self.token, CLUSTER_KEY_LABEL)
             self._ctx = zmq.Context.instance()
             self._socks: dict[str, zmq.Socket] = {}
             self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="dips-client-heartbeat")
@@ -257,9 +260,8 @@ class OuterClient:
     def _sock(self, address: str) -> zmq.Socket:
         s = self._socks.get(address)
         if s is None:
-            s = self._socks[address] = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://{address}")
+            s = self._socks[address] = connecting_socket(self._ctx, self.plan["key"].encode(), self._keys,
+                                                         tcp_endpoint(address), self.layout.max_message_bytes)
         return s
 
     def fetch_global(self) -> int | None:
@@ -275,7 +277,7 @@ class OuterClient:
         return int(st["version"])
 
     def _header(self, **fields) -> bytes:
-        return json.dumps({"tok": self.token.secret, **fields}).encode()
+        return json.dumps(fields).encode()
 
     def _send(self, push: str, schedule: list, snapshot: dict[str, torch.Tensor]) -> bool:
         followers = self.plan["followers"]

@@ -25,25 +25,33 @@ from pathlib import Path
 import torch
 import zmq
 
-from .auth import JobToken
+from . import address
+from .auth import FOLLOWER_KEY_LABEL, JobToken
+from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
 from .layout import WIRE_DTYPE, ModelLayout, pack_unit, unpack_unit
 from .model import build_model
 from .outer_optimizer import NesterovOuter
-from .rpc import RpcClient, RpcError, RpcServer
+from .rpc import RpcClient, RpcError, RpcServer, Tls
 
 log = logging.getLogger("dips.follower")
 
 STALE_UNSEALED_S = 120.0
+ZAP_DOMAIN = "dips-data"
+MAX_ID_CHARS = 128  # push and request ids a cluster sends are echoed back: bound them
 
 
 class Follower:
-    def __init__(self, leader: str, bind: str, token: JobToken, checkpoint_dir: str | os.PathLike,
+    """A follower PS serving data at ``bind``; ``server_token`` is the secret it shares with the
+    leader (the job token of clusters is not needed: the leader sends the clusters' public key).
+    ``advertise``: the data address clusters dial (default: ``bind``, or for a wildcard bind the
+    address of the interface that routes to the leader)."""
+
+    def __init__(self, leader: str, bind: str, server_token: JobToken, checkpoint_dir: str | os.PathLike,
                  keep_checkpoints: int = 3, heartbeat_s: float = 1.0, index: int | None = None,
-                 token_file: str | os.PathLike | None = None):
-        self.leader_addr, self.bind, self.token = leader, bind, token
-        # what the leader needs to relaunch this follower from its checkpoint
-        self.launch = {"ckpt_dir": str(Path(checkpoint_dir).resolve()),
-                       "token_file": str(Path(token_file).resolve()) if token_file else ""}
+                 advertise: str | None = None, tls: Tls | None = None):
+        self.leader_addr, self.bind, self.token = leader, bind, server_token
+        self.advertise = address.advertised(bind, advertise, toward=leader)
+        self.keys = KeyPair.derive(server_token, FOLLOWER_KEY_LABEL)
         self.dir = Path(checkpoint_dir)
         (self.dir / "pushes").mkdir(parents=True, exist_ok=True)
         self.keep_checkpoints, self.heartbeat_s = keep_checkpoints, heartbeat_s
@@ -60,13 +68,14 @@ class Follower:
         self.applied_at: dict[str, int] = {}  # push id -> version whose checkpoint retires it
         self._stop = threading.Event()
         self._ckpt_queue: queue.Queue = queue.Queue()
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()  # its own: the ZAP handler is per context
         self._threads: list[threading.Thread] = []
-        self.rpc = RpcServer("dips.Follower", {
-            "Seal": self._seal, "Prepare": self._prepare, "Apply": self._apply,
-            "Discard": self._discard, "Status": self._status,
-        }, token, bind=f"{bind.rsplit(':', 1)[0]}:0")
-        self.leader = RpcClient("dips.Leader", leader, token)
+        handlers = {"Seal": self._seal, "Prepare": self._prepare, "Apply": self._apply,
+                    "Discard": self._discard, "Status": self._status}
+        self.rpc = RpcServer("dips.Follower", handlers, {n: (server_token,) for n in handlers},
+                             bind=address.join(address.split(bind)[0], 0), tls=tls)
+        self.ctrl = address.join(address.split(self.advertise)[0], self.rpc.port)
+        self.leader = RpcClient("dips.Leader", leader, server_token, tls)
         self._register()
         self._start_data_flow()
         for fn in (self._heartbeat_loop, self._checkpoint_loop):
@@ -81,8 +90,8 @@ class Follower:
     def _register(self) -> None:
         while not self._stop.is_set():
             try:
-                reply = self.leader.call("RegisterFollower", index=self.index, data=self.bind,
-                                         ctrl=self.rpc.address, version=self._disk_version(), **self.launch)
+                reply = self.leader.call("RegisterFollower", index=self.index, data=self.advertise,
+                                         ctrl=self.ctrl, version=self._disk_version())
                 break
             except RpcError as exc:
                 if not exc.unavailable:
@@ -94,6 +103,7 @@ class Follower:
         self.opt = NesterovOuter(reply["lr"], reply["momentum"])
         model = build_model(reply["model"], reply["seed"])
         self.layout = ModelLayout.of(model)
+        self.cluster_key = reply["cluster_key"].encode()
         start, stop = reply["units"]
         self.unit_range = range(start, stop)
         if not self.theta:
@@ -124,9 +134,9 @@ class Follower:
 
     # ------------------------------------------------------------- data flow
     def _start_data_flow(self) -> None:
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(f"tcp://{self.bind}")
+        self._auth = Authenticator(self._ctx, ZAP_DOMAIN, [self.cluster_key])
+        self._router = serving_socket(self._ctx, self.keys, ZAP_DOMAIN, tcp_endpoint(self.bind),
+                                      self.layout.max_message_bytes)
         self._outbox = f"inproc://dips-follower-{id(self)}"
         self._decode_q: queue.Queue = queue.Queue()
         self._encode_q: queue.Queue = queue.Queue()
@@ -158,8 +168,10 @@ class Follower:
         except (ValueError, IndexError) as exc:
             log.warning("follower %s: malformed data message: %s", self.index, exc)
             return
-        if not self.token.verify(header.pop("tok", None), f"data message {header.get('op')!r}"):
-            self._reply_now(ident, {"ok": False, "err": "wrong or missing job token", "req": header.get("req")})
+        req = header.get("req")
+        if not isinstance(req, str) or len(req) > MAX_ID_CHARS:
+            log.warning("follower %s: data message without a request id of at most %d characters", self.index,
+                        MAX_ID_CHARS)
             return
         if header.get("op") == "push":
             self._decode_q.put((ident, header, frames[2].buffer if len(frames) > 2 else b""))
@@ -211,7 +223,9 @@ class Follower:
         for n, t in tensors.items():
             if not torch.isfinite(t).all():
                 raise ValueError(f"unit {spec.name}: tensor {n} has non-finite values")
-        push, base = str(header["push"]), int(header["base"])
+        push, base = header["push"], int(header["base"])
+        if not isinstance(push, str) or not 0 < len(push) <= MAX_ID_CHARS:
+            raise ValueError(f"push id {str(push)[:40]!r}; expected a string of 1..{MAX_ID_CHARS} characters")
         with self.lock:
             if base not in self.bases:
                 raise ValueError(f"push {push}: base version {base} is not held (held: {sorted(self.bases)})")
@@ -363,11 +377,10 @@ class Follower:
             try:
                 with self.lock:
                     v, c = self.version, self.ckpt_version
-                reply = self.leader.call("Heartbeat", timeout=2.0, kind="follower", id=self.index,
-                                         version=v, ckpt=c)
+                reply = self.leader.call("FollowerHeartbeat", timeout=2.0, id=self.index, version=v, ckpt=c)
                 if not reply.get("known", True):
-                    self.leader.call("RegisterFollower", index=self.index, data=self.bind,
-                                     ctrl=self.rpc.address, version=v, **self.launch)
+                    self.leader.call("RegisterFollower", index=self.index, data=self.advertise,
+                                     ctrl=self.ctrl, version=v)
             except RpcError:
                 pass  # leader down: keep trying, never block the data flow
 
@@ -381,6 +394,9 @@ class Follower:
         for t in self._threads:
             t.join(timeout=2)
         self.leader.close()
+        if hasattr(self, "_auth"):
+            self._auth.stop()
+        self._ctx.term()
 
 
 def _norm(tensors: dict[str, torch.Tensor]) -> float:

@@ -142,11 +142,13 @@ def python_env() -> dict:
                 GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
 
 
-def start_follower(leader: str, bind: str, token_file: str, ckpt_dir: str, log_path: str | None = None) -> subprocess.Popen:
+def start_follower(leader: str, bind: str, server_token_file: str, ckpt_dir: str,
+                   log_path: str | None = None) -> subprocess.Popen:
     """A follower PS as its own process, started with the CLI."""
     out = open(log_path, "a") if log_path else subprocess.DEVNULL
     return subprocess.Popen([sys.executable, "-m", "dips.cli", "follower", "--leader", leader, "--bind", bind,
-                             "--token-file", token_file, "--checkpoint-dir", ckpt_dir, "--log-level", "WARNING"],
+                             "--server-token-file", server_token_file, "--checkpoint-dir", ckpt_dir,
+                             "--log-level", "WARNING"],
                             env=python_env(), stdout=out, stderr=subprocess.STDOUT)
 
 

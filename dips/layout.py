@@ -59,6 +59,13 @@ class ModelLayout:
         text = json.dumps([[t.name, list(t.shape)] for u in self.units for t in u.tensors])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest frame the data flow carries (a unit in BF16), with room for headers: the
+        ``MAXMSGSIZE`` of every data socket."""
+        largest = max(sum(t.numel for t in u.tensors) for u in self.units) * WIRE_DTYPE.itemsize
+        return largest + 64 * 1024
+
     def partition(self, n_followers: int) -> list[tuple[int, int]]:
         """Contiguous even split: follower i owns units [start, stop)."""
         n = len(self.units)

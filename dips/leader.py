@@ -17,21 +17,22 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .auth import JobToken
+from .address import advertised, split
+from .auth import CLUSTER_KEY_LABEL, FOLLOWER_KEY_LABEL, JobToken
+from .curve import KeyPair
 from .grace import GraceEstimator
 from .layout import ModelLayout
 from .model import build_model
 from .penalty import PseudoGradientPenalty, token_weights
-from .rpc import RpcClient, RpcError, RpcServer
+from .rpc import RpcClient, RpcError, RpcServer, Tls
 from .schedule import greedy_schedule
+from .supervisor import FollowerLaunch, FollowerSupervisor
 
 log = logging.getLogger("dips.leader")
 
@@ -45,6 +46,7 @@ class LeaderConfig:
     model: dict
     n_followers: int
     bind: str = "127.0.0.1:7000"
+    advertise: str | None = None  # what launched followers dial (default: bind, or routable if wildcard)
     mode: str = "dips"
     seed: int = 0
     outer_lr: float = 0.7
@@ -64,6 +66,11 @@ class LeaderConfig:
     max_cluster_tokens_per_s: float = 1e7
     metadata: str | None = None
     restart_followers: bool = True
+    # followers this leader runs itself (data addresses; follower i gets launch_followers[i]) and
+    # relaunches from <checkpoint_root>/follower-<i> when they die; needs the server token's file
+    launch_followers: tuple[str, ...] = ()
+    checkpoint_root: str = "dips-followers"
+    server_token_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,6 +79,11 @@ class LeaderConfig:
             raise ValueError(f"n_followers={self.n_followers}; expected >= 1")
         if not self.max_cluster_tokens_per_s > 0:
             raise ValueError(f"max_cluster_tokens_per_s={self.max_cluster_tokens_per_s}; expected > 0")
+        if self.launch_followers and len(self.launch_followers) != self.n_followers:
+            raise ValueError(f"{len(self.launch_followers)} follower addresses to launch for {self.n_followers} "
+                             "followers; give one per follower or none")
+        if self.launch_followers and not self.server_token_file:
+            raise ValueError("launching followers needs the server token's file (server_token_file)")
 
 
 @dataclasses.dataclass
@@ -79,8 +91,6 @@ class FollowerRecord:
     index: int
     data: str
     ctrl: str
-    ckpt_dir: str = ""
-    token_file: str = ""
     version: int = -1
     last_hb: float = 0.0
     restarted_at: float = 0.0
@@ -109,8 +119,16 @@ class PushRecord:
 
 
 class Leader:
-    def __init__(self, config: LeaderConfig, token: JobToken):
-        self.cfg, self.token = config, token
+    """The leader PS. ``token``: the job token clusters hold; ``server_token``: the secret the
+    leader and its followers share (registering a follower and every call to a follower need it)."""
+
+    def __init__(self, config: LeaderConfig, token: JobToken, server_token: JobToken, tls: Tls | None = None):
+        if token.matches(server_token.secret):
+            raise ValueError("the server token equals the job token: clusters could act as followers; "
+                             "make a separate one with `ditorch ps token`")
+        self.cfg, self.token, self.server_token, self.tls = config, token, server_token, tls
+        self.cluster_key = KeyPair.derive(token, CLUSTER_KEY_LABEL).public
+        self.follower_key = KeyPair.derive(server_token, FOLLOWER_KEY_LABEL).public
         self.layout = ModelLayout.of(build_model(config.model, config.seed))
         self.partition = self.layout.partition(config.n_followers)
         self.dest = self.layout.owner_of_units(config.n_followers)
@@ -128,16 +146,26 @@ class Leader:
         self.budget_reached_at: float | None = None
         self.penalty = PseudoGradientPenalty(config.alpha, config.beta, config.clip_norm, config.warmup_rounds)
         self.grace = GraceEstimator(config.initial_grace, max_grace=config.max_grace)
-        self.children: list[subprocess.Popen] = []
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max(4, config.n_followers))
         self._load_metadata()
-        self.rpc = RpcServer("dips.Leader", {
-            "RegisterFollower": self._register_follower, "RegisterCluster": self._register_cluster,
-            "Heartbeat": self._heartbeat, "PushRequest": self._push_request, "PushDone": self._push_done,
-            "WaitPush": self._wait_push, "Status": self._status, "Plan": self._plan,
-        }, token, bind=config.bind, threads=16)
-        self.address = self.rpc.address
+        clusters, servers = (token,), (server_token,)
+        handlers = {
+            "RegisterCluster": (self._register_cluster, clusters), "Heartbeat": (self._heartbeat, clusters),
+            "PushRequest": (self._push_request, clusters), "PushDone": (self._push_done, clusters),
+            "WaitPush": (self._wait_push, clusters), "Plan": (self._plan, clusters),
+            "Status": (self._status, clusters + servers),
+            "RegisterFollower": (self._register_follower, servers),
+            "FollowerHeartbeat": (self._follower_heartbeat, servers),
+        }
+        self.rpc = RpcServer("dips.Leader", {n: h[0] for n, h in handlers.items()},
+                             {n: h[1] for n, h in handlers.items()}, bind=config.bind, threads=16, tls=tls)
+        self.address = advertised(config.bind.rsplit(":", 1)[0] + f":{self.rpc.port}", config.advertise, None)
+        root = Path(config.checkpoint_root)
+        self.supervisor = FollowerSupervisor(
+            [FollowerLaunch(i, b, str(root / f"follower-{i}")) for i, b in enumerate(config.launch_followers)],
+            self.address, config.server_token_file or "", tls_args(tls))
+        self.supervisor.start_all(known=set(self.followers))
         self._threads = [threading.Thread(target=f, daemon=True, name=f"dips-leader-{f.__name__}")
                          for f in (self._round_loop, self._monitor_loop)]
         for t in self._threads:
@@ -152,8 +180,7 @@ class Leader:
             "version": self.version, "complete": self.complete, "tokens_total": self.tokens_total,
             "decisions": {str(v): d for v, d in self.decisions.items()}, "collecting": self.collecting,
             "clusters": [dataclasses.asdict(c) for c in self.clusters.values()], "pushes": fates,
-            "followers": [{k: getattr(f, k) for k in ("index", "data", "ctrl", "ckpt_dir", "token_file")}
-                          for f in self.followers.values()],
+            "followers": [{k: getattr(f, k) for k in ("index", "data", "ctrl")} for f in self.followers.values()],
             "penalty": self.penalty.state(), "grace": self.grace.state(),
         }
         path = Path(self.cfg.metadata)
@@ -175,8 +202,8 @@ class Leader:
         for p in meta["pushes"]:
             self.pushes[p["id"]] = PushRecord(**p)
         for f in meta["followers"]:
-            rec = FollowerRecord(**f, last_hb=now, restarted_at=now)
-            rec.client = RpcClient("dips.Follower", rec.ctrl, self.token)
+            rec = FollowerRecord(f["index"], f["data"], f["ctrl"], last_hb=now, restarted_at=now)
+            rec.client = RpcClient("dips.Follower", rec.ctrl, self.server_token, self.tls)
             self.followers[rec.index] = rec
         self.penalty.load_state(meta["penalty"])
         self.grace.load_state(meta["grace"])
@@ -198,14 +225,15 @@ class Leader:
             old = self.followers.get(index)
             if old is not None and old.client is not None:
                 old.client.close()
-            rec = FollowerRecord(index, msg["data"], msg["ctrl"], msg.get("ckpt_dir", ""),
-                                 msg.get("token_file", ""), int(msg.get("version", -1)), time.monotonic())
-            rec.client = RpcClient("dips.Follower", rec.ctrl, self.token)
+            rec = FollowerRecord(index, _address(msg["data"]), _address(msg["ctrl"]), int(msg.get("version", -1)),
+                                 time.monotonic())
+            rec.client = RpcClient("dips.Follower", rec.ctrl, self.server_token, self.tls)
             self.followers[index] = rec
             log.info("follower %d registered (data %s, version %d)", index, rec.data, rec.version)
             return {"index": index, "model": self.cfg.model, "seed": self.cfg.seed,
                     "units": list(self.partition[index]), "lr": self.cfg.outer_lr,
-                    "momentum": self.cfg.outer_momentum, "hb": self.cfg.follower_heartbeat_s}
+                    "momentum": self.cfg.outer_momentum, "hb": self.cfg.follower_heartbeat_s,
+                    "cluster_key": self.cluster_key.decode()}
 
     def _ready(self) -> bool:
         return (len(self.followers) == self.cfg.n_followers
@@ -227,17 +255,19 @@ class Leader:
 
     def _data_plan(self) -> dict:
         return {"followers": [self.followers[i].data for i in range(self.cfg.n_followers)],
-                "units": [list(b) for b in self.partition]}
+                "units": [list(b) for b in self.partition], "key": self.follower_key.decode()}
+
+    def _follower_heartbeat(self, msg: dict) -> dict:
+        with self.cond:
+            rec = self.followers.get(int(msg["id"]))
+            if rec is None:
+                return {"known": False}
+            rec.last_hb, rec.version = time.monotonic(), int(msg["version"])
+            return {"known": True}
 
     def _heartbeat(self, msg: dict) -> dict:
         now = time.monotonic()
         with self.cond:
-            if msg["kind"] == "follower":
-                rec = self.followers.get(int(msg["id"]))
-                if rec is None:
-                    return {"known": False}
-                rec.last_hb, rec.version = now, int(msg["version"])
-                return {"known": True}
             rec = self.clusters.get(str(msg["id"]))
             if rec is None:
                 return {"known": False}
@@ -500,16 +530,12 @@ class Leader:
             return
         except RpcError:
             pass
-        if not self.cfg.restart_followers or not f.ckpt_dir or not f.token_file:
-            log.error("follower %d stopped heartbeating; not restarting it (restart disabled or no launch info)",
-                      f.index)
+        if not self.cfg.restart_followers or not self.supervisor.manages(f.index):
+            log.error("follower %d stopped heartbeating; not restarting it (%s)", f.index,
+                      "restart disabled" if self.supervisor.manages(f.index) else "this leader did not launch it")
             return
         log.warning("follower %d stopped heartbeating; restarting it from its latest checkpoint", f.index)
-        cmd = [sys.executable, "-m", "dips.cli", "follower", "--leader", self.address, "--bind", f.data,
-               "--token-file", f.token_file, "--checkpoint-dir", f.ckpt_dir, "--index", str(f.index)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
-                                                                         os.environ.get("PYTHONPATH")])))
-        self.children.append(subprocess.Popen(cmd, env=env))
+        self.supervisor.start(f.index)
 
     def status(self) -> dict:
         return self._status({})
@@ -519,13 +545,7 @@ class Leader:
         self.rpc.stop()
         for t in self._threads:
             t.join(timeout=5)
-        for child in self.children:
-            child.terminate()
-        for child in self.children:
-            try:
-                child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        self.supervisor.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -536,3 +556,18 @@ def _try(client: RpcClient | None, name: str, **fields) -> dict:
         return client.call(name, timeout=30, **fields)
     except RpcError as exc:
         return {"ok": False, "err": str(exc)}
+
+
+def _address(value) -> str:
+    """A HOST:PORT a peer sent, checked before it is stored and dialled."""
+    if not isinstance(value, str) or len(value) > 300:
+        raise ValueError(f"address {str(value)[:80]!r}; expected HOST:PORT")
+    split(value)
+    return value
+
+
+def tls_args(tls: Tls | None) -> list[str]:
+    """Command-line options that give a launched follower the leader's TLS files."""
+    if tls is None:
+        return []
+    return ["--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key]

@@ -1,16 +1,22 @@
 """Control flow: compact JSON messages over gRPC generic handlers (no generated stubs).
 
-Every request carries the job token in field ``tok``; a request without the right token is
-refused with PERMISSION_DENIED and logged. Message sizes are tracked: the control flow is meant
-to stay under 1 KB per message.
+Every request carries a role's secret in field ``tok``: each method names the secrets it
+accepts (a cluster's job token cannot call what only servers may), and a request without one of
+them is refused with PERMISSION_DENIED and logged. gRPC enforces a message size limit in both
+directions (control messages are meant to stay under 1 KB; the limit leaves room for a status
+listing many clusters). With :class:`Tls` the channel is TLS (``grpc.ssl_server_credentials``):
+the secrets and the control flow are then encrypted and the client checks the server's
+certificate against the job's CA.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
@@ -18,7 +24,33 @@ from .auth import JobToken
 
 log = logging.getLogger("dips.rpc")
 
-CONTROL_LIMIT = 1024
+CONTROL_LIMIT = 1024            # the size control messages are meant to stay under
+MAX_MESSAGE_BYTES = 256 * 1024  # the size gRPC refuses beyond, either way
+
+
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """TLS files of a job: a server presents ``cert``/``key``; a client trusts ``ca``."""
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        for what in ("ca", "cert", "key"):
+            path = getattr(self, what)
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"TLS {what} file {path!r} does not exist")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("TLS needs both a certificate and its key to serve (or neither, to only connect)")
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.cert is None:
+            raise ValueError("this process serves gRPC: give it a TLS certificate and key")
+        return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=Path(self.ca).read_bytes())
 
 
 class MessageStats:
@@ -44,34 +76,47 @@ def decode(data: bytes) -> dict:
     return msg
 
 
-class RpcServer:
-    """A gRPC server exposing ``handlers[name](msg) -> dict`` as ``/<service>/<name>``."""
+_LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
-    def __init__(self, service: str, handlers: dict[str, Callable[[dict], dict]], token: JobToken,
-                 bind: str = "127.0.0.1:0", threads: int = 8):
-        self.token = token
+
+class RpcServer:
+    """A gRPC server exposing ``handlers[name](msg) -> dict`` as ``/<service>/<name>``.
+
+    ``access[name]``: the secrets a request to ``name`` may carry (one per role allowed).
+    """
+
+    def __init__(self, service: str, handlers: dict[str, Callable[[dict], dict]],
+                 access: dict[str, Sequence[JobToken]], bind: str = "127.0.0.1:0", threads: int = 8,
+                 tls: Tls | None = None):
+        missing = set(handlers) - set(access)
+        if missing:
+            raise ValueError(f"{service}: methods {sorted(missing)} have no access rule")
         self.stats = MessageStats()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
-                                   options=[("grpc.so_reuseport", 0)])
-        methods = {name: grpc.unary_unary_rpc_method_handler(self._wrap(service, name, fn))
+                                   options=[("grpc.so_reuseport", 0), *_LIMITS])
+        methods = {name: grpc.unary_unary_rpc_method_handler(self._wrap(service, name, fn, tuple(access[name])))
                    for name, fn in handlers.items()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, methods),))
         host = bind.rsplit(":", 1)[0]
-        self.port = self._server.add_insecure_port(bind)
+        self.port = (self._server.add_secure_port(bind, tls.server_credentials()) if tls
+                     else self._server.add_insecure_port(bind))
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {bind!r}")
         self.address = f"{host}:{self.port}"
         self._server.start()
 
-    def _wrap(self, service: str, name: str, fn: Callable[[dict], dict]):
+    def _wrap(self, service: str, name: str, fn: Callable[[dict], dict], tokens: tuple[JobToken, ...]):
         def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
             self.stats.add(len(request))
             try:
                 msg = decode(request)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
-            if not self.token.verify(msg.pop("tok", None), f"{service}/{name} from {context.peer()}"):
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing job token")
+            presented = msg.pop("tok", None)
+            if not any(t.matches(presented) for t in tokens):
+                JobToken.log_refusal(presented, f"{service}/{name} from {context.peer()}")
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing token for this method")
             try:
                 reply = encode(fn(msg))
             except (ValueError, KeyError, TypeError) as exc:
@@ -94,12 +139,13 @@ class RpcError(RuntimeError):
 
 
 class RpcClient:
-    def __init__(self, service: str, address: str, token: JobToken):
+    def __init__(self, service: str, address: str, token: JobToken, tls: Tls | None = None):
         self.service, self.address, self.token = service, address, token
         # short reconnect backoff: a restarted peer must be reachable again within a heartbeat
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500)])
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500), *_LIMITS]
+        self._channel = (grpc.secure_channel(address, tls.channel_credentials(), options=options) if tls
+                         else grpc.insecure_channel(address, options=options))
         self._calls: dict[str, Callable] = {}
 
     def call(self, method: str, /, timeout: float = 5.0, **fields) -> dict:

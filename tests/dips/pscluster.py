@@ -19,13 +19,14 @@ MODEL = load_config(ROOT / "examples/configs/llama-tiny.yaml")
 
 
 @contextlib.contextmanager
-def in_process_ps(tmp_path, n_followers: int = 2, **leader_kw):
+def in_process_ps(tmp_path, n_followers: int = 2, tls=None, **leader_kw):
     tmp_path.mkdir(parents=True, exist_ok=True)
     token = JobToken.create(tmp_path / "job.key")
+    server_token = JobToken.create(tmp_path / "servers.key")
     cfg = LeaderConfig(model=MODEL, n_followers=n_followers, bind="127.0.0.1:0",
                        metadata=str(tmp_path / "leader.json"), restart_followers=False, **leader_kw)
-    leader = Leader(cfg, token)
-    followers = [Follower(leader.address, f"127.0.0.1:{free_port()}", token, tmp_path / f"f{i}")
+    leader = Leader(cfg, token, server_token, tls)
+    followers = [Follower(leader.address, f"127.0.0.1:{free_port()}", server_token, tmp_path / f"f{i}", tls=tls)
                  for i in range(n_followers)]
     try:
         yield leader, followers, token

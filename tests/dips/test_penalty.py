@@ -77,3 +77,5 @@ def test_bad_values_named():
         PseudoGradientPenalty(alpha=1.5)
     with pytest.raises(ValueError, match="push p"):
         PseudoGradientPenalty().decide({"p": float("nan")}, {"p": 1})
+    with pytest.raises(ValueError, match="never negative"):
+        token_weights({"a": 5, "b": -1})

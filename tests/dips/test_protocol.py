@@ -11,7 +11,9 @@ import zmq
 
 from dips.auth import JobToken
 from dips.client import OuterClient
+from dips.curve import KeyPair, connecting_socket, tcp_endpoint
 from dips.layout import ModelLayout, pack_unit
+from dips.leader import Leader, LeaderConfig
 from dips.model import build_model
 from dips.rpc import RpcClient, RpcError
 
@@ -106,18 +108,82 @@ def test_wrong_token_refused_and_logged(tmp_path, caplog):
             with pytest.raises(RpcError, match="PERMISSION_DENIED"):
                 bad.call("Status")
             with pytest.raises(RpcError, match="PERMISSION_DENIED"):
-                RpcClient("dips.Follower", followers[0].rpc.address, JobToken("y" * 32)).call("Status")
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.connect(f"tcp://{followers[0].bind}")
-            sock.send_multipart([json.dumps({"tok": "z" * 32, "op": "pull", "version": 0, "units": [0],
-                                             "req": "r"}).encode()])
-            assert sock.poll(5000)
-            reply = json.loads(sock.recv_multipart()[0])
-            sock.close(0)
-        assert reply["ok"] is False and "token" in reply["err"]
-        assert sum("refused" in r.message for r in caplog.records) >= 3
+                RpcClient("dips.Follower", followers[0].ctrl, JobToken("y" * 32)).call("Status")
+        assert sum("refused" in r.message for r in caplog.records) >= 2
         with pytest.raises(ValueError, match="at least 16"):
             JobToken("short")
+
+
+def test_cluster_credentials_cannot_act_as_a_server(tmp_path, caplog):
+    """Roles: the job token clusters hold cannot register a follower, heartbeat as one, or drive a
+    follower's outer step; the leader refuses a server token equal to the job token."""
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        wait_for(lambda: len(leader.status()["followers"]) == 2, 30, "followers")
+        as_cluster = RpcClient("dips.Leader", leader.address, token)
+        with caplog.at_level(logging.WARNING, logger="dips.auth"):
+            for method, fields in [("RegisterFollower", {"index": 0, "data": "127.0.0.1:1", "ctrl": "127.0.0.1:2"}),
+                                   ("FollowerHeartbeat", {"id": 0, "version": 99})]:
+                with pytest.raises(RpcError, match="PERMISSION_DENIED"):
+                    as_cluster.call(method, **fields)
+            for method in ("Status", "Apply", "Seal"):
+                with pytest.raises(RpcError, match="PERMISSION_DENIED"):
+                    RpcClient("dips.Follower", followers[0].ctrl, token).call(method, version=1, weights={})
+        assert sum("refused" in r.message for r in caplog.records) == 5
+        assert leader._data_plan()["followers"] == [f.advertise for f in sorted(followers, key=lambda f: f.index)]
+        assert leader.status()["followers"] == {"0": 0, "1": 0}
+        assert as_cluster.call("Status")["version"] == 0     # the role it has still works
+        as_cluster.close()
+    with pytest.raises(ValueError, match="server token equals the job token"):
+        Leader(LeaderConfig(model=MODEL, n_followers=1, bind="127.0.0.1:0"), token, JobToken(token.secret))
+
+
+def test_data_flow_admits_only_the_cluster_key(tmp_path, caplog):
+    """CURVE + ZAP on a follower's data socket: a plain socket and a CURVE client with another
+    key get no reply (ZAP logs the refusal); the cluster key gets its pull."""
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        f = min(followers, key=lambda f: f.index)
+        wait_for(lambda: f.version == 0, 30, "the follower's registration")
+        ctx = zmq.Context()
+        pull = [json.dumps({"op": "pull", "version": 0, "units": [0], "req": "r"}).encode()]
+
+        def ask(sock) -> list | None:
+            """The reply, or None when the message cannot even be sent (no admitted connection)."""
+            if not sock.poll(1500, zmq.POLLOUT):
+                return None
+            sock.send_multipart(pull)
+            return sock.recv_multipart() if sock.poll(1500) else None
+
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(tcp_endpoint(f.advertise))
+        follower_key = KeyPair.derive(JobToken((tmp_path / "servers.key").read_text()), "dips-follower").public
+        intruder = connecting_socket(ctx, follower_key, KeyPair.derive(JobToken("w" * 32), "dips-cluster"),
+                                     tcp_endpoint(f.advertise), 1 << 20)
+        member = connecting_socket(ctx, follower_key, KeyPair.derive(token, "dips-cluster"),
+                                   tcp_endpoint(f.advertise), 1 << 20)
+        with caplog.at_level(logging.WARNING, logger="dips.curve"):
+            assert ask(plain) is None
+            assert ask(intruder) is None
+            reply = ask(member)
+        assert reply is not None and json.loads(reply[0])["ok"] is True
+        assert any("refused a connection" in r.message for r in caplog.records)
+        for s in (plain, intruder, member):
+            s.close(0)
+        ctx.term()
+
+
+def test_oversize_data_frame_drops_the_connection(tmp_path):
+    """MAXMSGSIZE is the model's largest unit: a bigger frame never reaches the follower's queues."""
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        model = build_model(MODEL, 3)
+        c = OuterClient(model, leader.address, inner_steps=1, token=token, name="c")
+        addr = c.plan["followers"][0]
+        sock = c._sock(addr)
+        big = b"\0" * (c.layout.max_message_bytes + 1)
+        sock.send_multipart([c._header(op="push", push="p", req="big"), big])
+        assert not sock.poll(1500), "an oversize frame was answered"
+        assert all(not f.staged for f in followers)
+        c.close()
 
 
 def _raw_push(client, leader_version_check, units_to_send, mutate=None):
@@ -229,3 +295,23 @@ def test_grace_time_gathers_close_pushes_into_one_round(tmp_path):
         assert weights == [0.25, 0.75]
         for c in clients:
             c.close()
+
+
+@pytest.mark.parametrize("tokens", [-5, 1.5, True, "12", 10**12])
+def test_bad_token_counts_refused_state_unchanged(tmp_path, caplog, tokens):
+    """A push's token count is its averaging weight: a negative, fractional, non-numeric or
+    impossibly large one (more than --max-cluster-tokens-per-s allows since the cluster's tokens
+    were last counted) is refused with the reason logged, and the PS keeps no trace of it."""
+    with in_process_ps(tmp_path, max_cluster_tokens_per_s=1000.0) as (leader, _, token):
+        c = OuterClient(build_model(MODEL, 3), leader.address, inner_steps=1, token=token, name="c")
+        before, meta = leader.status(), (tmp_path / "leader.json").read_bytes()
+        with caplog.at_level(logging.WARNING, logger="dips.rpc"):
+            with pytest.raises(RpcError, match="INVALID_ARGUMENT: .*tokens"):
+                c.leader.call("PushRequest", id=c.cluster_id, tokens=tokens, base=c.base,
+                              workers={"0": list(range(len(c.layout.units)))})
+        assert any("PushRequest rejected" in r.message and "tokens" in r.message for r in caplog.records)
+        assert leader.pushes == {} and leader.status() == before
+        assert (tmp_path / "leader.json").read_bytes() == meta
+        assert c.step(tokens=500)          # a count the rate allows goes through
+        assert leader.status()["tokens"] == 500
+        c.close()

@@ -12,16 +12,17 @@ from dips.auth import JobToken
 def test_register_adds_ps_leader_and_follower():
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["ps", "leader", "--followers", "2", "--model", "m.yaml", "--token-file", "k"])
+    args = parser.parse_args(["ps", "leader", "--followers", "2", "--model", "m.yaml", "--token-file", "k",
+                              "--server-token-file", "s"])
     assert args.func is not None and args.bind == "127.0.0.1:7000" and args.mode == "dips"
-    args = parser.parse_args(["ps", "follower", "--token-file", "k"])
+    args = parser.parse_args(["ps", "follower", "--server-token-file", "s"])
     assert args.bind == "127.0.0.1:7100" and args.leader == "127.0.0.1:7000"
 
 
 def test_bad_model_path_is_one_clear_error(tmp_path, capsys):
     JobToken.create(tmp_path / "k")
     rc = cli.main(["leader", "--followers", "1", "--model", str(tmp_path / "none.yaml"),
-                   "--token-file", str(tmp_path / "k")])
+                   "--token-file", str(tmp_path / "k"), "--server-token-file", str(tmp_path / "k")])
     assert rc == 2
     assert "none.yaml" in capsys.readouterr().err
 

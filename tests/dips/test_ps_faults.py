@@ -1,7 +1,9 @@
 """Fault injection with real processes: the leader killed and restarted while clusters keep
 doing inner steps, then a follower killed and restarted by the leader from its checkpoint; and a
 data-parallel cluster (gloo) whose rank 0 speaks for it."""
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,11 +22,24 @@ from pscluster import MODEL, in_process_ps, wait_for
 pytestmark = pytest.mark.timeout(240)
 
 
-def leader_cmd(addr, tmp_path):
+def leader_cmd(addr, tmp_path, follower_addrs):
     return [sys.executable, "-m", "dips.cli", "leader", "--bind", addr, "--followers", "2",
             "--model", str(ROOT / "examples/configs/llama-tiny.yaml"), "--token-file", str(tmp_path / "job.key"),
+            "--server-token-file", str(tmp_path / "servers.key"), "--launch-followers", ",".join(follower_addrs),
+            "--checkpoint-root", str(tmp_path / "followers"),
             "--metadata", str(tmp_path / "leader.json"), "--heartbeat", "0.5", "--follower-heartbeat", "0.3",
             "--log-level", "INFO"]
+
+
+def follower_pid(checkpoint_dir: Path) -> int:
+    """The process of the follower that checkpoints to ``checkpoint_dir``."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"dips.cli" in cmd and str(checkpoint_dir).encode() in cmd:
+                    return int(proc.name)
+    raise ValueError(f"no follower process for {checkpoint_dir}")
 
 
 def status(rpc):
@@ -40,12 +55,14 @@ def version_reaches(rpc, v):
 
 def test_leader_and_follower_failures(tmp_path):
     token = JobToken.create(tmp_path / "job.key")
+    JobToken.create(tmp_path / "servers.key")
     addr = f"127.0.0.1:{free_port()}"
     log = open(tmp_path / "leader.log", "ab")
-    leader = subprocess.Popen(leader_cmd(addr, tmp_path), env=python_env(), stdout=log, stderr=subprocess.STDOUT)
     follower_addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    followers = [start_follower(addr, a, str(tmp_path / "job.key"), str(tmp_path / f"f{i}"), str(tmp_path / f"f{i}.log"))
-                 for i, a in enumerate(follower_addrs)]
+    # the leader runs the followers itself (and so may relaunch them); killed with SIGKILL below,
+    # it leaves them running, and the restarted leader adopts them when they heartbeat
+    leader = subprocess.Popen(leader_cmd(addr, tmp_path, follower_addrs), env=python_env(), stdout=log,
+                              stderr=subprocess.STDOUT)
     specs = [ClusterSpec(name=f"c{i}", leader=addr, token_file=str(tmp_path / "job.key"), model=MODEL,
                          log=str(tmp_path / f"c{i}.jsonl"), inner_steps=4, step_s=0.05, delay=0.5 * i, seed=i,
                          heartbeat_s=0.5) for i in range(2)]
@@ -62,19 +79,16 @@ def test_leader_and_follower_failures(tmp_path):
         time.sleep(3.0)
         during = [r for s in specs for r in read_log(s.log) if "loss" in r and t_kill + 0.5 < r["t"] < t_kill + 3]
         assert len(during) >= 10, "inner training stopped while the leader was down"
-        leader = subprocess.Popen(leader_cmd(addr, tmp_path), env=python_env(), stdout=log, stderr=subprocess.STDOUT)
+        leader = subprocess.Popen(leader_cmd(addr, tmp_path, follower_addrs), env=python_env(), stdout=log,
+                                  stderr=subprocess.STDOUT)
         wait_for(lambda: status(rpc) is not None, 30, "leader restart")
         assert status(rpc)["version"] >= before          # resumed, not reset
         wait_for(version_reaches(rpc, before + 3), 60, "rounds after the leader restart")
 
-        # --- a follower dies mid-training; the leader relaunches it from its latest checkpoint.
-        # The leader numbers followers in registration order, so read the index it gave this one.
-        meta = json.loads((tmp_path / "leader.json").read_text())
-        index = str(next(f["index"] for f in meta["followers"]
-                         if Path(f["ckpt_dir"]).resolve() == (tmp_path / "f0").resolve())).encode()
+        # --- a follower dies mid-training; the leader relaunches it from its latest checkpoint
+        index = b"0"
         before = status(rpc)["complete"]
-        followers[0].send_signal(signal.SIGKILL)
-        followers[0].wait()
+        os.kill(follower_pid(tmp_path / "followers" / "follower-0"), signal.SIGKILL)
         wait_for(version_reaches(rpc, before + 3), 90, "rounds after the follower restart")
         leader_log = (tmp_path / "leader.log").read_bytes()  # the relaunched follower logs there too
         assert b"restarting it from its latest checkpoint" in leader_log
@@ -107,10 +121,9 @@ def test_leader_and_follower_failures(tmp_path):
             leader.wait(10)
         except subprocess.TimeoutExpired:
             leader.kill()
-        for f in followers:
-            if f.poll() is None:
-                f.terminate()
-                f.wait(10)
+        for path in (tmp_path / "followers").glob("follower-*"):  # adopted ones outlive the leader
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(follower_pid(path), signal.SIGTERM)
         log.close()
 
 
