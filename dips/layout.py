@@ -48,10 +48,20 @@ class ModelLayout:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelLayout":
+        return cls.of_specs([(name, tuple(p.shape)) for name, p in model.named_parameters()])
+
+    @classmethod
+    def of_specs(cls, specs: list[tuple[str, tuple[int, ...]]]) -> "ModelLayout":
+        """Units in order of first appearance; a unit's tensors sorted by name, so two builds of
+        one model whose modules register parameters in another order (a pipeline stage's TP
+        block and the plain block) agree on the layout and the wire order."""
         groups: dict[str, list[TensorSpec]] = {}
-        for name, p in model.named_parameters():
-            groups.setdefault(unit_name(name), []).append(TensorSpec(name, tuple(p.shape)))
-        return cls(tuple(Unit(n, tuple(t)) for n, t in groups.items()))
+        for name, shape in specs:
+            groups.setdefault(unit_name(name), []).append(TensorSpec(name, tuple(shape)))
+        names = [t.name for ts in groups.values() for t in ts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{len(names) - len(set(names))} tensor names appear twice in the model's layout")
+        return cls(tuple(Unit(n, tuple(sorted(t, key=lambda s: s.name))) for n, t in groups.items()))
 
     @property
     def fingerprint(self) -> str:

@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint written under any plan")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    p.add_argument("--ps", default=None, metavar="HOST:PORT",
+                   help="train as one cluster of a Di-PS job: every --inner-steps steps push to / pull from this leader")
+    p.add_argument("--inner-steps", type=int, default=64, help="steps between outer steps (with --ps)")
+    p.add_argument("--ps-token-file", type=Path, default=None, help="the job token (with --ps)")
+    p.add_argument("--ps-name", default=None, help="this cluster's stable id at the PS (with --ps)")
+    p.add_argument("--ps-tls-ca", default=None, help="CA of the leader's TLS certificate (with --ps)")
     p.add_argument("--reference", action="store_true", help="run the single-process CPU fp32 reference instead")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     return p
@@ -59,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, OSError) as exc:
         print(f"ditorch.train: {exc}", file=sys.stderr)
         return 2
+    if args.ps and not args.ps_token_file:
+        print("ditorch.train: --ps needs --ps-token-file (the job token clusters hold)", file=sys.stderr)
+        return 2
     if args.reference:
         return _reference(plan, options)
-    return _distributed(plan, options, args.timeout)
+    return _distributed(plan, options, args.timeout, args if args.ps else None)
 
 
 def _reference(plan, options) -> int:
@@ -75,7 +84,7 @@ def _reference(plan, options) -> int:
     return 0
 
 
-def _distributed(plan, options, timeout: float) -> int:
+def _distributed(plan, options, timeout: float, ps_args=None) -> int:
     import torch
     import torch.distributed as dist
 
@@ -94,7 +103,7 @@ def _distributed(plan, options, timeout: float) -> int:
             trainer.resume(options.resume)
         if rank == 0:
             _describe(trainer)
-        trainer.train()
+        trainer.train(after_step=_outer_steps(trainer, ps_args) if ps_args else None)
     except (PlanError, ValueError, KeyError) as exc:
         print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr)
         return 2
@@ -103,6 +112,26 @@ def _distributed(plan, options, timeout: float) -> int:
         os._exit(1)  # the group is broken; a clean shutdown would wait on the dead peer
     dist.destroy_process_group()
     return 0
+
+
+def _outer_steps(trainer, args):
+    """Join the Di-PS job as one pipeline cluster; the returned hook runs its outer steps."""
+    from dips.client import OuterClient
+    from dips.pipeline_view import PipelineStages
+    from dips.rpc import Tls
+    from heteropp.runtime.trainer import global_batch_size
+
+    outer = OuterClient(PipelineStages(trainer), args.ps, args.inner_steps, token_file=args.ps_token_file,
+                        name=args.ps_name, join=False, tls=Tls(args.ps_tls_ca) if args.ps_tls_ca else None)
+    if not outer.join(timeout_s=120.0):
+        raise ValueError(f"could not join the Di-PS leader at {args.ps} within 120 s")
+    tokens = global_batch_size(trainer.plan) * trainer.plan.model.seq
+
+    def after_step(step: int) -> bool:
+        outer.step(tokens=tokens)
+        return outer.done
+
+    return after_step
 
 
 def _describe(trainer) -> None:

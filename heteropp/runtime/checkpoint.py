@@ -18,21 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .stage_model import cut, shard_dim
-from .tensor_parallel import TPGroup
+from .stage_model import cut, gather_full, shard_dim
 
 if TYPE_CHECKING:
     from .trainer import PipelineTrainer
 
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
-
-def _gather_full(t: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:
-    if dim is None or tp.size == 1:
-        return t
-    if dim == 0:
-        return tp.all_gather(t)
-    return tp.all_gather(t.transpose(0, dim).contiguous()).transpose(0, dim)
 
 
 def _stage_tensors(trainer: "PipelineTrainer") -> dict[str, tuple[torch.Tensor, int | None]]:
@@ -55,7 +46,7 @@ def save_checkpoint(directory: str | Path, step: int, trainer: "PipelineTrainer"
     writer = place.dp_index == 0 and place.tp_index == 0
     state: dict[str, object] = {}
     for key, (t, dim) in _stage_tensors(trainer).items():
-        full = _gather_full(t, dim, tp)  # every TP rank of replica 0 joins the gather
+        full = gather_full(t, dim, tp)  # every TP rank of replica 0 joins the gather
         if writer:
             state[key] = full.detach().to("cpu", copy=True)
     if place.rank == 0:

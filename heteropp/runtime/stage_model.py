@@ -46,6 +46,15 @@ def cut(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
     return full.chunk(tp, dim)[tp_rank]
 
 
+def gather_full(t: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:
+    """The inverse of :func:`cut`: the full tensor from every TP rank's piece (collective)."""
+    if dim is None or tp.size == 1:
+        return t
+    if dim == 0:
+        return tp.all_gather(t)
+    return tp.all_gather(t.transpose(0, dim).contiguous()).transpose(0, dim)
+
+
 def check_divisible(config: LlamaConfig, tp: int, where: str) -> None:
     """Every split the stage makes must be exact; name the first that is not."""
     for what, n in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("ffn_dim", config.ffn_dim),

@@ -7,6 +7,7 @@ Call after ``torch.distributed.init_process_group`` (``ditorch.train`` does both
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import math
 import os
 import sys
@@ -274,8 +275,11 @@ class PipelineTrainer:
         return loss_total / (self.plan.num_microbatches * self.plan.dp)
 
     # -- the run -----------------------------------------------------------------------------
-    def train(self) -> list[float]:
-        """All steps; rank 0 logs, shows progress and writes the trace. Returns the losses."""
+    def train(self, after_step: Callable[[int], bool] | None = None) -> list[float]:
+        """All steps; rank 0 logs, shows progress and writes the trace. Returns the losses.
+
+        ``after_step(step)``, called on every rank after each step (e.g. a Di-PS outer step),
+        ends the run early by returning True on every rank."""
         from ditorch.tools import LossLogger
 
         o = self.options
@@ -292,6 +296,8 @@ class PipelineTrainer:
                     self._progress(step + 1, loss, tokens_per_step * len(losses) / (time.perf_counter() - start))
                 if o.save and o.save_every and (step + 1) % o.save_every == 0:
                     self.save(o.save, step + 1)
+                if after_step is not None and after_step(step):
+                    break
         finally:
             if log is not None:
                 log.close()

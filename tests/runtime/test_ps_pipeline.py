@@ -1,0 +1,101 @@
+"""The seam between the pipeline runtime and Di-PS: a HeteroPP cluster (two stages of different
+chips and TP sizes) trains through the PS, each stage's owning rank pushing and pulling its own
+units; and it trains one model together with a data-parallel cluster."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from dips.auth import JobToken
+from dips.client import OuterClient
+from dips.follower import Follower
+from dips.harness import ClusterSpec, free_port, read_log, start_cluster
+from dips.leader import Leader, LeaderConfig
+from dips.model import build_model
+from plans import MODEL, make_plan, torchrun
+
+STEPS = 6
+TWO_STAGES = [("X", 2, 2, False), ("Y", 1, 2, False)]   # TP 2 then TP 1: shards are gathered per stage
+
+
+@contextlib.contextmanager
+def parameter_server(tmp_path, **config):
+    token = JobToken.create(tmp_path / "job.key")
+    servers = JobToken.create(tmp_path / "servers.key")
+    leader = Leader(LeaderConfig(model=dict(MODEL), n_followers=2, bind="127.0.0.1:0", restart_followers=False,
+                                 metadata=str(tmp_path / "leader.json"), heartbeat_s=2.0, **config), token, servers)
+    followers = [Follower(leader.address, f"127.0.0.1:{free_port()}", servers, tmp_path / f"f{i}")
+                 for i in range(2)]
+    try:
+        yield leader, token
+    finally:
+        for f in followers:
+            f.stop()
+        leader.stop()
+
+
+def global_parameters(leader, token) -> dict[str, torch.Tensor]:
+    model = build_model(dict(MODEL), 0)
+    reader = OuterClient(model, leader.address, 1, token=token, join=False)
+    reader.fetch_global()
+    reader.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def losses(path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stages,dp", [(TWO_STAGES, 1), ([("X", 1, 2, False), ("Y", 1, 2, False)], 2)],
+                         ids=["tp2-tp1", "dp2"])
+def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages, dp):
+    """One pipeline cluster, H = 1, outer lr 1, momentum 0, no clipping, no penalty: every outer
+    step hands the cluster its own parameters back (up to the BF16 of the wire), so training
+    equals the same pipeline without the PS, and the PS ends holding the cluster's model. With
+    DP 2 the second replica gets the pulled values from the first."""
+    plan = make_plan(stages, dp=dp)
+    plan.to_json(tmp_path / "plan.json")
+    common = ["--steps", str(STEPS), "--precision", "fp32"]
+    plain = torchrun(tmp_path / "plan.json", plan.num_chips, common + ["--loss-log", "plain.jsonl"], tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    with parameter_server(tmp_path, mode="async", outer_lr=1.0, outer_momentum=0.0, clip_norm=None) as (leader, token):
+        run = torchrun(tmp_path / "plan.json", plan.num_chips,
+                       common + ["--loss-log", "ps.jsonl", "--save", "ckpt", "--ps", leader.address,
+                                 "--inner-steps", "1", "--ps-token-file", str(tmp_path / "job.key"),
+                                 "--ps-name", "pipeline"], tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        status = leader.status()
+        assert status["version"] == STEPS and status["clusters"] == ["pipeline"]
+        assert [r["accepted"] for r in leader.rounds_log] == [1] * STEPS
+        final = global_parameters(leader, token)
+    for step, (a, b) in enumerate(zip(losses(tmp_path / "ps.jsonl"), losses(tmp_path / "plain.jsonl")), 1):
+        assert a == pytest.approx(b, rel=5e-4), f"step {step}: through the PS {a}, plain {b}"
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "ckpt"), str(tmp_path / "full.pt"))
+    saved = {k[len("model/"):]: v for k, v in torch.load(tmp_path / "full.pt").items() if k.startswith("model/")}
+    assert sorted(saved) == sorted(final)
+    for name, value in saved.items():  # the PS holds what the cluster trained, to BF16 precision
+        torch.testing.assert_close(final[name], value.float(), rtol=1e-2, atol=1e-2 * value.abs().max().item())
+
+
+def test_pipeline_and_data_parallel_clusters_train_one_model(tmp_path):
+    plan = make_plan(TWO_STAGES)
+    plan.to_json(tmp_path / "plan.json")
+    with parameter_server(tmp_path) as (leader, _):
+        dp = start_cluster(ClusterSpec(name="dp", leader=leader.address, token_file=str(tmp_path / "job.key"),
+                                       model=dict(MODEL), log=str(tmp_path / "dp.jsonl"), inner_steps=2,
+                                       max_steps=12, seq=MODEL["max_seq_len"]))
+        run = torchrun(tmp_path / "plan.json", plan.num_chips,
+                       ["--steps", "12", "--ps", leader.address, "--inner-steps", "2", "--ps-token-file",
+                        str(tmp_path / "job.key"), "--ps-name", "pipeline"], tmp_path)
+        dp.join(120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert dp.exitcode == 0
+        pushed = [c for r in leader.rounds_log for c in r["clusters"]]
+        assert pushed.count("pipeline") == 6 and pushed.count("dp") == 6
+        assert read_log(tmp_path / "dp.jsonl")[-1]["stats"]["failed"] == 0
+        assert leader.status()["version"] >= 6
