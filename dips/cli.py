@@ -37,7 +37,9 @@ def _add_commands(sub) -> None:
     lead.add_argument("--bind", default="127.0.0.1:7000", help="HOST:PORT of the control service")
     lead.add_argument("--followers", type=int, required=True, help="number of follower PSs")
     lead.add_argument("--token-file", required=True, help="file holding the job token clusters present")
-    lead.add_argument("--model", required=True, help="model config YAML (LlamaConfig fields)")
+    model = lead.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="model config YAML (LlamaConfig fields) of the project's LLaMA")
+    model.add_argument("--init", help="any model's initial parameters: torch.save({name: tensor}) of named_parameters()")
     lead.add_argument("--mode", default="dips", choices=["dips", "sync", "async"],
                       help="dips: grace time + penalty; sync: DiLoCo; async: async DiLoCo without penalty")
     lead.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
@@ -66,6 +68,7 @@ def _add_commands(sub) -> None:
     fol.add_argument("--bind", default="127.0.0.1:7100", help="HOST:PORT of the data socket")
     fol.add_argument("--checkpoint-dir", default=None, help="default: dips-follower-<port>")
     fol.add_argument("--keep-checkpoints", type=int, default=3)
+    fol.add_argument("--init", default=None, help="the leader's --init file, when it serves one")
     fol.add_argument("--index", type=int, default=None, help="slot to take (set by the leader it launched it)")
     _common(fol)
     fol.set_defaults(func=_checked(run_follower))
@@ -140,7 +143,8 @@ def run_leader(args: argparse.Namespace) -> int:
     from .model import load_config
 
     launch = tuple(a for a in args.launch_followers.split(",") if a)
-    cfg = LeaderConfig(model=load_config(args.model), n_followers=args.followers, bind=args.bind,
+    cfg = LeaderConfig(model=load_config(args.model) if args.model else None, init=args.init,
+                       n_followers=args.followers, bind=args.bind,
                        advertise=args.advertise, mode=args.mode, launch_followers=launch,
                        checkpoint_root=args.checkpoint_root, server_token_file=args.server_token_file,
                        seed=args.seed, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
@@ -162,7 +166,7 @@ def run_follower(args: argparse.Namespace) -> int:
     ckpt = args.checkpoint_dir or f"dips-follower-{args.bind.rsplit(':', 1)[1]}"
     follower = Follower(args.leader, args.bind, JobToken.from_file(args.server_token_file), ckpt,
                         keep_checkpoints=args.keep_checkpoints, index=args.index, advertise=args.advertise,
-                        tls=_tls(args))
+                        tls=_tls(args), init=args.init)
     return _serve(follower.stop)
 
 

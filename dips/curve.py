@@ -19,6 +19,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
+from .address import split
 from .auth import JobToken
 
 log = logging.getLogger("dips.curve")
@@ -92,10 +93,7 @@ def connecting_socket(context: zmq.Context, server_public: bytes, client: KeyPai
 
 def tcp_endpoint(address: str) -> str:
     """``tcp://host:port`` for ``host:port`` (an IPv6 host in brackets or not)."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit():
-        raise ValueError(f"address {address!r}; expected HOST:PORT")
+    host, port = split(address)
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 

@@ -29,7 +29,7 @@ from . import address
 from .auth import FOLLOWER_KEY_LABEL, JobToken
 from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
 from .layout import WIRE_DTYPE, ModelLayout, pack_unit, unpack_unit
-from .model import build_model
+from .model import initial_parameters, load_initial
 from .outer_optimizer import NesterovOuter
 from .rpc import RpcClient, RpcError, RpcServer, Tls
 
@@ -48,8 +48,11 @@ class Follower:
 
     def __init__(self, leader: str, bind: str, server_token: JobToken, checkpoint_dir: str | os.PathLike,
                  keep_checkpoints: int = 3, heartbeat_s: float = 1.0, index: int | None = None,
-                 advertise: str | None = None, tls: Tls | None = None):
+                 advertise: str | None = None, tls: Tls | None = None, init: str | os.PathLike | None = None):
         self.leader_addr, self.bind, self.token = leader, bind, server_token
+        self._init = load_initial(init) if init is not None else None
+        self._init_fingerprint = (ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in self._init.items()]).fingerprint
+                                  if self._init is not None else None)
         self.advertise = address.advertised(bind, advertise, toward=leader)
         self.keys = KeyPair.derive(server_token, FOLLOWER_KEY_LABEL)
         self.dir = Path(checkpoint_dir)
@@ -91,30 +94,37 @@ class Follower:
         while not self._stop.is_set():
             try:
                 reply = self.leader.call("RegisterFollower", index=self.index, data=self.advertise,
-                                         ctrl=self.ctrl, version=self._disk_version())
+                                         ctrl=self.ctrl, version=self._disk_version(), fingerprint=self._init_fingerprint)
                 break
             except RpcError as exc:
                 if not exc.unavailable:
-                    raise
+                    raise ValueError(f"the leader refused this follower: {exc}") from None
                 time.sleep(self.heartbeat_s)
         self.index = reply["index"]
         self.heartbeat_s = min(self.heartbeat_s, float(reply.get("hb", self.heartbeat_s)))  # the leader's rules
         (self.dir / "follower.json").write_text(json.dumps({"index": self.index}))
         self.opt = NesterovOuter(reply["lr"], reply["momentum"])
-        model = build_model(reply["model"], reply["seed"])
-        self.layout = ModelLayout.of(model)
+        initial = self._initial(reply)
+        self.layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
         self.cluster_key = reply["cluster_key"].encode()
         start, stop = reply["units"]
         self.unit_range = range(start, stop)
         if not self.theta:
-            self._load_or_init(model)
+            self._load_or_init(initial)
         log.info("follower %d owns units %s at version %d", self.index, [start, stop], self.version)
 
     def _disk_version(self) -> int:
         ckpts = sorted(self.dir.glob("ckpt-*.pt"))
         return int(ckpts[-1].stem.split("-")[1]) if ckpts else 0
 
-    def _load_or_init(self, model: torch.nn.Module) -> None:
+    def _initial(self, reply: dict) -> dict[str, torch.Tensor]:
+        """Version 0: the leader's LLaMA config and seed, or this follower's --init file (the
+        leader checked at registration that it is the model it serves)."""
+        if "model" in reply:
+            return initial_parameters(reply["model"], reply["seed"])
+        return self._init
+
+    def _load_or_init(self, initial: dict[str, torch.Tensor]) -> None:
         ckpts = sorted(self.dir.glob("ckpt-*.pt"))
         if ckpts:
             state = torch.load(ckpts[-1], weights_only=True)
@@ -128,7 +138,7 @@ class Follower:
                      len(self.sealed))
             return
         names = {t.name for u in self.unit_range for t in self.layout.units[u].tensors}
-        self.theta = {n: p.detach().float().clone() for n, p in model.named_parameters() if n in names}
+        self.theta = {n: t.float().clone() for n, t in initial.items() if n in names}
         self.version = 0
         self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
 

@@ -77,16 +77,28 @@ class ModelLayout:
         return largest + 64 * 1024
 
     def partition(self, n_followers: int) -> list[tuple[int, int]]:
-        """Contiguous even split: follower i owns units [start, stop)."""
-        n = len(self.units)
+        """Follower i owns units [start, stop): contiguous runs, balanced by bytes (the largest
+        run as small as it can be), so a follower's traffic and memory do not depend on how the
+        model happens to group its tensors."""
+        sizes = [sum(t.numel for t in u.tensors) for u in self.units]
+        n = len(sizes)
         if not 1 <= n_followers <= n:
             raise ValueError(f"{n_followers} followers for {n} layer units; expected 1..{n}")
-        base, extra = divmod(n, n_followers)
-        bounds, start = [], 0
-        for i in range(n_followers):
-            stop = start + base + (1 if i < extra else 0)
-            bounds.append((start, stop))
-            start = stop
+        lo, hi = max(sizes), sum(sizes)
+        while lo < hi:  # the smallest bound on a run's size that n_followers runs can meet
+            mid = (lo + hi) // 2
+            if _runs_needed(sizes, mid) <= n_followers:
+                hi = mid
+            else:
+                lo = mid + 1
+        bounds, start, run = [], 0, 0
+        for i, size in enumerate(sizes):
+            runs_after = n_followers - len(bounds) - 1  # runs still to open after this one
+            if i > start and (run + size > lo or n - i <= runs_after):
+                bounds.append((start, i))
+                start, run = i, 0
+            run += size
+        bounds.append((start, n))
         return bounds
 
     def owner_of_units(self, n_followers: int) -> list[int]:
@@ -113,3 +125,13 @@ def unpack_unit(unit: Unit, payload: bytes | memoryview) -> dict[str, torch.Tens
         out[spec.name] = flat[offset: offset + spec.numel].view(spec.shape)
         offset += spec.numel
     return out
+
+
+def _runs_needed(sizes: list[int], bound: int) -> int:
+    """How many contiguous runs of at most ``bound`` elements each, filled greedily, hold ``sizes``."""
+    runs, run = 1, 0
+    for size in sizes:
+        if run + size > bound:
+            runs, run = runs + 1, 0
+        run += size
+    return runs

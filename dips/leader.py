@@ -28,7 +28,7 @@ from .auth import CLUSTER_KEY_LABEL, FOLLOWER_KEY_LABEL, JobToken
 from .curve import KeyPair
 from .grace import GraceEstimator
 from .layout import ModelLayout
-from .model import build_model
+from .model import initial_parameters, load_initial
 from .penalty import PseudoGradientPenalty, token_weights
 from .rpc import RpcClient, RpcError, RpcServer, Tls
 from .schedule import greedy_schedule
@@ -43,7 +43,7 @@ PUSH_FATES = 256
 
 @dataclasses.dataclass
 class LeaderConfig:
-    model: dict
+    model: dict | None  # a LLaMA config (with ``seed``) ...
     n_followers: int
     bind: str = "127.0.0.1:7000"
     advertise: str | None = None  # what launched followers dial (default: bind, or routable if wildcard)
@@ -71,10 +71,13 @@ class LeaderConfig:
     launch_followers: tuple[str, ...] = ()
     checkpoint_root: str = "dips-followers"
     server_token_file: str | None = None
+    init: str | None = None  # ... or any model's parameters from this file (followers read it too)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r}; expected one of {MODES}")
+        if (self.model is None) == (self.init is None):
+            raise ValueError("give the PS a model config or an --init file of parameters (exactly one)")
         if self.n_followers < 1:
             raise ValueError(f"n_followers={self.n_followers}; expected >= 1")
         if not self.max_cluster_tokens_per_s > 0:
@@ -129,7 +132,9 @@ class Leader:
         self.cfg, self.token, self.server_token, self.tls = config, token, server_token, tls
         self.cluster_key = KeyPair.derive(token, CLUSTER_KEY_LABEL).public
         self.follower_key = KeyPair.derive(server_token, FOLLOWER_KEY_LABEL).public
-        self.layout = ModelLayout.of(build_model(config.model, config.seed))
+        initial = load_initial(config.init) if config.init else initial_parameters(config.model, config.seed)
+        self.layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
+        del initial
         self.partition = self.layout.partition(config.n_followers)
         self.dest = self.layout.owner_of_units(config.n_followers)
         self.cond = threading.Condition(threading.RLock())
@@ -164,7 +169,8 @@ class Leader:
         root = Path(config.checkpoint_root)
         self.supervisor = FollowerSupervisor(
             [FollowerLaunch(i, b, str(root / f"follower-{i}")) for i, b in enumerate(config.launch_followers)],
-            self.address, config.server_token_file or "", tls_args(tls))
+            self.address, config.server_token_file or "",
+            tls_args(tls) + (["--init", str(Path(config.init).resolve())] if config.init else []))
         self.supervisor.start_all(known=set(self.followers))
         self._threads = [threading.Thread(target=f, daemon=True, name=f"dips-leader-{f.__name__}")
                          for f in (self._round_loop, self._monitor_loop)]
@@ -220,6 +226,9 @@ class Leader:
                     raise ValueError(f"all {self.cfg.n_followers} follower slots are taken")
                 index = free[0]
             index = int(index)
+            if self.cfg.init and msg.get("fingerprint") != self.layout.fingerprint:
+                raise ValueError(f"this PS serves model {self.layout.fingerprint} from --init; the follower has "
+                                 f"{msg.get('fingerprint') or 'no --init'}: give it the leader's --init file")
             if not 0 <= index < self.cfg.n_followers:
                 raise ValueError(f"follower index {index}; expected 0..{self.cfg.n_followers - 1}")
             old = self.followers.get(index)
@@ -230,7 +239,8 @@ class Leader:
             rec.client = RpcClient("dips.Follower", rec.ctrl, self.server_token, self.tls)
             self.followers[index] = rec
             log.info("follower %d registered (data %s, version %d)", index, rec.data, rec.version)
-            return {"index": index, "model": self.cfg.model, "seed": self.cfg.seed,
+            model = {"model": self.cfg.model, "seed": self.cfg.seed} if self.cfg.model else {}
+            return {"index": index, **model, "fingerprint": self.layout.fingerprint,
                     "units": list(self.partition[index]), "lr": self.cfg.outer_lr,
                     "momentum": self.cfg.outer_momentum, "hb": self.cfg.follower_heartbeat_s,
                     "cluster_key": self.cluster_key.decode()}
@@ -242,7 +252,8 @@ class Leader:
     def _register_cluster(self, msg: dict) -> dict:
         if msg.get("fingerprint") != self.layout.fingerprint:
             raise ValueError(f"model fingerprint {msg.get('fingerprint')!r} does not match the PS model "
-                             f"({self.layout.fingerprint}); check the model config")
+                             f"({self.layout.fingerprint}, {sum(len(u.tensors) for u in self.layout.units)} tensors): "
+                             "the cluster's named_parameters() must have the PS's names and shapes")
         with self.cond:
             if not self._ready():
                 return {"status": "not_ready"}

@@ -7,17 +7,21 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
 3. ``torchrun -m ditorch.train``: the heterogeneous run (one process per chip, dicomm);
 4. ``python -m ditorch.train --reference``: the same model and batches in one CPU process, fp32;
 5. ``ditorch mre``: the loss curves' Mean Relative Error against the H2 paper's 1.5%;
-6. ``ditorch simulate --measured``: the measured pipeline timeline beside the simulated one.
+6. ``ditorch simulate --measured``: the measured pipeline timeline beside the simulated one;
+7. ``ditorch ps leader`` + two clusters: the heterogeneous pipeline of step 3 and a one-chip
+   cluster of another plan train one model together through Di-PS (each pipeline stage pushes
+   its own units), and their loss curves are plotted.
 
-    python examples/hetero_demo.py [--steps 50] [--chips A:1,B:1,C:2] [--reprofile]
+    python examples/hetero_demo.py [--steps 50] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps]
 
-Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG).
+Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG, Di-PS loss plot).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gbs", default="1K", help="global batch in tokens (1K = 8 sequences of 128)")
     p.add_argument("--memory-scale", default="0.01", help="chip memory scale (0.01: a 32 GB chip holds 328 MiB)")
     p.add_argument("--reprofile", action="store_true", help="measure the chips again even if profiles exist")
+    p.add_argument("--ps-steps", type=int, default=24, help="steps of each cluster in the Di-PS phase")
+    p.add_argument("--no-ps", action="store_true", help="skip the Di-PS phase (step 7)")
     p.add_argument("--out", default="out/hetero")
     args = p.parse_args(argv)
     try:
@@ -86,10 +92,86 @@ def main(argv: list[str] | None = None) -> int:
                    "--plot", str(out / "loss_curves.png")], env, "5/6", check=False)
     run([*ditorch, "simulate", str(plan), "--measured", str(out / "trace.json"), "--timeline",
          str(out / "timeline.png")], env, "6/6")
+    if not args.no_ps:
+        verdict = two_clusters_through_dips(args, counts, plan, out, env) or verdict
     print(f"\nhetero demo: {'PASS' if verdict == 0 else 'FAIL'} in {time.perf_counter() - started:.0f} s; "
           f"loss curves {out / 'loss_curves.png'}, timeline {out / 'timeline.png'}, "
-          f"trace {out / 'trace.json'} (open in https://ui.perfetto.dev)")
+          f"trace {out / 'trace.json'} (open in https://ui.perfetto.dev)"
+          + ("" if args.no_ps else f", Di-PS clusters {out / 'dips_clusters.png'}"))
     return verdict
+
+
+def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Path, env: dict) -> int:
+    """Step 7: a Di-PS leader (with two followers it runs) and two clusters training one model:
+    the heterogeneous pipeline of ``plan`` and a one-chip cluster planned for the first chip type."""
+    from dips.auth import JobToken
+    from dips.harness import free_port
+    from dips.rpc import RpcClient, RpcError
+
+    py, ditorch = sys.executable, [sys.executable, "-m", "ditorch.cli"]
+    job, servers = JobToken.create(out / "job.key"), JobToken.create(out / "servers.key")
+    single = out / "plan-single.json"
+    first = next(iter(counts))
+    run([*ditorch, "plan", "--cluster", str(write_cluster(out / "cluster-single.yaml", {first: 1})), "--model",
+         args.model, "--gbs", args.gbs, "--out", str(single)], env, "7/7")
+    leader_addr = f"127.0.0.1:{free_port()}"
+    followers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
+    leader_cmd = [*ditorch, "ps", "leader", "--bind", leader_addr, "--followers", "2", "--launch-followers",
+                  followers, "--checkpoint-root", str(out / "ps-followers"), "--model", args.model,
+                  "--token-file", str(out / "job.key"), "--server-token-file", str(out / "servers.key"),
+                  "--metadata", str(out / "ps-leader.json"), "--log-level", "WARNING"]
+    (out / "ps-leader.json").unlink(missing_ok=True)  # a rerun starts a fresh job
+    shutil.rmtree(out / "ps-followers", ignore_errors=True)
+    print(f"\n[7/7] $ {' '.join(leader_cmd)}", flush=True)
+    leader = subprocess.Popen(leader_cmd, env=env, cwd=REPO, stdout=open(out / "ps-leader.log", "w"),
+                              stderr=subprocess.STDOUT)
+    try:
+        clusters = {"pipeline": (plan, sum(counts.values())), "single": (single, 1)}
+        procs = {}
+        for name, (cluster_plan, world) in clusters.items():
+            cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                   "-m", "ditorch.train", "--plan", str(cluster_plan),
+                   "--steps", str(args.ps_steps), "--ps", leader_addr, "--inner-steps", "4", "--ps-token-file",
+                   str(out / "job.key"), "--ps-name", name, "--quiet", "--loss-log", str(out / f"ps-{name}.jsonl")]
+            print(f"[7/7] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+            procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(out / f"ps-{name}.log", "w"),
+                                           stderr=subprocess.STDOUT)
+        failed = [n for n, p in procs.items() if p.wait() != 0]
+        try:
+            status = RpcClient("dips.Leader", leader_addr, job).call("Status")
+        except RpcError as exc:
+            status = {"error": str(exc)}
+    finally:
+        leader.terminate()
+        leader.wait(30)
+    if failed:
+        print(f"   clusters {failed} failed; see {out}/ps-*.log")
+        return 1
+    print(f"   Di-PS: {status.get('version')} outer steps applied from clusters pipeline ({', '.join(counts)}) "
+          f"and single ({first}); {status.get('tokens')} tokens pushed")
+    _plot_clusters(out, clusters)
+    return 0
+
+
+def _plot_clusters(out: Path, clusters: dict) -> None:
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in clusters:
+        rows = [json.loads(line) for line in (out / f"ps-{name}.jsonl").read_text().splitlines()]
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=f"cluster {name}")
+    ax.set_xlabel("step (an outer step every 4)")
+    ax.set_ylabel("training loss")
+    ax.set_title("Two clusters, one model, through Di-PS")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "dips_clusters.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,31 @@ def test_bad_input_is_named():
         greedy_schedule({0: [5]}, [0, 1])
     with pytest.raises(ValueError, match="more than one worker"):
         greedy_schedule({0: [0], 1: [0]}, [0])
+
+
+def _exhaustive_best(sizes: list[int], k: int) -> int:
+    """The smallest possible largest run over every way to cut ``sizes`` into k contiguous runs."""
+    import itertools
+
+    n, best = len(sizes), None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = (0, *cuts, n)
+        worst = max(sum(sizes[a:b]) for a, b in zip(edges, edges[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_units_balanced_by_bytes_match_exhaustive_search(seed):
+    from dips.layout import ModelLayout
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    # sizes as models have them: a few huge units (embedding, head) among many similar layers
+    sizes = [rng.choice([rng.randint(1, 50), rng.randint(1000, 5000), rng.randint(100, 300)]) for _ in range(n)]
+    k = rng.randint(1, n)
+    layout = ModelLayout.of_specs([(f"u{i}.w", (s,)) for i, s in enumerate(sizes)])
+    bounds = layout.partition(k)
+    assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a < b for a, b in bounds) and all(b == a2 for (_, b), (a2, _) in zip(bounds, bounds[1:]))
+    assert max(sum(sizes[a:b]) for a, b in bounds) == _exhaustive_best(sizes, k)
