@@ -158,13 +158,14 @@ class Leader:
         handlers = {
             "RegisterCluster": (self._register_cluster, clusters), "Heartbeat": (self._heartbeat, clusters),
             "PushRequest": (self._push_request, clusters), "PushDone": (self._push_done, clusters),
-            "WaitPush": (self._wait_push, clusters), "Plan": (self._plan, clusters),
+            "Plan": (self._plan, clusters),
             "Status": (self._status, clusters + servers),
             "RegisterFollower": (self._register_follower, servers),
             "FollowerHeartbeat": (self._follower_heartbeat, servers),
         }
-        self.rpc = RpcServer("dips.Leader", {n: h[0] for n, h in handlers.items()},
-                             {n: h[1] for n, h in handlers.items()}, bind=config.bind, threads=16, tls=tls)
+        access = {n: h[1] for n, h in handlers.items()} | {"WaitPush": clusters}
+        self.rpc = RpcServer("dips.Leader", {n: h[0] for n, h in handlers.items()}, access, bind=config.bind,
+                             threads=16, tls=tls, waits={"WaitPush": self._wait_push})
         self.address = advertised(config.bind.rsplit(":", 1)[0] + f":{self.rpc.port}", config.advertise, None)
         root = Path(config.checkpoint_root)
         self.supervisor = FollowerSupervisor(
@@ -354,28 +355,39 @@ class Leader:
             self.clusters[push.cluster].tokens += push.tokens
             self.clusters[push.cluster].counted_at = time.time()
             self._save_metadata()
-            self.cond.notify_all()
+            self._changed()
             return {"status": "sealed"}
 
     def _discard(self, pushes: list[str]) -> None:
         for f in list(self.followers.values()):
             _try(f.client, "Discard", pushes=pushes)
 
-    def _wait_push(self, msg: dict) -> dict:
+    async def _wait_push(self, msg: dict) -> dict:
+        """The fate of a push, waiting up to ``wait`` seconds (30 at most) for its round; the wait
+        holds no thread (it sleeps on the RPC server's event loop)."""
         deadline = time.monotonic() + min(float(msg.get("wait", 0)), 30.0)
-        with self.cond:
-            while True:
-                push = self.pushes.get(str(msg["push"]))
-                if push is None:
-                    return {"state": "unknown"}
-                if push.state in ("applied", "rejected") and self.complete >= push.version:
-                    return {"state": push.state, "version": push.version, "done": self._budget_done()}
-                if push.state == "failed":
-                    return {"state": "failed"}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return {"state": "pending"}
-                self.cond.wait(left)
+        while True:
+            with self.cond:
+                fate = self._fate(str(msg["push"]))
+            left = deadline - time.monotonic()
+            if fate is not None or left <= 0:
+                return fate or {"state": "pending"}
+            await self.rpc.changed(left)
+
+    def _fate(self, push_id: str) -> dict | None:
+        push = self.pushes.get(push_id)
+        if push is None:
+            return {"state": "unknown"}
+        if push.state in ("applied", "rejected") and self.complete >= push.version:
+            return {"state": push.state, "version": push.version, "done": self._budget_done()}
+        if push.state == "failed":
+            return {"state": "failed"}
+        return None
+
+    def _changed(self) -> None:
+        """Wake the round loop and every waiting WaitPush (call with ``cond`` held)."""
+        self.cond.notify_all()
+        self.rpc.notify()
 
     def _plan(self, msg: dict) -> dict:
         """Where to read the latest complete parameters from (observers: evaluation, tools)."""
@@ -457,7 +469,7 @@ class Leader:
         with self.cond:
             self.complete = version if accepted else self.complete
             self._save_metadata()
-            self.cond.notify_all()
+            self._changed()
         self.grace.observe_cost(time.monotonic() - t0 + getattr(self, "_pull_s", 0.0))
         self.rounds_log.append({"version": version, "t": time.time(), "accepted": len(accepted),
                                 "rejected": len(rejected), "clusters": [p.cluster for p in pushes],
@@ -521,7 +533,7 @@ class Leader:
                             p.state = "failed"
                 if gone:
                     self._save_metadata()
-                    self.cond.notify_all()
+                    self._changed()
                 dead = [f for f in self.followers.values()
                         if now - f.last_hb > 3 * self.cfg.follower_heartbeat_s and now - f.restarted_at > 10.0]
                 lagging = self.complete < self.version or any(f.version < self.complete for f in self.followers.values())

@@ -10,11 +10,12 @@ certificate against the job's CA.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
 from pathlib import Path
 
@@ -83,51 +84,91 @@ _LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 class RpcServer:
     """A gRPC server exposing ``handlers[name](msg) -> dict`` as ``/<service>/<name>``.
 
-    ``access[name]``: the secrets a request to ``name`` may carry (one per role allowed).
+    ``access[name]``: the secrets a request to ``name`` may carry (one per role allowed). The
+    server is gRPC's asyncio one on a thread of its own: a plain handler runs on one of
+    ``threads`` worker threads, while a *wait* handler (``waits[name]``, a coroutine function) is
+    awaited on the event loop and holds no thread however long it waits, so many clients waiting
+    for a round cannot starve the others' heartbeats. A wait handler sleeps in :meth:`changed`,
+    woken by :meth:`notify` from any thread.
     """
 
     def __init__(self, service: str, handlers: dict[str, Callable[[dict], dict]],
                  access: dict[str, Sequence[JobToken]], bind: str = "127.0.0.1:0", threads: int = 8,
-                 tls: Tls | None = None):
-        missing = set(handlers) - set(access)
+                 tls: Tls | None = None, waits: dict[str, Callable[[dict], Awaitable[dict]]] | None = None):
+        waits = waits or {}
+        missing = (set(handlers) | set(waits)) - set(access)
         if missing:
             raise ValueError(f"{service}: methods {sorted(missing)} have no access rule")
         self.stats = MessageStats()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
-                                   options=[("grpc.so_reuseport", 0), *_LIMITS])
-        methods = {name: grpc.unary_unary_rpc_method_handler(self._wrap(service, name, fn, tuple(access[name])))
+        self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{service}-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"{service}-grpc")
+        self._thread.start()
+        methods = {name: self._wrap(service, name, self._on_pool(fn), tuple(access[name]))
                    for name, fn in handlers.items()}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, methods),))
-        host = bind.rsplit(":", 1)[0]
-        self.port = (self._server.add_secure_port(bind, tls.server_credentials()) if tls
-                     else self._server.add_insecure_port(bind))
+        methods.update({name: self._wrap(service, name, fn, tuple(access[name])) for name, fn in waits.items()})
+        self.port = asyncio.run_coroutine_threadsafe(self._start(service, methods, bind, tls), self._loop).result()
         if self.port == 0:
+            self.stop()
             raise OSError(f"cannot bind gRPC server to {bind!r}")
-        self.address = f"{host}:{self.port}"
-        self._server.start()
+        self.address = f"{bind.rsplit(':', 1)[0]}:{self.port}"
 
-    def _wrap(self, service: str, name: str, fn: Callable[[dict], dict], tokens: tuple[JobToken, ...]):
-        def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+    async def _start(self, service: str, methods: dict, bind: str, tls: Tls | None) -> int:
+        self._changed = asyncio.Event()
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *_LIMITS])
+        handlers = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        port = self._server.add_secure_port(bind, tls.server_credentials()) if tls else self._server.add_insecure_port(bind)
+        if port:
+            await self._server.start()
+        return port
+
+    def _on_pool(self, fn: Callable[[dict], dict]) -> Callable[[dict], Awaitable[dict]]:
+        async def run(msg: dict) -> dict:
+            return await self._loop.run_in_executor(self._pool, fn, msg)
+        return run
+
+    def _wrap(self, service: str, name: str, fn: Callable[[dict], Awaitable[dict]], tokens: tuple[JobToken, ...]):
+        async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             self.stats.add(len(request))
             try:
                 msg = decode(request)
             except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
             presented = msg.pop("tok", None)
             if not any(t.matches(presented) for t in tokens):
                 JobToken.log_refusal(presented, f"{service}/{name} from {context.peer()}")
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing token for this method")
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing token for this method")
             try:
-                reply = encode(fn(msg))
+                reply = encode(await fn(msg))
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("%s/%s rejected: %s", service, name, exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self.stats.add(len(reply))
             return reply
         return handler
 
+    def notify(self) -> None:
+        """Wake every wait handler sleeping in :meth:`changed` (callable from any thread)."""
+        self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout: float) -> None:
+        """Sleep (on the event loop) until :meth:`notify` or ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
     def stop(self, grace: float | None = 0) -> None:
-        self._server.stop(grace).wait()
+        if hasattr(self, "_server"):
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RpcError(RuntimeError):

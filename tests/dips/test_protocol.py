@@ -315,3 +315,35 @@ def test_bad_token_counts_refused_state_unchanged(tmp_path, caplog, tokens):
         assert c.step(tokens=500)          # a count the rate allows goes through
         assert leader.status()["tokens"] == 500
         c.close()
+
+
+def test_clusters_waiting_for_a_round_do_not_starve_heartbeats(tmp_path):
+    """40 WaitPush calls parked for 4 s each (more than the RPC server's 16 threads) while a
+    sync round waits for a second cluster: heartbeats still get through (every 0.5 s, removal
+    after 1.5 s of silence), so no cluster is removed and every wait ends as 'pending'."""
+    import threading
+
+    with in_process_ps(tmp_path, mode="sync", heartbeat_s=0.5) as (leader, _, token):
+        a = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="a",
+                        round_timeout_s=0.0)
+        b = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="b")
+        perturb(a.model, 0)
+        assert not a.step(tokens=1) and a.pending is not None   # sealed; the sync round waits for b
+        fates = []
+
+        def wait():
+            rpc = RpcClient("dips.Leader", leader.address, token)
+            fates.append(rpc.call("WaitPush", timeout=10.0, push=a.pending, wait=4.0)["state"])
+            rpc.close()
+
+        waiters = [threading.Thread(target=wait) for _ in range(40)]
+        for t in waiters:
+            t.start()
+        time.sleep(3.0)
+        assert leader.status()["clusters"] == ["a", "b"]
+        for t in waiters:
+            t.join(15)
+        assert fates == ["pending"] * 40
+        assert leader.status()["clusters"] == ["a", "b"]
+        a.close()
+        b.close()
