@@ -385,9 +385,8 @@ class OuterClient:
         if reply["status"] != "ok":
             self.stats["skipped"] += 1
             return self._task("none")
-        plan = self.plan if self.plan.get("followers") else _data_plan(self.leader.call("Plan"))
         return self._task("push", push=reply["push"], schedule=reply["schedule"], base=self.base,
-                          cluster=self.cluster_id, plan=plan)
+                          cluster=self.cluster_id, plan=_data_plan(reply))
 
     def _seal(self, push: str, sent: bool) -> bool:
         if not sent:

@@ -8,7 +8,9 @@ pseudo-gradient norm, persist it), Prepare/Apply a round, Discard pushes.
 
 Durability: a sealed push is written to disk before Seal returns, and stays there until a
 checkpoint that includes the round which consumed it is written. Checkpoints are written in the
-background after every outer step (the last ``keep_checkpoints`` kept). A follower restarted from
+background every ``checkpoint_every`` outer steps (the last ``keep_checkpoints`` kept); a slow
+disk never queues more than one: the writer snapshots the latest version when it is free. A
+follower restarted from
 its latest checkpoint is behind the leader by the rounds applied since; the leader replays them
 from its decision log, so no accepted push is lost.
 """
@@ -48,6 +50,7 @@ class Follower:
 
     def __init__(self, leader: str, bind: str, server_token: JobToken, checkpoint_dir: str | os.PathLike,
                  keep_checkpoints: int = 3, heartbeat_s: float = 1.0, index: int | None = None,
+                 checkpoint_every: int = 1,
                  advertise: str | None = None, tls: Tls | None = None, init: str | os.PathLike | None = None):
         self.leader_addr, self.bind, self.token = leader, bind, server_token
         self._init = load_initial(init) if init is not None else None
@@ -57,7 +60,9 @@ class Follower:
         self.keys = KeyPair.derive(server_token, FOLLOWER_KEY_LABEL)
         self.dir = Path(checkpoint_dir)
         (self.dir / "pushes").mkdir(parents=True, exist_ok=True)
-        self.keep_checkpoints, self.heartbeat_s = keep_checkpoints, heartbeat_s
+        if checkpoint_every < 1 or keep_checkpoints < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every}, keep_checkpoints={keep_checkpoints}; both must be >= 1")
+        self.keep_checkpoints, self.heartbeat_s, self.checkpoint_every = keep_checkpoints, heartbeat_s, checkpoint_every
         meta = self.dir / "follower.json"
         self.index = index if index is not None else (json.loads(meta.read_text())["index"] if meta.exists() else None)
         self.lock = threading.RLock()
@@ -70,7 +75,7 @@ class Follower:
         self.sealed: dict[str, dict] = {}   # push id -> {base, params{name: bf16}}
         self.applied_at: dict[str, int] = {}  # push id -> version whose checkpoint retires it
         self._stop = threading.Event()
-        self._ckpt_queue: queue.Queue = queue.Queue()
+        self._ckpt_wanted = threading.Event()  # a version worth checkpointing was applied
         self._ctx = zmq.Context()  # its own: the ZAP handler is per context
         self._threads: list[threading.Thread] = []
         handlers = {"Seal": self._seal, "Prepare": self._prepare, "Apply": self._apply,
@@ -91,27 +96,31 @@ class Follower:
         self._threads.append(t)
 
     def _register(self) -> None:
-        while not self._stop.is_set():
-            try:
-                reply = self.leader.call("RegisterFollower", index=self.index, data=self.advertise,
-                                         ctrl=self.ctrl, version=self._disk_version(), fingerprint=self._init_fingerprint)
-                break
-            except RpcError as exc:
-                if not exc.unavailable:
-                    raise ValueError(f"the leader refused this follower: {exc}") from None
-                time.sleep(self.heartbeat_s)
-        self.index = reply["index"]
-        self.heartbeat_s = min(self.heartbeat_s, float(reply.get("hb", self.heartbeat_s)))  # the leader's rules
-        (self.dir / "follower.json").write_text(json.dumps({"index": self.index}))
-        self.opt = NesterovOuter(reply["lr"], reply["momentum"])
-        initial = self._initial(reply)
-        self.layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
-        self.cluster_key = reply["cluster_key"].encode()
-        start, stop = reply["units"]
-        self.unit_range = range(start, stop)
-        if not self.theta:
-            self._load_or_init(initial)
-        log.info("follower %d owns units %s at version %d", self.index, [start, stop], self.version)
+        """Register with the leader and load this follower's state, holding the lock throughout: the
+        leader starts replaying rounds as soon as it knows the version on disk, and an Apply must
+        not find the state half-loaded."""
+        with self.lock:
+            while not self._stop.is_set():
+                try:
+                    reply = self.leader.call("RegisterFollower", index=self.index, data=self.advertise,
+                                             ctrl=self.ctrl, version=self._disk_version(), fingerprint=self._init_fingerprint)
+                    break
+                except RpcError as exc:
+                    if not exc.unavailable:
+                        raise ValueError(f"the leader refused this follower: {exc}") from None
+                    time.sleep(self.heartbeat_s)
+            self.index = reply["index"]
+            self.heartbeat_s = min(self.heartbeat_s, float(reply.get("hb", self.heartbeat_s)))  # the leader's rules
+            (self.dir / "follower.json").write_text(json.dumps({"index": self.index}))
+            self.opt = NesterovOuter(reply["lr"], reply["momentum"])
+            initial = self._initial(reply)
+            self.layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
+            self.cluster_key = reply["cluster_key"].encode()
+            start, stop = reply["units"]
+            self.unit_range = range(start, stop)
+            if not self.theta:
+                self._load_or_init(initial)
+            log.info("follower %d owns units %s at version %d", self.index, [start, stop], self.version)
 
     def _disk_version(self) -> int:
         ckpts = sorted(self.dir.glob("ckpt-*.pt"))
@@ -131,16 +140,17 @@ class Follower:
             self.theta, self.momentum = state["theta"], state["momentum"]
             self.bases = {int(v): b for v, b in state["bases"].items()}
             self.version = self.ckpt_version = int(state["version"])
-            for f in sorted((self.dir / "pushes").glob("*.pt")):
-                rec = torch.load(f, weights_only=True)
-                self.sealed[f.stem] = {"base": int(rec["base"]), "params": rec["params"]}
-            log.info("follower %d restored checkpoint %s (%d sealed pushes)", self.index, ckpts[-1].name,
-                     len(self.sealed))
-            return
-        names = {t.name for u in self.unit_range for t in self.layout.units[u].tensors}
-        self.theta = {n: t.float().clone() for n, t in initial.items() if n in names}
-        self.version = 0
-        self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
+        else:
+            names = {t.name for u in self.unit_range for t in self.layout.units[u].tensors}
+            self.theta = {n: t.float().clone() for n, t in initial.items() if n in names}
+            self.version = 0
+            self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
+        # pushes sealed since the checkpoint: the leader replays their rounds
+        for f in sorted((self.dir / "pushes").glob("*.pt")):
+            rec = torch.load(f, weights_only=True)
+            self.sealed[f.stem] = {"base": int(rec["base"]), "params": rec["params"]}
+        log.info("follower %d starts at version %d (%s, %d sealed pushes)", self.index, self.version,
+                 ckpts[-1].name if ckpts else "initial parameters", len(self.sealed))
 
     # ------------------------------------------------------------- data flow
     def _start_data_flow(self) -> None:
@@ -344,10 +354,8 @@ class Follower:
             keep |= {rec["base"] for rec in [*self.sealed.values(), *self.staged.values()]}
             for v in [v for v in self.bases if v not in keep]:
                 del self.bases[v]
-            snapshot = {"version": version, "theta": {n: t.clone() for n, t in self.theta.items()},
-                        "momentum": {n: t.clone() for n, t in self.momentum.items()},
-                        "bases": {str(v): b for v, b in self.bases.items()}}
-        self._ckpt_queue.put(snapshot)
+        if version % self.checkpoint_every == 0:
+            self._ckpt_wanted.set()
         return {"version": version}
 
     def _discard(self, msg: dict) -> dict:
@@ -365,10 +373,13 @@ class Follower:
     # ------------------------------------------------------- checkpointing
     def _checkpoint_loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                snap = self._ckpt_queue.get(timeout=0.1)
-            except queue.Empty:
+            if not self._ckpt_wanted.wait(0.1):
                 continue
+            self._ckpt_wanted.clear()
+            with self.lock:  # the latest version: versions applied while the last write ran are skipped
+                snap = {"version": self.version, "theta": {n: t.clone() for n, t in self.theta.items()},
+                        "momentum": {n: t.clone() for n, t in self.momentum.items()},
+                        "bases": {str(v): b for v, b in self.bases.items()}}
             path = self.dir / f"ckpt-{snap['version']:08d}.pt"
             torch.save(snap, _tmp(path))
             os.replace(_tmp(path), path)

@@ -37,7 +37,8 @@ from .supervisor import FollowerLaunch, FollowerSupervisor
 log = logging.getLogger("dips.leader")
 
 MODES = ("dips", "sync", "async")
-DECISION_LOG = 64
+DECISION_LOG = 64     # decisions always kept ...
+MAX_DECISIONS = 1024  # ... and back to the oldest follower checkpoint, up to this many (~100 B each)
 PUSH_FATES = 256
 
 
@@ -95,6 +96,7 @@ class FollowerRecord:
     data: str
     ctrl: str
     version: int = -1
+    ckpt: int = -1  # its latest checkpoint's version (from heartbeats): it replays from there
     last_hb: float = 0.0
     restarted_at: float = 0.0
     client: RpcClient | None = None
@@ -274,7 +276,7 @@ class Leader:
             rec = self.followers.get(int(msg["id"]))
             if rec is None:
                 return {"known": False}
-            rec.last_hb, rec.version = time.monotonic(), int(msg["version"])
+            rec.last_hb, rec.version, rec.ckpt = time.monotonic(), int(msg["version"]), int(msg.get("ckpt", -1))
             return {"known": True}
 
     def _heartbeat(self, msg: dict) -> dict:
@@ -315,7 +317,7 @@ class Leader:
                               t=time.monotonic())
             self.pushes[push.id] = push
             steps = greedy_schedule(workers, self.dest)
-            return {"status": "ok", "push": push.id, "schedule": steps}
+            return {"status": "ok", "push": push.id, "schedule": steps, **self._data_plan()}  # followers may have moved
 
     def _checked_tokens(self, rec: ClusterRecord, tokens) -> int:
         """A push's consumed-token count, bounded by what the cluster could have consumed since
@@ -452,7 +454,9 @@ class Leader:
             if accepted:
                 self.version += 1
                 self.decisions[self.version] = {"weights": weights, "scale": scale, "drop": rejected}
-                for v in [v for v in self.decisions if v <= self.version - DECISION_LOG]:
+                oldest_ckpt = min((f.ckpt for f in self.followers.values()), default=self.version)
+                floor = max(min(self.version - DECISION_LOG, oldest_ckpt), self.version - MAX_DECISIONS)
+                for v in [v for v in self.decisions if v <= floor]:
                     del self.decisions[v]
             version = self.version
             for p in pushes:
