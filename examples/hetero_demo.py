@@ -126,12 +126,13 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
     leader = subprocess.Popen(leader_cmd, env=env, cwd=REPO, stdout=open(out / "ps-leader.log", "w"),
                               stderr=subprocess.STDOUT)
     try:
-        clusters = {"pipeline": (plan, sum(counts.values())), "single": (single, 1)}
+        # each cluster draws its own batches (--seed), as clusters on their own data shards would
+        clusters = {"pipeline": (plan, sum(counts.values()), 0), "single": (single, 1, 1)}
         procs = {}
-        for name, (cluster_plan, world) in clusters.items():
+        for name, (cluster_plan, world, seed) in clusters.items():
             cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                    "-m", "ditorch.train", "--plan", str(cluster_plan),
-                   "--steps", str(args.ps_steps), "--ps", leader_addr, "--inner-steps", "4", "--ps-token-file",
+                   "--steps", str(args.ps_steps), "--seed", str(seed), "--ps", leader_addr, "--inner-steps", "4", "--ps-token-file",
                    str(out / "job.key"), "--ps-name", name, "--quiet", "--loss-log", str(out / f"ps-{name}.jsonl")]
             print(f"[7/7] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
             procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(out / f"ps-{name}.log", "w"),
