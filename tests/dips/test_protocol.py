@@ -129,7 +129,7 @@ def test_cluster_credentials_cannot_act_as_a_server(tmp_path, caplog):
                 with pytest.raises(RpcError, match="PERMISSION_DENIED"):
                     RpcClient("dips.Follower", followers[0].ctrl, token).call(method, version=1, weights={})
         assert sum("refused" in r.message for r in caplog.records) == 5
-        assert leader._data_plan()["followers"] == [f.advertise for f in sorted(followers, key=lambda f: f.index)]
+        assert leader.state.data_plan()["followers"] == [f.advertise for f in sorted(followers, key=lambda f: f.index)]
         assert leader.status()["followers"] == {"0": 0, "1": 0}
         assert as_cluster.call("Status")["version"] == 0     # the role it has still works
         as_cluster.close()
@@ -294,7 +294,7 @@ def test_grace_time_gathers_close_pushes_into_one_round(tmp_path):
         assert leader.status()["version"] == 1          # one round, not two
         r = leader.rounds_log[-1]
         assert r["accepted"] == 2 and sorted(r["clusters"]) == ["g0", "g1"]
-        weights = sorted(leader.decisions[1]["weights"].values())
+        weights = sorted(leader.state.decisions[1]["weights"].values())
         assert weights == [0.25, 0.75]
         for c in clients:
             c.close()
@@ -313,7 +313,7 @@ def test_bad_token_counts_refused_state_unchanged(tmp_path, caplog, tokens):
                 c.leader.call("PushRequest", id=c.cluster_id, tokens=tokens, base=c.base,
                               workers={"0": list(range(len(c.layout.units)))})
         assert any("PushRequest rejected" in r.message and "tokens" in r.message for r in caplog.records)
-        assert leader.pushes == {} and leader.status() == before
+        assert leader.state.pushes == {} and leader.status() == before
         assert (tmp_path / "leader.json").read_bytes() == meta
         assert c.step(tokens=500)          # a count the rate allows goes through
         assert leader.status()["tokens"] == 500

@@ -1,0 +1,210 @@
+"""The leader's RPC handlers: what clusters and followers may ask, each checked before the state
+changes (roles per method, names, addresses, token counts, push coverage)."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from .address import split
+from .auth import JobToken
+from .leader_state import ClusterRecord, FollowerRecord, LeaderState, PushRecord, call_follower
+from .rpc import RpcServer, Tls
+from .schedule import greedy_schedule
+
+log = logging.getLogger("dips.leader")
+
+MAX_NAME_CHARS = 128
+
+
+class LeaderService:
+    """Serves ``dips.Leader`` on ``state``: clusters present the job token, followers the server
+    token. ``WaitPush`` sleeps on the server's event loop (no thread per waiting cluster)."""
+
+    def __init__(self, state: LeaderState, token: JobToken, server_token: JobToken, cluster_key: bytes,
+                 pool: ThreadPoolExecutor, tls: Tls | None):
+        self.state, self.cfg, self.cluster_key, self.pool = state, state.cfg, cluster_key, pool
+        clusters, servers = (token,), (server_token,)
+        handlers = {
+            "RegisterCluster": (self.register_cluster, clusters), "Heartbeat": (self.heartbeat, clusters),
+            "PushRequest": (self.push_request, clusters), "PushDone": (self.push_done, clusters),
+            "Plan": (self.plan, clusters), "Status": (self.status, clusters + servers),
+            "RegisterFollower": (self.register_follower, servers),
+            "FollowerHeartbeat": (self.follower_heartbeat, servers),
+        }
+        access = {n: h[1] for n, h in handlers.items()} | {"WaitPush": clusters}
+        self.rpc = RpcServer("dips.Leader", {n: h[0] for n, h in handlers.items()}, access, bind=self.cfg.bind,
+                             threads=16, tls=tls, waits={"WaitPush": self.wait_push})
+        state.wake = self.rpc.notify
+
+    # ------------------------------------------------------------ followers
+    def register_follower(self, msg: dict) -> dict:
+        st = self.state
+        with st.cond:
+            index = msg.get("index")
+            if index is None:
+                free = [i for i in range(self.cfg.n_followers) if i not in st.followers]
+                if not free:
+                    raise ValueError(f"all {self.cfg.n_followers} follower slots are taken")
+                index = free[0]
+            index = int(index)
+            if self.cfg.init and msg.get("fingerprint") != st.layout.fingerprint:
+                raise ValueError(f"this PS serves model {st.layout.fingerprint} from --init; the follower has "
+                                 f"{msg.get('fingerprint') or 'no --init'}: give it the leader's --init file")
+            if not 0 <= index < self.cfg.n_followers:
+                raise ValueError(f"follower index {index}; expected 0..{self.cfg.n_followers - 1}")
+            rec = FollowerRecord(index, _address(msg["data"]), _address(msg["ctrl"]), int(msg.get("version", -1)),
+                                 last_hb=time.monotonic())
+            st.add_follower(rec)
+            log.info("follower %d registered (data %s, version %d)", index, rec.data, rec.version)
+            model = {"model": self.cfg.model, "seed": self.cfg.seed} if self.cfg.model else {}
+            return {"index": index, **model, "fingerprint": st.layout.fingerprint,
+                    "units": list(st.partition[index]), "lr": self.cfg.outer_lr,
+                    "momentum": self.cfg.outer_momentum, "hb": self.cfg.follower_heartbeat_s,
+                    "cluster_key": self.cluster_key.decode()}
+
+    def follower_heartbeat(self, msg: dict) -> dict:
+        with self.state.cond:
+            rec = self.state.followers.get(int(msg["id"]))
+            if rec is None:
+                return {"known": False}
+            rec.last_hb, rec.version, rec.ckpt = time.monotonic(), int(msg["version"]), int(msg.get("ckpt", -1))
+            return {"known": True}
+
+    # ------------------------------------------------------------- clusters
+    def register_cluster(self, msg: dict) -> dict:
+        st = self.state
+        if msg.get("fingerprint") != st.layout.fingerprint:
+            raise ValueError(f"model fingerprint {msg.get('fingerprint')!r} does not match the PS model "
+                             f"({st.layout.fingerprint}, {sum(len(u.tensors) for u in st.layout.units)} tensors): "
+                             "the cluster's named_parameters() must have the PS's names and shapes")
+        name = msg.get("name")
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
+            raise ValueError(f"cluster name {str(name)[:40]!r}; expected 1..{MAX_NAME_CHARS} characters")
+        with st.cond:
+            if not st.ready():
+                return {"status": "not_ready"}
+            cid = name or uuid.uuid4().hex[:8]
+            st.clusters[cid] = ClusterRecord(cid, st.complete, last_hb=time.monotonic(), counted_at=time.time())
+            log.info("cluster %s joined at version %d", cid, st.complete)
+            st.save()
+            return {"status": "ok", "id": cid, "version": st.complete, "hb": self.cfg.heartbeat_s, **st.data_plan()}
+
+    def heartbeat(self, msg: dict) -> dict:
+        with self.state.cond:
+            rec = self.state.clusters.get(str(msg["id"]))
+            if rec is None:
+                return {"known": False}
+            rec.last_hb = time.monotonic()
+            return {"known": True, "version": self.state.complete, "done": self.state.budget_done()}
+
+    def push_request(self, msg: dict) -> dict:
+        st, cid = self.state, str(msg["id"])
+        with st.cond:
+            rec = st.clusters.get(cid)
+            if rec is None:
+                return {"status": "unknown"}
+            rec.last_hb = time.monotonic()
+            if st.budget_done():
+                return {"status": "done"}
+            if not st.ready():
+                return {"status": "not_ready"}
+            if "pull_s" in msg:
+                st.pull_s = float(msg["pull_s"])
+            workers = self._checked_workers(cid, msg["workers"])
+            base = int(msg["base"])
+            if base != rec.base:  # e.g. its last pull failed: it must re-join from the latest version
+                log.warning("cluster %s pushes against version %d; the PS expects %d: it re-joins", cid, base, rec.base)
+                return {"status": "unknown"}
+            push = PushRecord(uuid.uuid4().hex[:12], cid, self._checked_tokens(rec, msg["tokens"]), base,
+                              t=time.monotonic())
+            st.pushes[push.id] = push
+            steps = greedy_schedule(workers, st.dest)
+            return {"status": "ok", "push": push.id, "schedule": steps, **st.data_plan()}  # followers may have moved
+
+    def _checked_workers(self, cid: str, workers) -> dict[int, list[int]]:
+        n = len(self.state.layout.units)
+        if not isinstance(workers, dict) or not 0 < len(workers) <= n:
+            raise ValueError(f"push of cluster {cid}: workers must map 1..{n} worker ids to their units")
+        out = {int(w): [int(u) for u in units] for w, units in workers.items()}
+        held = sorted(u for units in out.values() for u in units)
+        if held != list(range(n)):
+            raise ValueError(f"push of cluster {cid} covers units {held[:8]}{'...' if len(held) > 8 else ''}; "
+                             f"expected all {n} units exactly once")
+        return out
+
+    def _checked_tokens(self, rec: ClusterRecord, tokens) -> int:
+        """A push's consumed-token count, bounded by what the cluster could have consumed since
+        its tokens were last counted: the count is the push's averaging weight."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"push of cluster {rec.id}: tokens={tokens!r}; expected a whole count >= 0")
+        elapsed = max(0.0, time.time() - rec.counted_at)
+        bound = self.cfg.max_cluster_tokens_per_s * (elapsed + 1.0)  # a second of slack for clock steps
+        if tokens > bound:
+            raise ValueError(f"push of cluster {rec.id}: {tokens} tokens in {elapsed:.1f} s since its tokens were "
+                             f"last counted; at most {bound:.0f} at {self.cfg.max_cluster_tokens_per_s:g} tokens/s "
+                             f"(--max-cluster-tokens-per-s)")
+        return tokens
+
+    def push_done(self, msg: dict) -> dict:
+        st = self.state
+        with st.cond:
+            push = st.pushes.get(str(msg["push"]))
+            if push is None or push.cluster != str(msg["id"]) or push.state != "requested":
+                raise ValueError(f"push {str(msg['push'])[:40]!r} of cluster {str(msg['id'])[:40]!r} "
+                                 "is not awaiting completion")
+            followers = [st.followers[i] for i in range(self.cfg.n_followers)]
+        replies = list(self.pool.map(lambda f: call_follower(f, "Seal", push=push.id), followers))
+        errors = [r.get("err", "unknown error") for r in replies if not r.get("ok")]
+        with st.cond:
+            if errors or push.state != "requested":
+                push.state = "failed"
+                self.pool.submit(st.discard, [push.id])
+                log.warning("push %s of cluster %s failed: %s", push.id, push.cluster, "; ".join(errors))
+                return {"status": "failed", "err": "; ".join(errors) or "cluster removed"}
+            push.state, push.norm = "sealed", sum(r["norm"] for r in replies)
+            st.collecting.append(push.id)
+            now = time.monotonic()
+            st.last_seal = now
+            st.grace.observe_arrival(now)
+            st.tokens_total += push.tokens
+            if st.budget_done() and st.budget_reached_at is None:
+                st.budget_reached_at = time.time()
+            st.clusters[push.cluster].tokens += push.tokens
+            st.clusters[push.cluster].counted_at = time.time()
+            st.save()
+            st.changed()
+            return {"status": "sealed"}
+
+    async def wait_push(self, msg: dict) -> dict:
+        """The fate of a push, waiting up to ``wait`` seconds (30 at most) for its round; the wait
+        holds no thread (it sleeps on the RPC server's event loop)."""
+        deadline = time.monotonic() + min(float(msg.get("wait", 0)), 30.0)
+        while True:
+            with self.state.cond:
+                fate = self.state.fate(str(msg["push"]))
+            left = deadline - time.monotonic()
+            if fate is not None or left <= 0:
+                return fate or {"state": "pending"}
+            await self.rpc.changed(left)
+
+    # ------------------------------------------------------------ observers
+    def plan(self, msg: dict) -> dict:
+        """Where to read the latest complete parameters from (observers: evaluation, tools)."""
+        with self.state.cond:
+            if not self.state.ready():
+                raise ValueError("followers are not ready yet")
+            return {"version": self.state.complete, **self.state.data_plan()}
+
+    def status(self, msg: dict) -> dict:
+        with self.state.cond:
+            return self.state.status()
+
+
+def _address(value) -> str:
+    """A HOST:PORT a peer sent, checked before it is stored and dialled."""
+    if not isinstance(value, str) or len(value) > 300:
+        raise ValueError(f"address {str(value)[:80]!r}; expected HOST:PORT")
+    split(value)
+    return value
