@@ -434,6 +434,9 @@ class OuterClient:
 
     def fetch_global(self) -> int | None:
         """Load the latest complete global parameters into a one-process model (no outer step)."""
+        if not isinstance(self.view, ReplicatedModel) or self.many:
+            raise ValueError("fetch_global reads the whole model into one process: give the client an nn.Module "
+                             "and no process group")
         st = self.leader.call("Plan")
         self.plan = _data_plan(st)
         new = self._pull(int(st["version"]), range(len(self.layout.units)))
