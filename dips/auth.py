@@ -6,6 +6,7 @@ CURVE key pairs of the data flow are derived from them (:mod:`dips.curve`).
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -65,3 +66,20 @@ class JobToken:
         if not ok:
             self.log_refusal(presented, what)
         return ok
+
+
+def issue_push_id(server_token: JobToken, cluster: str) -> str:
+    """A fresh push id the leader signs for ``cluster`` with the server token, so a follower can
+    tell an id the leader issued from one a cluster made up (and cannot stage pushes at will)."""
+    nonce = secrets.token_hex(6)
+    return f"{nonce}-{_push_mac(server_token, nonce, cluster)}"
+
+
+def push_id_issued(server_token: JobToken, push: str, cluster: object) -> bool:
+    """True when ``push`` is an id the leader issued to ``cluster`` (constant-time compare)."""
+    nonce, _, mac = push.partition("-")
+    return isinstance(cluster, str) and hmac.compare_digest(mac, _push_mac(server_token, nonce, cluster))
+
+
+def _push_mac(server_token: JobToken, nonce: str, cluster: str) -> str:
+    return hmac.new(server_token.secret.encode(), f"push\0{nonce}\0{cluster}".encode(), hashlib.sha256).hexdigest()[:20]

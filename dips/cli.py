@@ -70,6 +70,8 @@ def _add_commands(sub) -> None:
     fol.add_argument("--keep-checkpoints", type=int, default=3)
     fol.add_argument("--checkpoint-every", type=int, default=1,
                      help="checkpoint every N versions (sealed pushes stay on disk until one covers them)")
+    fol.add_argument("--max-unsealed-pushes", type=int, default=32,
+                     help="pushes staged at once (each at most this follower's slice); more are refused until sealed")
     fol.add_argument("--init", default=None, help="the leader's --init file, when it serves one")
     fol.add_argument("--index", type=int, default=None, help="slot to take (set by the leader it launched it)")
     _common(fol)
@@ -168,6 +170,7 @@ def run_follower(args: argparse.Namespace) -> int:
     ckpt = args.checkpoint_dir or f"dips-follower-{args.bind.rsplit(':', 1)[1]}"
     follower = Follower(args.leader, args.bind, JobToken.from_file(args.server_token_file), ckpt,
                         keep_checkpoints=args.keep_checkpoints, checkpoint_every=args.checkpoint_every,
+                        max_unsealed_pushes=args.max_unsealed_pushes,
                         index=args.index, advertise=args.advertise,
                         tls=_tls(args), init=args.init)
     return _serve(follower.stop)

@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from . import address
-from .auth import FOLLOWER_KEY_LABEL, JobToken
+from .auth import FOLLOWER_KEY_LABEL, JobToken, push_id_issued
 from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
 from .layout import WIRE_DTYPE, ModelLayout, pack_unit, unpack_unit
 from .model import initial_parameters, load_initial
@@ -50,7 +50,7 @@ class Follower:
 
     def __init__(self, leader: str, bind: str, server_token: JobToken, checkpoint_dir: str | os.PathLike,
                  keep_checkpoints: int = 3, heartbeat_s: float = 1.0, index: int | None = None,
-                 checkpoint_every: int = 1,
+                 checkpoint_every: int = 1, max_unsealed_pushes: int = 32,
                  advertise: str | None = None, tls: Tls | None = None, init: str | os.PathLike | None = None):
         self.leader_addr, self.bind, self.token = leader, bind, server_token
         self._init = load_initial(init) if init is not None else None
@@ -63,6 +63,9 @@ class Follower:
         if checkpoint_every < 1 or keep_checkpoints < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every}, keep_checkpoints={keep_checkpoints}; both must be >= 1")
         self.keep_checkpoints, self.heartbeat_s, self.checkpoint_every = keep_checkpoints, heartbeat_s, checkpoint_every
+        # memory a cluster can make this follower hold: staged pushes (each at most its slice)
+        # and queued messages (each at most MAXMSGSIZE) are bounded in number
+        self.max_unsealed_pushes = max_unsealed_pushes
         meta = self.dir / "follower.json"
         self.index = index if index is not None else (json.loads(meta.read_text())["index"] if meta.exists() else None)
         self.lock = threading.RLock()
@@ -158,8 +161,9 @@ class Follower:
         self._router = serving_socket(self._ctx, self.keys, ZAP_DOMAIN, tcp_endpoint(self.bind),
                                       self.layout.max_message_bytes)
         self._outbox = f"inproc://dips-follower-{id(self)}"
-        self._decode_q: queue.Queue = queue.Queue()
-        self._encode_q: queue.Queue = queue.Queue()
+        depth = self.max_unsealed_pushes * len(self.unit_range)
+        self._decode_q: queue.Queue = queue.Queue(maxsize=depth)
+        self._encode_q: queue.Queue = queue.Queue(maxsize=depth)
         self._pull_sock = self._ctx.socket(zmq.PULL)
         self._pull_sock.bind(self._outbox)
         for fn in (self._network_loop, self._decode_loop, self._encode_loop):
@@ -193,12 +197,15 @@ class Follower:
             log.warning("follower %s: data message without a request id of at most %d characters", self.index,
                         MAX_ID_CHARS)
             return
-        if header.get("op") == "push":
-            self._decode_q.put((ident, header, frames[2].buffer if len(frames) > 2 else b""))
-        elif header.get("op") == "pull":
-            self._encode_q.put((ident, header))
-        else:
-            self._reply_now(ident, {"ok": False, "err": f"unknown op {header.get('op')!r}", "req": header.get("req")})
+        try:
+            if header.get("op") == "push":
+                self._decode_q.put_nowait((ident, header, frames[2].buffer if len(frames) > 2 else b""))
+            elif header.get("op") == "pull":
+                self._encode_q.put_nowait((ident, header))
+            else:
+                self._reply_now(ident, {"ok": False, "err": f"unknown op {str(header.get('op'))[:40]!r}", "req": req})
+        except queue.Full:
+            self._reply_now(ident, {"ok": False, "err": "follower busy: too many messages queued; retry", "req": req})
 
     def _reply_now(self, ident: bytes, header: dict, payload: list[bytes] = ()) -> None:
         self._router.send_multipart([ident, json.dumps(header).encode(), *payload])
@@ -239,18 +246,23 @@ class Follower:
             raise ValueError(f"unit {spec.name}: shapes {shapes}; expected {[t.shape for t in spec.tensors]}")
         if header.get("dtype") != "bfloat16":
             raise ValueError(f"unit {spec.name}: dtype {header.get('dtype')!r}; expected 'bfloat16'")
+        push, base = header["push"], int(header["base"])
+        if not isinstance(push, str) or not 0 < len(push) <= MAX_ID_CHARS:
+            raise ValueError(f"push id {str(push)[:40]!r}; expected a string of 1..{MAX_ID_CHARS} characters")
+        if not push_id_issued(self.token, push, header.get("cluster")):
+            raise ValueError(f"push {push}: not an id the leader issued to cluster {str(header.get('cluster'))[:40]!r}")
         tensors = unpack_unit(spec, payload)
         for n, t in tensors.items():
             if not torch.isfinite(t).all():
                 raise ValueError(f"unit {spec.name}: tensor {n} has non-finite values")
-        push, base = header["push"], int(header["base"])
-        if not isinstance(push, str) or not 0 < len(push) <= MAX_ID_CHARS:
-            raise ValueError(f"push id {str(push)[:40]!r}; expected a string of 1..{MAX_ID_CHARS} characters")
         with self.lock:
             if base not in self.bases:
                 raise ValueError(f"push {push}: base version {base} is not held (held: {sorted(self.bases)})")
             if push in self.sealed:
                 raise ValueError(f"push {push} is already sealed")
+            if push not in self.staged and len(self.staged) >= self.max_unsealed_pushes:
+                raise ValueError(f"{len(self.staged)} pushes are staged and not sealed, the most this follower holds "
+                                 "(--max-unsealed-pushes); retry later")
             rec = self.staged.setdefault(push, {"base": base, "cluster": header.get("cluster"), "units": {},
                                                 "t": time.monotonic()})
             if rec["base"] != base:

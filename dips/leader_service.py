@@ -8,7 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from .address import split
-from .auth import JobToken
+from .auth import JobToken, issue_push_id
 from .leader_state import ClusterRecord, FollowerRecord, LeaderState, PushRecord, call_follower
 from .rpc import RpcServer, Tls
 from .schedule import greedy_schedule
@@ -25,6 +25,7 @@ class LeaderService:
     def __init__(self, state: LeaderState, token: JobToken, server_token: JobToken, cluster_key: bytes,
                  pool: ThreadPoolExecutor, tls: Tls | None):
         self.state, self.cfg, self.cluster_key, self.pool = state, state.cfg, cluster_key, pool
+        self.server_token = server_token
         clusters, servers = (token,), (server_token,)
         handlers = {
             "RegisterCluster": (self.register_cluster, clusters), "Heartbeat": (self.heartbeat, clusters),
@@ -117,8 +118,14 @@ class LeaderService:
             if base != rec.base:  # e.g. its last pull failed: it must re-join from the latest version
                 log.warning("cluster %s pushes against version %d; the PS expects %d: it re-joins", cid, base, rec.base)
                 return {"status": "unknown"}
-            push = PushRecord(uuid.uuid4().hex[:12], cid, self._checked_tokens(rec, msg["tokens"]), base,
-                              t=time.monotonic())
+            tokens = self._checked_tokens(rec, msg["tokens"])
+            # one push in flight per cluster: a new request supersedes one it gave up on
+            stale = [p.id for p in st.pushes.values() if p.cluster == cid and p.state == "requested"]
+            for p in stale:
+                st.pushes[p].state = "failed"
+            if stale:
+                self.pool.submit(st.discard, stale)
+            push = PushRecord(issue_push_id(self.server_token, cid), cid, tokens, base, t=time.monotonic())
             st.pushes[push.id] = push
             steps = greedy_schedule(workers, st.dest)
             return {"status": "ok", "push": push.id, "schedule": steps, **st.data_plan()}  # followers may have moved

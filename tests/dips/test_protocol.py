@@ -350,3 +350,36 @@ def test_clusters_waiting_for_a_round_do_not_starve_heartbeats(tmp_path):
         assert leader.status()["clusters"] == ["a", "b"]
         a.close()
         b.close()
+
+
+def test_followers_stage_only_pushes_the_leader_issued(tmp_path):
+    """A cluster cannot make follower memory grow at will: a push id it made up, or one issued to
+    another cluster, is refused; a new push request supersedes the cluster's unfinished one (one
+    push in flight per cluster); and a follower stages at most --max-unsealed-pushes pushes."""
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        c = OuterClient(build_model(MODEL, 3), leader.address, inner_steps=1, token=token, name="c")
+        f0 = min(followers, key=lambda f: f.index)
+        addr = c.plan["followers"][f0.index]
+        spec = c.layout.units[0]
+
+        def send(push: str, cluster: str = "c") -> dict:
+            header = dict(op="push", push=push, cluster=cluster, base=0, unit=0, names=[t.name for t in spec.tensors],
+                          shapes=[list(t.shape) for t in spec.tensors], dtype="bfloat16", req=f"{push}:{cluster}")
+            c._sock(addr).send_multipart([c._header(**header), pack_unit([c.params[t.name] for t in spec.tensors])])
+            return next(h for h, _ in c._replies(addr, {header["req"]}))
+
+        assert "not an id the leader issued" in send("made-up")["err"]
+        request = dict(id="c", tokens=1, base=0, workers={"0": list(range(len(c.layout.units)))})
+        first = c.leader.call("PushRequest", **request)["push"]
+        assert "not an id the leader issued" in send(first, cluster="other")["err"]
+        assert send(first)["ok"] and list(f0.staged) == [first]
+        second = c.leader.call("PushRequest", **request)["push"]
+        assert leader.state.pushes[first].state == "failed" and leader.state.pushes[second].state == "requested"
+        wait_for(lambda: not f0.staged, 5, "the superseded push to be discarded")
+        f0.max_unsealed_pushes = 1       # c's push is staged; another cluster's finds no room
+        assert send(second)["ok"]
+        d = OuterClient(build_model(MODEL, 4), leader.address, inner_steps=1, token=token, name="d")
+        other = d.leader.call("PushRequest", **{**request, "id": "d"})["push"]
+        assert "--max-unsealed-pushes" in send(other, cluster="d")["err"] and list(f0.staged) == [second]
+        d.close()
+        c.close()
