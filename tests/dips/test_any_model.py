@@ -1,6 +1,5 @@
 """Any nn.Module through the PS: seeded from an --init file of its parameters, units from its
 module tree balanced by bytes, clusters and followers checked against its fingerprint."""
-import logging
 
 import pytest
 import torch
