@@ -128,7 +128,7 @@ class OuterClient:
         self.rank = dist.get_rank(self._ctl) if self.many else 0
         self.layout, self.workers = self._gather_layout()
         self.my_units = self.workers.get(self.view.worker, []) if self.view.worker is not None else []
-        self.params = getattr(self.view, "params", {})
+        self.params = self.view.params if isinstance(self.view, ReplicatedModel) else {}  # a one-process model's
         self.heartbeat_s, self.round_timeout_s, self.transfer_timeout_s = heartbeat_s, round_timeout_s, transfer_timeout_s
         self.inner_count = 0
         self.tokens_pending = 0      # tokens consumed since the last sealed push

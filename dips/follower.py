@@ -123,6 +123,7 @@ class Follower:
             self.unit_range = range(start, stop)
             if not self.theta:
                 self._load_or_init(initial)
+            self._init = None  # the --init file's other slices are not this follower's to keep
             log.info("follower %d owns units %s at version %d", self.index, [start, stop], self.version)
 
     def _disk_version(self) -> int:

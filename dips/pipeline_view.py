@@ -25,18 +25,18 @@ class PipelineStages:
         self.tp = trainer.groups.tp
         self.replica0 = self.place.dp_index == 0
         self.worker = self.place.stage if self.replica0 and self.place.tp_index == 0 else None
-        self.params = {}  # no rank holds the whole model
 
     def specs(self) -> list[tuple[str, tuple[int, ...]]]:
         if self.worker is None:
             return []
-        out = []
-        for name, p in self.module.named_parameters():
-            shape, dim = list(p.shape), shard_dim(name)
-            if dim is not None:
-                shape[dim] *= self.tp.size
-            out.append((name, tuple(shape)))
-        return out
+        return [(name, self._full_shape(name, p)) for name, p in self.module.named_parameters()]
+
+    def _full_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
+        """The whole tensor's shape, from this TP rank's shard."""
+        shape, dim = list(p.shape), shard_dim(name)
+        if dim is not None:
+            shape[dim] *= self.tp.size
+        return tuple(shape)
 
     def full(self) -> dict[str, torch.Tensor]:
         if not self.replica0:
@@ -61,12 +61,8 @@ class PipelineStages:
         """The worker's full ``value`` on every TP rank of replica 0."""
         if self.tp.size == 1:
             return value.to(p.device, p.dtype)
-        shape = list(p.shape)
-        dim = shard_dim(name)
-        if dim is not None:
-            shape[dim] *= self.tp.size
-        whole = value.to(p.device, p.dtype) if self.worker is not None else torch.empty(shape, dtype=p.dtype,
-                                                                                          device=p.device)
+        whole = (value.to(p.device, p.dtype) if self.worker is not None
+                 else torch.empty(self._full_shape(name, p), dtype=p.dtype, device=p.device))
         dist.broadcast(whole, src=dist.get_global_rank(self.tp.group, 0), group=self.tp.group)
         return whole
 
