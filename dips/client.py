@@ -182,10 +182,18 @@ class OuterClient:
                 return joined
             time.sleep(0.2)
 
-    def close(self) -> None:
+    def close(self, leave: bool = True) -> None:
+        """Stop heartbeating and, with ``leave``, tell the leader the cluster departs (best
+        effort) so rounds stop counting on it at once; a cluster that just stops is removed once
+        its heartbeats lapse."""
         self._stop.set()
         if self.rank == 0:
             self._hb.join(timeout=2)
+            if leave and self.cluster_id is not None:
+                try:
+                    self.leader.call("Leave", timeout=2.0, id=self.cluster_id)
+                except RpcError as exc:
+                    log.warning("could not tell the leader that cluster %s leaves: %s", self.cluster_id, exc)
             self.leader.close()
         for s in self._socks.values():
             s.close(0)

@@ -38,16 +38,9 @@ class HealthMonitor:
         """Remove silent clusters; return the silent followers and whether any follower lags."""
         st = self.state
         with st.cond:
-            gone = [c for c in st.clusters.values() if now - c.last_hb > MISSED_HEARTBEATS * self.cfg.heartbeat_s]
-            for c in gone:
-                del st.clusters[c.id]
-                log.warning("cluster %s removed: no heartbeat for %d intervals", c.id, MISSED_HEARTBEATS)
-                for p in st.pushes.values():
-                    if p.cluster == c.id and p.state == "requested":
-                        p.state = "failed"
-            if gone:
-                st.save()
-                st.changed()
+            gone = [c.id for c in st.clusters.values() if now - c.last_hb > MISSED_HEARTBEATS * self.cfg.heartbeat_s]
+            for cid in gone:
+                st.remove_cluster(cid, f"no heartbeat for {MISSED_HEARTBEATS} intervals")
             dead = [f for f in st.followers.values()
                     if now - f.last_hb > MISSED_HEARTBEATS * self.cfg.follower_heartbeat_s
                     and now - f.restarted_at > RESTART_GRACE_S]

@@ -29,6 +29,7 @@ class LeaderService:
         clusters, servers = (token,), (server_token,)
         handlers = {
             "RegisterCluster": (self.register_cluster, clusters), "Heartbeat": (self.heartbeat, clusters),
+            "Leave": (self.leave, clusters),
             "PushRequest": (self.push_request, clusters), "PushDone": (self.push_done, clusters),
             "Plan": (self.plan, clusters), "Status": (self.status, clusters + servers),
             "RegisterFollower": (self.register_follower, servers),
@@ -99,6 +100,14 @@ class LeaderService:
                 return {"known": False}
             rec.last_hb = time.monotonic()
             return {"known": True, "version": self.state.complete, "done": self.state.budget_done()}
+
+    def leave(self, msg: dict) -> dict:
+        """A cluster departs on purpose: rounds stop waiting for it at once, not after its
+        heartbeats lapse (sync DiLoCo would otherwise stall for that long)."""
+        with self.state.cond:
+            known = str(msg["id"]) in self.state.clusters
+            self.state.remove_cluster(str(msg["id"]), "it left")
+            return {"known": known}
 
     def push_request(self, msg: dict) -> dict:
         st, cid = self.state, str(msg["id"])

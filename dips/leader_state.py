@@ -136,6 +136,17 @@ class LeaderState:
         rec.client = RpcClient("dips.Follower", rec.ctrl, self.server_token, self.tls)
         self.followers[rec.index] = rec
 
+    def remove_cluster(self, cid: str, why: str) -> None:
+        """Forget cluster ``cid`` (it left or went silent); its pushes still in flight fail."""
+        if self.clusters.pop(cid, None) is None:
+            return
+        log.warning("cluster %s removed: %s", cid, why)
+        for p in self.pushes.values():
+            if p.cluster == cid and p.state == "requested":
+                p.state = "failed"
+        self.save()
+        self.changed()
+
     def record_decision(self, weights: dict, scale: float, drop: list[str]) -> int:
         """Log a new version's decision; keep the log back to the oldest follower checkpoint."""
         self.version += 1

@@ -2,7 +2,8 @@
 namespace of its own (its own hostname) and its own ``/etc/hosts`` (``ip netns exec`` mounts
 ``/etc/netns/<ns>/hosts`` over it), wired to the others through a bridge in a switch namespace.
 Each host gets an IPv4 address, a unique-local IPv6 address and its link-local one; ``tc tbf``
-can cap every host's egress to emulate a slower inter-host link (``netem`` is not in this kernel).
+can cap each host's link, both ways, to emulate slower inter-host links (``netem`` is not in this
+kernel).
 
 Needs root (CI runs as root); ``can_make_hosts()`` says why not otherwise, for ``skipif``. All
 traffic stays inside the namespaces made here, and everything is removed on exit.
@@ -18,7 +19,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 
 _CLONE_NEWNET, _CLONE_NEWUTS, _CLONE_NEWNS = 0x40000000, 0x04000000, 0x00020000
@@ -94,8 +95,13 @@ def _sysctl(ns: str, *settings: str) -> None:
 
 
 @contextlib.contextmanager
-def emulated_hosts(count: int = 2, rate_mbit: float | None = None) -> Iterator[list[Host]]:
-    """Yields `count` hosts on one switch; `rate_mbit` caps each host's egress (tc tbf)."""
+def emulated_hosts(count: int = 2, rate_mbit: float | Sequence[float | None] | None = None) -> Iterator[list[Host]]:
+    """Yields `count` hosts on one switch. `rate_mbit` caps each host's link in both directions
+    (tc tbf on the host's end and on the switch's end): one rate for every host, or one per host
+    (None: unshaped)."""
+    rates = list(rate_mbit) if isinstance(rate_mbit, Sequence) else [rate_mbit] * count
+    if len(rates) != count:
+        raise ValueError(f"{len(rates)} link rates for {count} hosts; give one per host or a single rate")
     tag = f"eh{os.getpid() % 100000}"
     subnet = os.getpid() % 200 + 20
     switch = f"{tag}s"
@@ -122,10 +128,9 @@ def emulated_hosts(count: int = 2, rate_mbit: float | None = None) -> Iterator[l
             _ip("-n", h.ns, "addr", "add", f"{h.address}/24", "dev", h.dev)
             _ip("-n", h.ns, "addr", "add", f"{h.address6}/64", "dev", h.dev, "nodad")
             _ip("-n", h.ns, "link", "set", h.dev, "up")
-            if rate_mbit:
-                subprocess.run(["tc", "-n", h.ns, "qdisc", "add", "dev", h.dev, "root", "tbf", "rate",
-                                f"{rate_mbit}mbit", "burst", "256kb", "latency", "100ms"],
-                               check=True, capture_output=True)
+            if rates[i]:
+                _shape(h.ns, h.dev, rates[i])               # host -> switch
+                _shape(switch, f"{tag}p{i}", rates[i])      # switch -> host
             etc = Path("/etc/netns") / h.ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(hosts_file)
@@ -137,6 +142,14 @@ def emulated_hosts(count: int = 2, rate_mbit: float | None = None) -> Iterator[l
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         for etc in netns_dirs:
             shutil.rmtree(etc, ignore_errors=True)
+
+
+def _shape(ns: str, dev: str, rate_mbit: float) -> None:
+    """Token-bucket cap on `dev`'s egress. The bucket holds 4 ms at the rate (at least 16 KB,
+    enough for the kernel's timer granularity) so a slow link cannot pass a large burst at once."""
+    burst = max(16_000, int(rate_mbit * 1e6 / 8 * 0.004))
+    subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                    "burst", str(burst), "latency", "100ms"], check=True, capture_output=True)
 
 
 def _wait_link_local(hosts: list[Host], timeout_s: float = 5.0) -> None:

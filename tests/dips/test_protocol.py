@@ -78,7 +78,7 @@ def test_silent_cluster_removed_after_three_intervals(tmp_path):
         c = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="quiet")
         time.sleep(1.2)  # heartbeats keep it registered well past 3 intervals
         assert "quiet" in leader.status()["clusters"]
-        c.close()        # stops heartbeating
+        c.close(leave=False)  # stops heartbeating without saying goodbye
         t0 = time.monotonic()
         wait_for(lambda: "quiet" not in leader.status()["clusters"], 5, "removal")
         gone = time.monotonic() - t0
@@ -93,12 +93,27 @@ def test_sync_round_waits_for_all_then_for_removal(tmp_path):
         b = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="b")
         assert not a.step(tokens=1)       # b has not pushed: the round stays open
         assert leader.status()["version"] == 0 and a.pending is not None
-        b.close()                          # b dies; after 3 intervals it is removed and the round closes
+        b.close(leave=False)               # b dies; after 3 intervals it is removed and the round closes
         wait_for(lambda: leader.status()["complete"] == 1, 5, "round to close")
         perturb(a.model, 0)
         assert a.step(tokens=1)            # resolves the pending push (pulls version 1) ...
         assert a.base == 1
         a.close()
+
+
+def test_a_cluster_that_leaves_is_not_waited_for(tmp_path):
+    """A departing cluster says so: a sync round closes at once, not when its heartbeats lapse
+    (30 s here, far beyond the test's wait)."""
+    with in_process_ps(tmp_path, mode="sync", heartbeat_s=30.0) as (leader, _, token):
+        a = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="a",
+                        round_timeout_s=0.5)
+        b = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="b")
+        assert not a.step(tokens=1)
+        b.close()
+        assert leader.status()["clusters"] == ["a"]
+        wait_for(lambda: leader.status()["complete"] == 1, 5, "round to close")
+        a.close()
+        assert leader.status()["clusters"] == []
 
 
 def test_wrong_token_refused_and_logged(tmp_path, caplog):
