@@ -31,6 +31,7 @@ from . import address
 from .auth import FOLLOWER_KEY_LABEL, JobToken, push_id_issued
 from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
 from .layout import WIRE_DTYPE, ModelLayout, pack_unit, unpack_unit
+from .leader_state import MAX_DECISIONS
 from .model import initial_parameters, load_initial
 from .outer_optimizer import NesterovOuter
 from .rpc import RpcClient, RpcError, RpcServer, Tls
@@ -40,6 +41,13 @@ log = logging.getLogger("dips.follower")
 STALE_UNSEALED_S = 120.0
 ZAP_DOMAIN = "dips-data"
 MAX_ID_CHARS = 128  # push and request ids a cluster sends are echoed back: bound them
+
+
+# Rounds wait for every follower, so a follower that restarts is at most one checkpoint interval
+# (plus a snapshot in progress) behind; the leader keeps up to MAX_DECISIONS decisions back to the
+# oldest checkpoint, so bounding the interval at half that guarantees it can replay its way back.
+# (No peer could send it a checkpoint instead: followers hold disjoint slices of the model.)
+MAX_CHECKPOINT_EVERY = MAX_DECISIONS // 2
 
 
 class Follower:
@@ -60,8 +68,9 @@ class Follower:
         self.keys = KeyPair.derive(server_token, FOLLOWER_KEY_LABEL)
         self.dir = Path(checkpoint_dir)
         (self.dir / "pushes").mkdir(parents=True, exist_ok=True)
-        if checkpoint_every < 1 or keep_checkpoints < 1:
-            raise ValueError(f"checkpoint_every={checkpoint_every}, keep_checkpoints={keep_checkpoints}; both must be >= 1")
+        if not 1 <= checkpoint_every <= MAX_CHECKPOINT_EVERY or keep_checkpoints < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every}, keep_checkpoints={keep_checkpoints}; expected "
+                             f"1 <= checkpoint_every <= {MAX_CHECKPOINT_EVERY} and keep_checkpoints >= 1")
         self.keep_checkpoints, self.heartbeat_s, self.checkpoint_every = keep_checkpoints, heartbeat_s, checkpoint_every
         # memory a cluster can make this follower hold: staged pushes (each at most its slice)
         # and queued messages (each at most MAXMSGSIZE) are bounded in number

@@ -8,12 +8,15 @@ speeds do not depend on how the machine's few cores happen to be shared.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,9 +64,12 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
     """Train until the leader's token budget is spent (or ``max_steps``); rank 0 logs JSON lines.
 
     With ``spec.dp > 1`` this is one data-parallel rank: gradients are all-reduced with
-    ``spec.backend`` and the OuterClient's rank 0 speaks for the cluster.
+    ``spec.backend`` and the OuterClient's rank 0 speaks for the cluster. SIGTERM makes the
+    cluster leave after its current inner step, as a preempted job would; SIGKILL is a crash.
     """
     torch.set_num_threads(1)
+    leaving = []
+    signal.signal(signal.SIGTERM, lambda *_: leaving.append(True))
     import torch.distributed as dist
 
     from .auth import JobToken
@@ -109,27 +115,68 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
                                   "late": spec.step_s > 0 and compute_s > spec.step_s * (1 + spec.delay),
                                   "tokens": client.tokens_total, "updated": updated,
                                   "base": client.base}) + "\n")
-            if client.done:
+            if client.done or _any_rank(bool(leaving), spec.dp):
                 break
-        log.write(json.dumps({"event": "end", "t": time.time(), "stats": client.stats,
+        log.write(json.dumps({"event": "end", "t": time.time(), "left": bool(leaving), "stats": client.stats,
                               "checksum": [float(p.detach().double().sum()) for p in model.parameters()]}) + "\n")
     client.close()
     if spec.dp > 1:
         dist.destroy_process_group()
 
 
-def start_cluster(spec: ClusterSpec):
-    """Run :func:`run_cluster` in fresh processes (one per data-parallel rank); returns rank 0's."""
-    import multiprocessing as mp
+def _any_rank(flag: bool, world: int) -> bool:
+    """True on every rank when ``flag`` is on any (ranks must leave at the same step)."""
+    if world == 1:
+        return flag
+    import torch.distributed as dist
 
-    if spec.dp > 1 and not spec.dist_port:
-        spec = dataclasses.replace(spec, dist_port=free_port())
-    procs = [mp.get_context("spawn").Process(target=run_cluster, args=(spec, r), name=f"cluster-{spec.name}-{r}")
-             for r in range(spec.dp)]
-    for p in procs:
-        p.start()
-    procs[0].ranks = procs
-    return procs[0]
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class ClusterProcesses:
+    """The processes of one emulated cluster (one per data-parallel rank)."""
+
+    def __init__(self, spec: ClusterSpec, wrap: Callable[[list[str]], list[str]] | None = None):
+        if spec.dp > 1 and not spec.dist_port:
+            spec = dataclasses.replace(spec, dist_port=free_port())
+        self.spec = spec
+        text = json.dumps(dataclasses.asdict(spec))
+        # own sessions: a crash is emulated by killing a rank's whole process group
+        self.ranks = [subprocess.Popen((wrap or list)([sys.executable, "-m", "dips.harness", text, str(r)]),
+                                       env=python_env(), start_new_session=True) for r in range(spec.dp)]
+
+    def alive(self) -> bool:
+        return any(r.poll() is None for r in self.ranks)
+
+    def join(self, timeout_s: float) -> list[int | None]:
+        """Wait up to ``timeout_s`` in all; the ranks' exit codes (None: still running)."""
+        deadline = time.monotonic() + timeout_s
+        for r in self.ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.wait(max(0.0, deadline - time.monotonic()))
+        return [r.poll() for r in self.ranks]
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every rank's process group (SIGKILL: the cluster crashes)."""
+        for r in self.ranks:
+            if r.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(r.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate the ranks that still run, then kill what ignores it."""
+        self.signal(signal.SIGTERM)
+        if None in self.join(timeout_s):
+            self.signal(signal.SIGKILL)
+            self.join(timeout_s)
+
+
+def start_cluster(spec: ClusterSpec, wrap: Callable[[list[str]], list[str]] | None = None) -> ClusterProcesses:
+    """Run :func:`run_cluster` in fresh processes, one per data-parallel rank; ``wrap`` turns
+    each command into one that runs elsewhere (on an emulated host)."""
+    return ClusterProcesses(spec, wrap)
 
 
 def read_log(path: str | os.PathLike) -> list[dict]:
@@ -152,9 +199,14 @@ def start_follower(leader: str, bind: str, server_token_file: str, ckpt_dir: str
                             env=python_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for servers started next)."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+if __name__ == "__main__":  # one rank of an emulated cluster: python -m dips.harness SPEC_JSON RANK
+    run_cluster(ClusterSpec(**json.loads(sys.argv[1])), int(sys.argv[2]))

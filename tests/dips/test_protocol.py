@@ -12,7 +12,7 @@ import zmq
 from dips.auth import JobToken
 from dips.client import OuterClient
 from dips.curve import KeyPair, connecting_socket, tcp_endpoint
-from dips.layout import ModelLayout, pack_unit
+from dips.layout import pack_unit
 from dips.leader import Leader, LeaderConfig
 from dips.model import build_model
 from dips.rpc import RpcClient, RpcError

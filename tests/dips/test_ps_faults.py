@@ -96,11 +96,7 @@ def test_leader_and_follower_failures(tmp_path):
         assert re.search(rb"follower " + index + rb" starts at version \d+ \(ckpt-\d+\.pt", leader_log)
         assert status(rpc)["followers"][index.decode()] >= before + 3
         for p in clusters:
-            for r in p.ranks:
-                r.terminate()
-        for p in clusters:
-            for r in p.ranks:
-                r.join(10)
+            p.stop()
         # no accepted push is lost: once the last rounds settle, every sealed push was applied or rejected
         def settled():
             st = status(rpc)
@@ -112,10 +108,7 @@ def test_leader_and_follower_failures(tmp_path):
         assert "sealed" not in states and states.count("applied") >= 6
     finally:
         for p in clusters:
-            for r in p.ranks:
-                if r.is_alive():
-                    r.terminate()
-                    r.join(5)
+            p.stop()
         rpc.close()
         leader.send_signal(signal.SIGTERM)  # stops the followers it relaunched
         try:
@@ -132,10 +125,7 @@ def test_data_parallel_cluster_with_gloo(tmp_path):
     with in_process_ps(tmp_path) as (leader, _, token):
         spec = ClusterSpec(name="dp", leader=leader.address, token_file=str(tmp_path / "job.key"), model=MODEL,
                            log=str(tmp_path / "dp.jsonl"), inner_steps=4, max_steps=12, dp=2, backend="gloo")
-        proc = start_cluster(spec)
-        for r in proc.ranks:
-            r.join(120)
-        assert [r.exitcode for r in proc.ranks] == [0, 0]
+        assert start_cluster(spec).join(120) == [0, 0]
         rank0, rank1 = read_log(spec.log)[-1], read_log(spec.log + ".rank1")[-1]
         assert rank0["checksum"] == rank1["checksum"]      # rank 0's pull was broadcast
         st = leader.status()
@@ -164,12 +154,23 @@ def test_replayed_round_keeps_the_base_of_a_push_still_waiting(tmp_path):
         assert all(moved)
 
 
+def test_checkpoint_interval_is_bounded_by_the_decision_log(tmp_path):
+    """A longer interval could leave a restarted follower behind the leader's decision log."""
+    from dips.follower import MAX_CHECKPOINT_EVERY, Follower
+    from dips.leader_state import MAX_DECISIONS
+
+    assert MAX_CHECKPOINT_EVERY < MAX_DECISIONS
+    with pytest.raises(ValueError, match=f"checkpoint_every={MAX_CHECKPOINT_EVERY + 1}"):
+        Follower("127.0.0.1:1", "127.0.0.1:0", JobToken.create(tmp_path / "s.key"), tmp_path / "f",
+                 checkpoint_every=MAX_CHECKPOINT_EVERY + 1)
+
+
 def test_follower_200_versions_behind_catches_up(tmp_path):
-    """A follower that checkpoints rarely (here: never) and restarts 200 versions behind the
-    leader replays all 200 rounds from the decision log and the sealed pushes it kept on disk,
+    """A follower that checkpoints as rarely as allowed (not once in 200 rounds) and restarts
+    200 versions behind the leader replays all 200 rounds from the decision log and the sealed pushes it kept on disk,
     bit-identical to where it was; the job then goes on."""
     from dips.client import OuterClient
-    from dips.follower import Follower
+    from dips.follower import MAX_CHECKPOINT_EVERY, Follower
     from dips.leader import Leader, LeaderConfig
     from dips.model import build_model
 
@@ -177,7 +178,7 @@ def test_follower_200_versions_behind_catches_up(tmp_path):
     token, servers = JobToken.create(tmp_path / "job.key"), JobToken.create(tmp_path / "servers.key")
     leader = Leader(LeaderConfig(model=small, n_followers=1, mode="async", bind="127.0.0.1:0",
                                  follower_heartbeat_s=0.3, restart_followers=False), token, servers)
-    follower = Follower(leader.address, f"127.0.0.1:{free_port()}", servers, tmp_path / "f", checkpoint_every=10_000)
+    follower = Follower(leader.address, f"127.0.0.1:{free_port()}", servers, tmp_path / "f", checkpoint_every=MAX_CHECKPOINT_EVERY)
     client = None
     try:
         model = build_model(small, 1)
@@ -197,7 +198,7 @@ def test_follower_200_versions_behind_catches_up(tmp_path):
             before = {n: t.clone() for n, t in {**follower.theta, **{f"m/{k}": v for k, v in follower.momentum.items()}}.items()}
         follower.stop()
         assert not list((tmp_path / "f").glob("ckpt-*.pt")) and len(list((tmp_path / "f" / "pushes").glob("*.pt"))) == 200
-        follower = Follower(leader.address, f"127.0.0.1:{free_port()}", servers, tmp_path / "f", checkpoint_every=10_000)
+        follower = Follower(leader.address, f"127.0.0.1:{free_port()}", servers, tmp_path / "f", checkpoint_every=MAX_CHECKPOINT_EVERY)
         wait_for(lambda: follower.version == 200, 90, "the restarted follower to replay 200 rounds")
         with follower.lock:
             after = {**follower.theta, **{f"m/{k}": v for k, v in follower.momentum.items()}}
