@@ -282,9 +282,10 @@ def drive(args, model_cfg: dict, step_s: float, measured: float, links: list[flo
     out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="dips-bench-") as tmp:
+        work = Path(args.workdir or tmp)
         for mode in args.modes.split(","):
             print(f"running {MODES[mode][3]} ...", flush=True)
-            results.append(run_mode(mode, args, model_cfg, step_s, Path(tmp) / mode, Places(hosts)))
+            results.append(run_mode(mode, args, model_cfg, step_s, work / mode, Places(hosts)))
     report(results, args, links, step_s, measured)
     tag = f"{args.clusters}c{'-churn' if args.churn else ''}{'-faulty' if args.faulty is not None else ''}"
     title = (f"Di-PS vs DiLoCo: {args.clusters} emulated clusters, eta = {args.eta:g}, "
@@ -326,6 +327,8 @@ def parse(argv=None) -> argparse.Namespace:
                     help="cluster heartbeat interval (s); generous because many processes share 2 busy cores")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-mode limit, seconds")
     ap.add_argument("--out", default="out/dips")
+    ap.add_argument("--workdir", default=None,
+                    help="keep each mode's logs, metadata and checkpoints here (default: a temporary directory)")
     ap.add_argument("--on-host", default=None, help=argparse.SUPPRESS)  # internal: the driver on host 0
     args = ap.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]

@@ -69,7 +69,7 @@ def _add_commands(sub) -> None:
     fol.add_argument("--checkpoint-dir", default=None, help="default: dips-follower-<port>")
     fol.add_argument("--keep-checkpoints", type=int, default=3)
     fol.add_argument("--checkpoint-every", type=int, default=1,
-                     help="checkpoint every N versions (sealed pushes stay on disk until one covers them)")
+                     help="checkpoint every N versions, N <= 512 (sealed pushes stay on disk until one covers them)")
     fol.add_argument("--max-unsealed-pushes", type=int, default=32,
                      help="pushes staged at once (each at most this follower's slice); more are refused until sealed")
     fol.add_argument("--init", default=None, help="the leader's --init file, when it serves one")
