@@ -131,6 +131,7 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path, places
                                  token_budget=args.budget, metadata=str(work / "leader.json"),
                                  clip_norm=args.clip_norm if clip else None,
                                  beta=3.0 if outlier_filter else float("inf"),
+                                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                                  heartbeat_s=args.heartbeat, restart_followers=False), token, server_token)
     followers = [start_follower(leader.address, f"{ps}:{free_port(ps)}", server_token_file, str(work / f"f{i}"),
                                 str(work / f"f{i}.log")) for i in range(args.followers)]
@@ -186,10 +187,12 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path, places
     steps = [r for rs in read.values() for r in rs if "loss" in r]
     overran = sum(1 for r in steps if r.get("late")) / max(len(steps), 1)  # compute overran the emulated pace
     scales = [r["scale"] for r in rounds]
+    stale = [s for r in rounds for s in r["staleness"]]
     return {"mode": mode, "label": label, "tokens": tokens, "wall": t_end - t_start,
             "throughput": tokens / (t_end - t_start), "final_loss": final, "version": version,
             "rounds": len(rounds), "rejected": sum(r["rejected"] for r in rounds),
             "mean_scale": sum(scales) / max(len(scales), 1), "min_scale": min(scales, default=1.0),
+            "staleness": sum(stale) / max(len(stale), 1), "max_staleness": max(stale, default=0),
             "curve": curve(read, t_start), "late": overran, "events": done_events,
             "stats": {name: rs[-1].get("stats", {}) for name, rs in read.items()}}
 
@@ -257,12 +260,14 @@ def report(results: list[dict], args, links: list[float] | None, step_s: float, 
           f"{'; churn: late join, leave, crash + restart' if args.churn else ''}"
           f"{f'; c{args.faulty} pushes x100 parameters from its 4th outer step' if args.faulty is not None else ''}")
     print(f"{'mode':30s} {'tokens':>8s} {'wall s':>7s} {'tokens/s':>9s} {'rounds':>6s} {'rejected':>8s} "
-          f"{'clip mean/min':>13s} {'late':>5s} {'final loss':>10s}")
+          f"{'clip mean/min':>13s} {'stale':>9s} {'late':>5s} {'final loss':>10s}")
     for r in results:
         print(f"{r['label']:30s} {r['tokens']:8d} {r['wall']:7.1f} {r['throughput']:9.0f} {r['rounds']:6d} "
-              f"{r['rejected']:8d} {r['mean_scale']:6.2f}/{r['min_scale']:<6.2f} {r['late']:5.0%} "
+              f"{r['rejected']:8d} {r['mean_scale']:6.2f}/{r['min_scale']:<6.2f} "
+              f"{r['staleness']:5.1f}/{r['max_staleness']:<3d} {r['late']:5.0%} "
               f"{r['final_loss']:10.4f}")
-    print("(clip: clip scale over the rounds, 1 = not clipped; late: inner steps whose computation overran "
+    print("(clip: clip scale over the rounds, 1 = not clipped; stale: mean/max versions decided between an "
+          "applied push's base and the version it was applied to; late: inner steps whose computation overran "
           "the emulated pace)")
     by = {r["mode"]: r for r in results}
     if "sync" in by:
@@ -315,6 +320,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--inner-lr", type=float, default=3e-3)
     ap.add_argument("--clip-norm", type=float, default=1.0)
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="every mode's outer Nesterov learning rate")
+    # 0, not the paper's 0.8: on this tiny model both Di-PS and sync DiLoCo end lower without outer
+    # momentum (docs/dips.md has the sweep), and momentum amplifies stale asynchronous pushes most
+    ap.add_argument("--outer-momentum", type=float, default=0.0, help="every mode's outer Nesterov momentum")
     ap.add_argument("--budget", type=int, default=0, help="tokens per mode (0: 25,600 per cluster)")
     ap.add_argument("--step-s", type=float, default=0.0, help="paced inner step at delay 0 (0: pace x measured)")
     ap.add_argument("--pace", type=float, default=0.0,

@@ -164,10 +164,11 @@ def run_leader(args: argparse.Namespace) -> int:
 
 def run_follower(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .address import split
     from .auth import JobToken
     from .follower import Follower
 
-    ckpt = args.checkpoint_dir or f"dips-follower-{args.bind.rsplit(':', 1)[1]}"
+    ckpt = args.checkpoint_dir or f"dips-follower-{split(args.bind)[1]}"
     follower = Follower(args.leader, args.bind, JobToken.from_file(args.server_token_file), ckpt,
                         keep_checkpoints=args.keep_checkpoints, checkpoint_every=args.checkpoint_every,
                         max_unsealed_pushes=args.max_unsealed_pushes,

@@ -107,7 +107,7 @@ class Leader:
         self.service = LeaderService(self.state, token, server_token, KeyPair.derive(token, CLUSTER_KEY_LABEL).public,
                                      self._pool, tls)
         self.rpc = self.service.rpc
-        self.address = advertised(config.bind.rsplit(":", 1)[0] + f":{self.rpc.port}", config.advertise, None)
+        self.address = advertised(self.rpc.address, config.advertise, None)
         root = Path(config.checkpoint_root)
         self.supervisor = FollowerSupervisor(
             [FollowerLaunch(i, b, str(root / f"follower-{i}")) for i, b in enumerate(config.launch_followers)],

@@ -88,8 +88,10 @@ class RoundRunner:
             st.save()
             st.changed()
         st.grace.observe_cost(time.monotonic() - t0 + st.pull_s)
+        # staleness: versions decided between a push's base and the one it is applied on top of
         st.rounds_log.append({"version": version, "t": time.time(), "accepted": len(accepted),
                               "rejected": len(rejected), "clusters": [p.cluster for p in pushes],
+                              "staleness": [version - 1 - p.base for p in pushes if p.id in accepted],
                               "grace": st.grace.grace(), "scale": scale})
 
     def sync_followers(self, deadline_s: float | None) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from .address import join, split
 from .auth import JobToken
 
 log = logging.getLogger("dips.rpc")
@@ -111,7 +112,7 @@ class RpcServer:
         if self.port == 0:
             self.stop()
             raise OSError(f"cannot bind gRPC server to {bind!r}")
-        self.address = f"{bind.rsplit(':', 1)[0]}:{self.port}"
+        self.address = join(split(bind)[0], self.port)
 
     async def _start(self, service: str, methods: dict, bind: str, tls: Tls | None) -> int:
         self._changed = asyncio.Event()

@@ -101,6 +101,21 @@ def test_sync_round_waits_for_all_then_for_removal(tmp_path):
         a.close()
 
 
+def test_round_log_counts_staleness(tmp_path):
+    """Two clusters join at version 0; a's push makes version 1, so b's push (base 0) is applied
+    one version late, and b's next push, from the version it pulled, is not stale."""
+    with in_process_ps(tmp_path, mode="async") as (leader, _, token):
+        a = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="a")
+        b = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="b")
+        for client, seed in ((a, 0), (b, 1), (b, 2)):
+            perturb(client.model, seed)
+            assert client.step(tokens=1)
+        seen = [(r["clusters"], r["staleness"]) for r in leader.rounds_log]
+        assert seen == [(["a"], [0]), (["b"], [1]), (["b"], [0])]
+        a.close()
+        b.close()
+
+
 def test_a_cluster_that_leaves_is_not_waited_for(tmp_path):
     """A departing cluster says so: a sync round closes at once, not when its heartbeats lapse
     (30 s here, far beyond the test's wait)."""
@@ -308,7 +323,7 @@ def test_grace_time_gathers_close_pushes_into_one_round(tmp_path):
         assert results == [True, True]
         assert leader.status()["version"] == 1          # one round, not two
         r = leader.rounds_log[-1]
-        assert r["accepted"] == 2 and sorted(r["clusters"]) == ["g0", "g1"]
+        assert r["accepted"] == 2 and sorted(r["clusters"]) == ["g0", "g1"] and r["staleness"] == [0, 0]
         weights = sorted(leader.state.decisions[1]["weights"].values())
         assert weights == [0.25, 0.75]
         for c in clients:
