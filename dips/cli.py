@@ -40,6 +40,8 @@ def _add_commands(sub) -> None:
     model = lead.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="model config YAML (LlamaConfig fields) of the project's LLaMA")
     model.add_argument("--init", help="any model's initial parameters: torch.save({name: tensor}) of named_parameters()")
+    model.add_argument("--seed-from-cluster", action="store_true",
+                       help="the first cluster to join brings the model: its parameters become the global ones")
     lead.add_argument("--mode", default="dips", choices=["dips", "sync", "async"],
                       help="dips: grace time + penalty; sync: DiLoCo; async: async DiLoCo without penalty")
     lead.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
@@ -148,6 +150,7 @@ def run_leader(args: argparse.Namespace) -> int:
 
     launch = tuple(a for a in args.launch_followers.split(",") if a)
     cfg = LeaderConfig(model=load_config(args.model) if args.model else None, init=args.init,
+                       seed_from_cluster=args.seed_from_cluster,
                        n_followers=args.followers, bind=args.bind,
                        advertise=args.advertise, mode=args.mode, launch_followers=launch,
                        checkpoint_root=args.checkpoint_root, server_token_file=args.server_token_file,

@@ -132,6 +132,7 @@ class OuterClient:
         self.heartbeat_s, self.round_timeout_s, self.transfer_timeout_s = heartbeat_s, round_timeout_s, transfer_timeout_s
         self.inner_count = 0
         self.tokens_pending = 0      # tokens consumed since the last sealed push
+        self._cluster_tokens = 0     # the whole cluster's, counted at an outer step
         self.tokens_total = 0
         self.done = False            # the leader's token budget is spent
         self.cluster_id: str | None = None
@@ -175,8 +176,8 @@ class OuterClient:
         Returns True once the model holds the global parameters of its base version.
         """
         deadline = time.monotonic() + timeout_s
-        while True:
-            joined = self._round(self._join)
+        while True:  # a seeding push still waiting for its round is resolved, not pushed again
+            joined = self._round(self._join if self.pending is None else self._outer_step)
             give_up = self._share(time.monotonic() > deadline)
             if joined or give_up:
                 return joined
@@ -345,6 +346,9 @@ class OuterClient:
         try:
             reply = self.leader.call("RegisterCluster", timeout=2.0, name=self.name,
                                      fingerprint=self.layout.fingerprint)
+            if reply["status"] == "layout":  # a PS seeded from its first cluster has no model yet
+                reply = self.leader.call("RegisterCluster", timeout=2.0, name=self.name,
+                                         fingerprint=self.layout.fingerprint, layout=self.layout.to_wire())
         except RpcError as exc:
             if not exc.unavailable:
                 raise
@@ -356,6 +360,10 @@ class OuterClient:
         self.cluster_id = reply["id"]
         self.heartbeat_s = min(self.heartbeat_s, float(reply["hb"]))  # the leader's interval rules
         self.pending = None
+        if reply.get("seed"):  # this cluster's parameters become the PS's version 1: push them, pull that
+            log.info("cluster %s seeds the PS with its parameters", self.cluster_id)
+            self.base, self.plan = int(reply["version"]), _data_plan(reply)
+            return self._request_push()
         return self._task("pull", version=int(reply["version"]), merge=False, plan=_data_plan(reply),
                           consumed=True)
 

@@ -116,7 +116,9 @@ class Follower:
                 try:
                     reply = self.leader.call("RegisterFollower", index=self.index, data=self.advertise,
                                              ctrl=self.ctrl, version=self._disk_version(), fingerprint=self._init_fingerprint)
-                    break
+                    if reply.get("status") == "ok":
+                        break
+                    time.sleep(self.heartbeat_s)  # "wait": a seeded PS has no model until a cluster joins
                 except RpcError as exc:
                     if not exc.unavailable:
                         raise ValueError(f"the leader refused this follower: {exc}") from None
@@ -125,8 +127,11 @@ class Follower:
             self.heartbeat_s = min(self.heartbeat_s, float(reply.get("hb", self.heartbeat_s)))  # the leader's rules
             (self.dir / "follower.json").write_text(json.dumps({"index": self.index}))
             self.opt = NesterovOuter(reply["lr"], reply["momentum"])
-            initial = self._initial(reply)
-            self.layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
+            if "layout" in reply:  # a seeded PS: zeros until the seeding round
+                initial, self.layout = None, ModelLayout.from_wire(reply["layout"])
+            else:
+                initial = self._initial(reply)
+                self.layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
             self.cluster_key = reply["cluster_key"].encode()
             start, stop = reply["units"]
             self.unit_range = range(start, stop)
@@ -146,7 +151,7 @@ class Follower:
             return initial_parameters(reply["model"], reply["seed"])
         return self._init
 
-    def _load_or_init(self, initial: dict[str, torch.Tensor]) -> None:
+    def _load_or_init(self, initial: dict[str, torch.Tensor] | None) -> None:
         ckpts = sorted(self.dir.glob("ckpt-*.pt"))
         if ckpts:
             state = torch.load(ckpts[-1], weights_only=True)
@@ -154,8 +159,11 @@ class Follower:
             self.bases = {int(v): b for v, b in state["bases"].items()}
             self.version = self.ckpt_version = int(state["version"])
         else:
-            names = {t.name for u in self.unit_range for t in self.layout.units[u].tensors}
-            self.theta = {n: t.float().clone() for n, t in initial.items() if n in names}
+            mine = [t for u in self.unit_range for t in self.layout.units[u].tensors]
+            if initial is None:  # seeded PS: version 1 replaces these
+                self.theta = {t.name: torch.zeros(t.shape) for t in mine}
+            else:
+                self.theta = {t.name: initial[t.name].float().clone() for t in mine}
             self.version = 0
             self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
         # pushes sealed since the checkpoint: the leader replays their rounds
@@ -359,12 +367,15 @@ class Follower:
                 return {"version": self.version}
             if self.version != version - 1:
                 raise ValueError(f"follower {self.index} is at version {self.version}; cannot apply {version}")
-            delta = self._average(msg["weights"])
-            scale = float(msg.get("scale", 1.0))
-            if scale != 1.0:
-                for d in delta.values():
-                    d.mul_(scale)
-            self.opt.step(self.theta, delta, self.momentum)
+            if msg.get("seed"):  # a seeded PS's version 1: the seeding cluster's parameters, as sent
+                self._install_seed(msg["weights"])
+            else:
+                delta = self._average(msg["weights"])
+                scale = float(msg.get("scale", 1.0))
+                if scale != 1.0:
+                    for d in delta.values():
+                        d.mul_(scale)
+                self.opt.step(self.theta, delta, self.momentum)
             self.version = version
             self.bases[version] = {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}
             for push in list(msg["weights"]) + list(msg.get("drop", [])):
@@ -379,6 +390,13 @@ class Follower:
         if version % self.checkpoint_every == 0:
             self._ckpt_wanted.set()
         return {"version": version}
+
+    def _install_seed(self, weights: dict) -> None:
+        if len(weights) != 1 or next(iter(weights)) not in self.sealed:
+            raise ValueError(f"a seed decision names one sealed push; got {sorted(weights)[:4]}")
+        params = self.sealed[next(iter(weights))]["params"]
+        self.theta = {n: params[n].float() for n in self.theta}
+        self.momentum = {}
 
     def _discard(self, msg: dict) -> dict:
         with self.lock:

@@ -13,6 +13,8 @@ import json
 import torch
 
 WIRE_DTYPE = torch.bfloat16
+# bounds of a layout read from the network (a cluster seeding the PS): far beyond real models
+MAX_WIRE_TENSORS, MAX_WIRE_NAME, MAX_WIRE_DIMS, MAX_WIRE_NUMEL = 100_000, 512, 8, 1 << 42
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +65,35 @@ class ModelLayout:
             raise ValueError(f"{len(names) - len(set(names))} tensor names appear twice in the model's layout")
         return cls(tuple(Unit(n, tuple(sorted(t, key=lambda s: s.name))) for n, t in groups.items()))
 
+    def to_wire(self) -> list[list]:
+        """``[[name, shape], ...]``: what a cluster that seeds the PS sends, and metadata keeps."""
+        return [[t.name, list(t.shape)] for u in self.units for t in u.tensors]
+
+    @classmethod
+    def from_wire(cls, specs) -> "ModelLayout":
+        """The layout of :meth:`to_wire`'s form as read from the network: every field bounded
+        before use, a bad one named."""
+        if not isinstance(specs, list) or not 0 < len(specs) <= MAX_WIRE_TENSORS:
+            raise ValueError(f"tensor specs: expected a list of 1..{MAX_WIRE_TENSORS} [name, shape] pairs")
+        out, total = [], 0
+        for item in specs:
+            ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)
+            if not ok or not 0 < len(item[0]) <= MAX_WIRE_NAME or len(item[1]) > MAX_WIRE_DIMS:
+                raise ValueError(f"tensor spec {str(item)[:80]}: expected [name of 1..{MAX_WIRE_NAME} characters, "
+                                 f"shape of at most {MAX_WIRE_DIMS} dimensions]")
+            if not all(type(d) is int and 0 < d <= MAX_WIRE_NUMEL for d in item[1]):
+                raise ValueError(f"tensor {item[0][:80]!r}: shape {item[1][:8]}; expected positive integer sizes")
+            spec = TensorSpec(item[0], tuple(item[1]))
+            total += spec.numel
+            if total > MAX_WIRE_NUMEL:
+                raise ValueError(f"tensor specs hold more than {MAX_WIRE_NUMEL} elements in all")
+            out.append((spec.name, spec.shape))
+        return cls.of_specs(out)
+
     @property
     def fingerprint(self) -> str:
         """Short hash of names and shapes: a client and the PS must agree on it."""
-        text = json.dumps([[t.name, list(t.shape)] for u in self.units for t in u.tensors])
+        text = json.dumps(self.to_wire())
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property

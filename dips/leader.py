@@ -68,13 +68,15 @@ class LeaderConfig:
     launch_followers: tuple[str, ...] = ()
     checkpoint_root: str = "dips-followers"
     server_token_file: str | None = None
-    init: str | None = None  # ... or any model's parameters from this file (followers read it too)
+    init: str | None = None  # ... or any model's parameters from this file (followers read it too) ...
+    seed_from_cluster: bool = False  # ... or the first cluster to join brings the model and its values
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r}; expected one of {MODES}")
-        if (self.model is None) == (self.init is None):
-            raise ValueError("give the PS a model config or an --init file of parameters (exactly one)")
+        if sum((self.model is not None, self.init is not None, self.seed_from_cluster)) != 1:
+            raise ValueError("give the PS a model config, an --init file of parameters or --seed-from-cluster "
+                             "(exactly one)")
         if self.n_followers < 1:
             raise ValueError(f"n_followers={self.n_followers}; expected >= 1")
         if not self.max_cluster_tokens_per_s > 0:
@@ -96,9 +98,11 @@ class Leader:
             raise ValueError("the server token equals the job token: clusters could act as followers; "
                              "make a separate one with `ditorch ps token`")
         self.cfg = config
-        initial = load_initial(config.init) if config.init else initial_parameters(config.model, config.seed)
-        layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
-        del initial
+        layout = None  # seeded from a cluster: the first one to join brings it
+        if not config.seed_from_cluster:
+            initial = load_initial(config.init) if config.init else initial_parameters(config.model, config.seed)
+            layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in initial.items()])
+            del initial
         self.state = LeaderState(config, layout, KeyPair.derive(server_token, FOLLOWER_KEY_LABEL).public,
                                  server_token, tls)
         self.state.load()

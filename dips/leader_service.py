@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .address import split
 from .auth import JobToken, issue_push_id
+from .layout import ModelLayout
 from .leader_state import ClusterRecord, FollowerRecord, LeaderState, PushRecord, call_follower
 from .rpc import RpcServer, Tls
 from .schedule import greedy_schedule
@@ -44,6 +45,8 @@ class LeaderService:
     def register_follower(self, msg: dict) -> dict:
         st = self.state
         with st.cond:
+            if st.layout is None:
+                return {"status": "wait"}  # a seeded PS learns its model from the first cluster
             index = msg.get("index")
             if index is None:
                 free = [i for i in range(self.cfg.n_followers) if i not in st.followers]
@@ -60,8 +63,13 @@ class LeaderService:
                                  last_hb=time.monotonic())
             st.add_follower(rec)
             log.info("follower %d registered (data %s, version %d)", index, rec.data, rec.version)
-            model = {"model": self.cfg.model, "seed": self.cfg.seed} if self.cfg.model else {}
-            return {"index": index, **model, "fingerprint": st.layout.fingerprint,
+            if self.cfg.model:
+                model = {"model": self.cfg.model, "seed": self.cfg.seed}
+            elif self.cfg.seed_from_cluster:  # zeros until the seeding round makes version 1
+                model = {"layout": st.layout.to_wire()}
+            else:
+                model = {}
+            return {"status": "ok", "index": index, **model, "fingerprint": st.layout.fingerprint,
                     "units": list(st.partition[index]), "lr": self.cfg.outer_lr,
                     "momentum": self.cfg.outer_momentum, "hb": self.cfg.follower_heartbeat_s,
                     "cluster_key": self.cluster_key.decode()}
@@ -77,6 +85,18 @@ class LeaderService:
     # ------------------------------------------------------------- clusters
     def register_cluster(self, msg: dict) -> dict:
         st = self.state
+        with st.cond:
+            if st.layout is None:
+                if "layout" not in msg:
+                    return {"status": "layout"}  # the PS has no model yet: this cluster will seed it
+                layout = ModelLayout.from_wire(msg["layout"])
+                if layout.fingerprint != msg.get("fingerprint"):
+                    raise ValueError(f"the cluster's layout has fingerprint {layout.fingerprint}, not the "
+                                     f"{str(msg.get('fingerprint'))[:40]!r} it claims")
+                st.set_layout(layout)
+                log.info("model of %d tensors in %d units taken from the first cluster (%s)",
+                         sum(len(u.tensors) for u in layout.units), len(layout.units), layout.fingerprint)
+                st.save()
         if msg.get("fingerprint") != st.layout.fingerprint:
             raise ValueError(f"model fingerprint {msg.get('fingerprint')!r} does not match the PS model "
                              f"({st.layout.fingerprint}, {sum(len(u.tensors) for u in st.layout.units)} tensors): "
@@ -88,10 +108,16 @@ class LeaderService:
             if not st.ready():
                 return {"status": "not_ready"}
             cid = name or uuid.uuid4().hex[:8]
+            seed = st.seeding()
+            if seed and st.seeder not in (None, cid) and st.seeder in st.clusters:
+                return {"status": "not_ready"}  # another cluster is seeding the PS
             st.clusters[cid] = ClusterRecord(cid, st.complete, last_hb=time.monotonic(), counted_at=time.time())
-            log.info("cluster %s joined at version %d", cid, st.complete)
+            if seed:
+                st.seeder = cid
+            log.info("cluster %s joined at version %d%s", cid, st.complete, " to seed the PS" if seed else "")
             st.save()
-            return {"status": "ok", "id": cid, "version": st.complete, "hb": self.cfg.heartbeat_s, **st.data_plan()}
+            return {"status": "ok", "id": cid, "version": st.complete, "hb": self.cfg.heartbeat_s, "seed": seed,
+                    **st.data_plan()}
 
     def heartbeat(self, msg: dict) -> dict:
         with self.state.cond:
@@ -209,8 +235,8 @@ class LeaderService:
     def plan(self, msg: dict) -> dict:
         """Where to read the latest complete parameters from (observers: evaluation, tools)."""
         with self.state.cond:
-            if not self.state.ready():
-                raise ValueError("followers are not ready yet")
+            if not self.state.ready() or self.state.seeding():
+                raise ValueError("followers are not ready yet (or the PS is not seeded yet)")
             return {"version": self.state.complete, **self.state.data_plan()}
 
     def status(self, msg: dict) -> dict:

@@ -65,11 +65,16 @@ class LeaderState:
     """The leader's state. Hold ``cond`` to read or change it; call :meth:`changed` after a
     change others may wait for."""
 
-    def __init__(self, config, layout: ModelLayout, follower_key: bytes, server_token: JobToken, tls: Tls | None):
-        self.cfg, self.layout, self.follower_key = config, layout, follower_key
+    def __init__(self, config, layout: ModelLayout | None, follower_key: bytes, server_token: JobToken,
+                 tls: Tls | None):
+        self.cfg, self.follower_key = config, follower_key
         self.server_token, self.tls = server_token, tls
-        self.partition = layout.partition(config.n_followers)
-        self.dest = layout.owner_of_units(config.n_followers)
+        self.layout: ModelLayout | None = None  # None until a seeding cluster brings it
+        self.partition: list[tuple[int, int]] = []
+        self.dest: list[int] = []
+        self.seeder: str | None = None  # the cluster whose parameters become version 1 (seeded PS)
+        if layout is not None:
+            self.set_layout(layout)
         self.cond = threading.Condition(threading.RLock())
         self.followers: dict[int, FollowerRecord] = {}
         self.clusters: dict[str, ClusterRecord] = {}
@@ -87,10 +92,19 @@ class LeaderState:
         self.grace = GraceEstimator(config.initial_grace, max_grace=config.max_grace)
         self.wake: Callable[[], None] = lambda: None  # set by the RPC service: wakes WaitPush sleepers
 
+    def set_layout(self, layout: ModelLayout) -> None:
+        self.layout = layout
+        self.partition = layout.partition(self.cfg.n_followers)
+        self.dest = layout.owner_of_units(self.cfg.n_followers)
+
     # ------------------------------------------------------------ queries
     def ready(self) -> bool:
-        return (len(self.followers) == self.cfg.n_followers
+        return (self.layout is not None and len(self.followers) == self.cfg.n_followers
                 and all(f.version >= self.complete for f in self.followers.values()))
+
+    def seeding(self) -> bool:
+        """A seeded PS whose version 1 (the first cluster's parameters) is not applied yet."""
+        return self.cfg.seed_from_cluster and self.complete < 1
 
     def budget_done(self) -> bool:
         return self.cfg.token_budget is not None and self.tokens_total >= self.cfg.token_budget
@@ -147,10 +161,12 @@ class LeaderState:
         self.save()
         self.changed()
 
-    def record_decision(self, weights: dict, scale: float, drop: list[str]) -> int:
-        """Log a new version's decision; keep the log back to the oldest follower checkpoint."""
+    def record_decision(self, weights: dict, scale: float, drop: list[str], seed: bool = False) -> int:
+        """Log a new version's decision; keep the log back to the oldest follower checkpoint.
+        ``seed``: the one push in ``weights`` replaces the parameters (a seeded PS's version 1)."""
         self.version += 1
-        self.decisions[self.version] = {"weights": weights, "scale": scale, "drop": drop}
+        self.decisions[self.version] = {"weights": weights, "scale": scale, "drop": drop,
+                                        **({"seed": True} if seed else {})}
         oldest_ckpt = min((f.ckpt for f in self.followers.values()), default=self.version)
         floor = max(min(self.version - DECISION_LOG, oldest_ckpt), self.version - MAX_DECISIONS)
         for v in [v for v in self.decisions if v <= floor]:
@@ -181,6 +197,8 @@ class LeaderState:
             "followers": [{k: getattr(f, k) for k in ("index", "data", "ctrl")} for f in self.followers.values()],
             "penalty": self.penalty.state(), "grace": self.grace.state(),
         }
+        if self.cfg.seed_from_cluster and self.layout is not None:
+            meta["layout"] = self.layout.to_wire()  # the model came from a cluster: nowhere else to find it
         path = Path(self.cfg.metadata)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta, separators=(",", ":")))
@@ -191,6 +209,8 @@ class LeaderState:
         if not self.cfg.metadata or not Path(self.cfg.metadata).exists():
             return
         meta = json.loads(Path(self.cfg.metadata).read_text())
+        if "layout" in meta and self.layout is None:
+            self.set_layout(ModelLayout.from_wire(meta["layout"]))
         self.version, self.complete = meta["version"], meta["complete"]
         self.tokens_total = meta["tokens_total"]
         self.decisions = {int(v): d for v, d in meta["decisions"].items()}

@@ -55,13 +55,17 @@ class RoundRunner:
         st, t0 = self.state, time.monotonic()
         tokens = {p.id: p.tokens for p in pushes}
         penalty_before = json.loads(json.dumps(st.penalty.state()))
-        if self.cfg.mode == "dips":
+        seed = st.seeding()
+        if seed:  # version 1 of a seeded PS: the seeding cluster's parameters, as they are
+            accepted = [p.id for p in pushes if p.cluster == st.seeder][:1]
+            rejected, weights = [p.id for p in pushes if p.id not in accepted], {p: 1.0 for p in accepted}
+        elif self.cfg.mode == "dips":
             decision = st.penalty.decide({p.id: p.norm for p in pushes}, tokens)
             accepted, rejected, weights = decision.accepted, decision.rejected, decision.weights
         else:
             accepted, rejected, weights = [p.id for p in pushes], [], token_weights(tokens)
         scale = 1.0
-        if accepted and self.cfg.mode == "dips" and self.cfg.clip_norm is not None:
+        if accepted and not seed and self.cfg.mode == "dips" and self.cfg.clip_norm is not None:
             try:
                 sq = list(self.pool.map(lambda f: f.client.call("Prepare", timeout=30, weights=weights),
                                         [st.followers[i] for i in range(self.cfg.n_followers)]))
@@ -70,7 +74,7 @@ class RoundRunner:
                 raise
             scale = st.penalty.clip_scale(sum(r["sqnorm"] for r in sq) ** 0.5)
         with st.cond:
-            version = st.record_decision(weights, scale, rejected) if accepted else st.version
+            version = st.record_decision(weights, scale, rejected, seed) if accepted else st.version
             for p in pushes:
                 p.state, p.version = ("applied" if p.id in accepted else "rejected"), version
                 if p.cluster in st.clusters:
@@ -125,7 +129,7 @@ class RoundRunner:
                 return
             try:
                 reply = f.client.call("Apply", timeout=60, version=v + 1, weights=d["weights"], scale=d["scale"],
-                                      drop=d["drop"], keep=keep)
+                                      drop=d["drop"], keep=keep, seed=d.get("seed", False))
             except RpcError as exc:
                 log.warning("apply of version %d on follower %d failed: %s", v + 1, f.index, exc)
                 return

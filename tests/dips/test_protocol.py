@@ -17,14 +17,7 @@ from dips.leader import Leader, LeaderConfig
 from dips.model import build_model
 from dips.rpc import RpcClient, RpcError
 
-from pscluster import MODEL, global_params, in_process_ps, wait_for
-
-
-def perturb(model, seed, scale=0.01):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
+from pscluster import MODEL, global_params, in_process_ps, perturb, wait_for
 
 
 def test_outer_steps_match_reference(tmp_path):
