@@ -2,7 +2,7 @@
 # Each sets itself up on a fresh machine and is safe to rerun.
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-single test test-asan test-rdma build bench
+.PHONY: setup demo demo-single test test-asan test-rdma build bench bench-compare bench-programs
 setup:
 	@bash scripts/setup_env.sh
 
@@ -27,6 +27,22 @@ test-asan: setup
 test-rdma: setup
 	bash scripts/rdma_vm/run_tests.sh $(TEST_ARGS)
 
-# Every benchmark program; comm_builds.py compares two builds and needs the baseline's path.
+# The micro-benchmarks (pytest-benchmark, benchmarks/micro): each group times a contender beside
+# its peer (CPU, gloo, exhaustive search) in the same run. `bench` saves the run under
+# $(BENCH_STORAGE); `bench-compare` runs them again and fails when a benchmark regressed against
+# the last saved run by more than $(BENCH_FAIL): the minimum of its rounds (the statistic least
+# moved by other load on a shared machine) more than 25% slower.
+BENCH ?= benchmarks/micro
+BENCH_STORAGE ?= .benchmarks
+BENCH_FAIL ?= min:25%
 bench: setup
+	$(PY) -m pytest $(BENCH) --benchmark-storage=$(BENCH_STORAGE) --benchmark-autosave $(BENCH_ARGS)
+
+bench-compare: setup
+	$(PY) -m pytest $(BENCH) --benchmark-storage=$(BENCH_STORAGE) --benchmark-compare \
+	  --benchmark-compare-fail=$(BENCH_FAIL) $(BENCH_ARGS)
+
+# The system-level benchmark programs (minutes each); comm_builds.py compares two builds and
+# needs the baseline's path.
+bench-programs: setup
 	for b in benchmarks/*.py; do [ $$b = benchmarks/comm_builds.py ] || $(PY) $$b || exit 1; done

@@ -123,6 +123,24 @@ def _raw_socket(rank: int, address: str) -> socket.socket:
     return s
 
 
+def dicomm_group(transport: str | None, allreduce: str | None = None):
+    """A new dicomm group over every rank, forced to `transport` and `allreduce` (None: auto).
+    Every rank must call it, in the same order, as ``dist.new_group``."""
+    import torch.distributed as dist
+
+    # Transport and algorithm are read when a group connects: set them for this group only.
+    settings = {"DICOMM_TRANSPORT": transport, "DICOMM_ALLREDUCE": allreduce}
+    saved = {k: os.environ.pop(k, None) for k in settings}
+    os.environ.update({k: v for k, v in settings.items() if v})
+    try:
+        return dist.new_group(backend="dicomm")
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
 def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
     if host is not None:
         host.enter()  # before anything opens a socket
@@ -136,18 +154,6 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{store_host}:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
-
-    def dicomm_group(transport: str | None, allreduce: str | None = None):
-        # Transport and algorithm are read when a group connects: set them for this group only.
-        settings = {"DICOMM_TRANSPORT": transport, "DICOMM_ALLREDUCE": allreduce}
-        saved = {k: os.environ.pop(k, None) for k in settings}
-        os.environ.update({k: v for k, v in settings.items() if v})
-        group = dist.new_group(backend="dicomm")
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
-        return group
 
     def log(text: str) -> None:
         if rank == 0:

@@ -1,0 +1,52 @@
+"""`make bench` saves a run of the micro-benchmarks and `make bench-compare` fails on a
+regression: checked end to end on the cheapest benchmark, with the Makefile's own threshold,
+against a run made deliberately slower (conftest's --slow-down-us) and an unchanged one."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = "benchmarks/micro/bench_device.py::test_add_one_element"
+
+
+def _make(target: str, storage: Path, *bench_args: str) -> subprocess.CompletedProcess:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # -o setup: the test run already set the environment up; do not reinstall mid-run.
+    cmd = ["make", "-s", "-o", "setup", target, f"BENCH={BENCH}", f"BENCH_STORAGE={storage}",
+           f"BENCH_ARGS={' '.join(bench_args)}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
+    saved = _make("bench", tmp_path)
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    runs = list(tmp_path.glob("*/0001_*.json"))
+    assert len(runs) == 1, f"expected one saved run under {tmp_path}, found {runs}"
+    names = {b["name"] for b in json.loads(runs[0].read_text())["benchmarks"]}
+    assert names == {"test_add_one_element[cpu]", "test_add_one_element[dipu]"}
+
+    # 200 us before a call of ~1-3 us: a regression far beyond the threshold.
+    slower = _make("bench-compare", tmp_path, "--slow-down-us=200")
+    assert slower.returncode != 0, slower.stdout
+    assert "Performance has regressed" in slower.stdout + slower.stderr
+    assert "test_add_one_element[dipu]" in slower.stdout + slower.stderr
+
+    same = _make("bench-compare", tmp_path)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "Comparing against benchmarks from" in same.stdout + same.stderr
+    assert len(list(tmp_path.glob("*/*.json"))) == 1, "a compare run must not save itself as the new baseline"
+
+
+def test_every_micro_benchmark_runs_once_and_checks_its_result():
+    """Each benchmark called once (--benchmark-disable): its own checks of the result hold, and
+    the helper rank mirrors the single call of a disabled benchmark."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "benchmarks/micro", "--benchmark-disable"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
