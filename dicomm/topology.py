@@ -403,16 +403,29 @@ def apply_affinity(local_rank: int | None = None) -> NicChoice | None:
     return choice
 
 
-def describe(local_ranks: Sequence[int] | None = None, topo: Topology | None = None) -> str:
+def describe(local_ranks: Sequence[int] | None = None, topo: Topology | None = None,
+             live: Mapping[str, Any] | None = None, no_device_reason: str = "") -> str:
     """Human-readable report for ``ditorch info``: verbs devices, ports, link state, GIDs,
-    accelerators, and the NIC each local rank would use."""
+    accelerators, and the NIC each local rank would use. ``live`` maps a device name to what
+    the device itself reports (``dicomm.verbs.VerbsDevice``: MTU, speed, GIDs), which then
+    replaces sysfs's port lines; with no device at all the report is one line, ending with
+    ``no_device_reason`` when given."""
     topo = discover() if topo is None else topo
-    lines = [f"verbs devices ({topo.source}):"]
-    if not topo.nics:
-        lines.append("  none (the rdma transport is not usable; dicomm uses tcp/shm)")
+    live = live or {}
+    if not topo.nics and not live:
+        why = f" ({no_device_reason})" if no_device_reason else ""
+        return f"verbs devices: none{why}; the rdma transport is not usable, dicomm uses tcp/shm"
+    lines = [f"verbs devices ({topo.source}{' + pyverbs' if live else ''}):"]
     for nic in topo.nics:
         where = "/".join(nic.pci_path[1:]) if nic.pci_path else "virtual"
         lines.append(f"  {nic.name}: {where}, numa {nic.numa_node}")
+        device = live.get(nic.name)
+        if device is not None:
+            lines[-1] += f", firmware {device.firmware or '?'}, node GUID {device.node_guid}"
+            lines += _live_port_lines(device.ports)
+            continue
+        if no_device_reason:
+            lines.append(f"    (ports as sysfs shows them; the device itself was not asked: {no_device_reason})")
         for p in nic.ports:
             lines.append(f"    port {p.number}: {p.state}, {p.link_layer}")
             for index, gid, gid_type in p.gids:
@@ -432,3 +445,14 @@ def describe(local_ranks: Sequence[int] | None = None, topo: Topology | None = N
             if c is not None:
                 lines.append(f"  rank {r}: {c.device}:{c.port} ({c.level})")
     return "\n".join(lines)
+
+
+def _live_port_lines(ports: Sequence[Any]) -> list[str]:
+    lines = []
+    for p in ports:
+        speed = f"{p.speed_gbps:g} Gb/s ({p.lanes}x)" if p.speed_gbps else "speed unknown"
+        lines.append(f"    port {p.number}: {p.state}, {p.link_layer}, MTU {p.active_mtu} (max {p.max_mtu}), "
+                     f"{speed}, lid {p.lid}")
+        for index, gid, gid_type in p.gids:
+            lines.append(f"      gid[{index}] {gid} {gid_type}".rstrip())
+    return lines

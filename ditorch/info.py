@@ -45,7 +45,12 @@ def _comm_lines() -> list[str]:
 
 def _verbs_lines() -> list[str]:
     topology = importlib.import_module("dicomm.topology")
-    return topology.describe().splitlines()
+    verbs = importlib.import_module("dicomm.verbs")
+    try:
+        live, why = {d.name: d for d in verbs.query_devices()}, ""
+    except verbs.VerbsUnavailable as exc:
+        live, why = {}, str(exc)
+    return topology.describe(live=live, no_device_reason=why).splitlines()
 
 
 def report() -> str:

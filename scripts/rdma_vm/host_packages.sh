@@ -2,10 +2,10 @@
 # Installs (as root, with apt) the host packages the rdma harness needs, when any is missing:
 # qemu for the guest, busybox/cpio/kmod for its initramfs, rdma-core and friends for the guest's
 # soft-RoCE user space (the guest runs the host's / over 9p), libibverbs-dev to build the rdma
-# transport. Safe to rerun: does nothing once everything is there.
+# transport, python3-pyverbs for the independent verbs peer and `ditorch info`. Safe to rerun: does nothing once everything is there.
 set -euo pipefail
 pkgs=(qemu-system-x86 seabios busybox-static cpio kmod rdma-core ibverbs-providers ibverbs-utils
-      iproute2 libibverbs-dev librdmacm-dev)
+      iproute2 libibverbs-dev librdmacm-dev python3-pyverbs)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds build/comm_rdma/transport_check (the transport-level check, see transport_check.cpp)
 # from the transport sources; skips work when the binary is newer than every source.
-# Needs libibverbs-dev; prints the binary's path.
+# Built with DICOMM_TEST_HOOKS (test-only behaviour, never in the extension: see
+# RdmaTransport.cpp). Needs libibverbs-dev; prints the binary's path.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=build/comm_rdma
@@ -15,7 +16,7 @@ srcs=(tests/comm_rdma/transport_check.cpp csrc/comm/transport/Transport.cpp csrc
 mkdir -p "$out"
 PY=${PYTHON:-.venv/bin/python}
 T=$("$PY" -c "import os, torch; print(os.path.dirname(torch.__file__))")
-flags=(-std=c++17 -O2 -g0 -fPIC -D_GLIBCXX_USE_CXX11_ABI=$("$PY" -c "import torch; print(int(torch.compiled_with_cxx11_abi()))")
+flags=(-std=c++17 -O2 -g0 -fPIC -DDICOMM_TEST_HOOKS -D_GLIBCXX_USE_CXX11_ABI=$("$PY" -c "import torch; print(int(torch.compiled_with_cxx11_abi()))")
        -I csrc -isystem "$T/include" -isystem "$T/include/torch/csrc/api/include")
 objs=()
 for s in "${srcs[@]}"; do

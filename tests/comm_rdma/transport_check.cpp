@@ -12,6 +12,8 @@
 //                  later send must fail naming that rank, within 20 s
 //          bench   ping-pong latency and one-way bandwidth, rank 0 <-> 1, printed as
 //                  "bench <bytes> <one-way us> <GB/s>"
+//          oracle  rank 0 only, with rank 1 the independent pyverbs peer verbs_oracle.py:
+//                  1000 B (eager) and 1 MiB (rendezvous) each way, data checked here and there
 // Exit code 0 means every check passed; failures print "FAIL: ..." to stderr.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -207,7 +209,7 @@ Envelope envelope(uint64_t tag, size_t n) {
 
 int main(int argc, char** argv) {
   if (argc != 6) {
-    fprintf(stderr, "usage: transport_check <transport> <rank> <size> <store port> <sizes|many|reuse|die|bench>\n");
+    fprintf(stderr, "usage: transport_check <transport> <rank> <size> <store port> <sizes|many|reuse|die|bench|oracle>\n");
     return 2;
   }
   const std::string transportName = argv[1];
@@ -281,6 +283,38 @@ int main(int argc, char** argv) {
     }
     EXPECT(sends.waitAll(120), "sends did not complete");
     EXPECT(sends.errors.empty(), "send error: %s", sends.errors.empty() ? "" : sends.errors[0].c_str());
+  } else if (mode == "oracle") {
+    // The peer is tests/comm_rdma/verbs_oracle.py; its tags and sizes are these.
+    if (rank != 0 || size != 2) {
+      fprintf(stderr, "oracle mode runs as rank 0 of 2 (rank 1 is verbs_oracle.py)\n");
+      return 2;
+    }
+    const size_t eagerN = 1000, largeN = 1 << 20;
+    at::Tensor in1 = at::zeros({static_cast<int64_t>(eagerN)}, at::kByte);
+    at::Tensor in2 = at::zeros({static_cast<int64_t>(largeN)}, at::kByte);
+    inbox.post(1, 1, in1.data_ptr(), eagerN);
+    inbox.post(1, 2, in2.data_ptr(), largeN);
+    barrier(*store, "posted", size);
+    SendTracker sends;
+    at::Tensor out3 = at::empty({static_cast<int64_t>(eagerN)}, at::kByte);
+    at::Tensor out4 = at::empty({static_cast<int64_t>(largeN)}, at::kByte);
+    fill(out3.data_ptr<uint8_t>(), eagerN, 0, 1, 3);
+    fill(out4.data_ptr<uint8_t>(), largeN, 0, 1, 4);
+    pairs[1]->send(envelope(3, eagerN), out3.data_ptr(), MemoryKind::kHost, sends.make());
+    pairs[1]->send(envelope(4, largeN), out4.data_ptr(), MemoryKind::kHost, sends.make());
+    for (uint64_t tag : {1, 2}) {
+      at::Tensor& t = tag == 1 ? in1 : in2;
+      std::string err = inbox.wait(1, tag, 60);
+      EXPECT(err.empty(), "receive of tag %llu from the oracle: %s", (unsigned long long)tag, err.c_str());
+      size_t bad = 0;
+      EXPECT(err.empty() && verify(t.data_ptr<uint8_t>(), t.numel(), 1, 0, tag, &bad),
+             "tag %llu from the oracle differs at byte %zu", (unsigned long long)tag, bad);
+    }
+    EXPECT(sends.waitAll(60), "sends to the oracle did not complete");
+    EXPECT(sends.errors.empty(), "send error: %s", sends.errors.empty() ? "" : sends.errors[0].c_str());
+    // The oracle's last check (an RDMA READ that must be refused) breaks the pair: after this
+    // barrier nothing is checked here, and in2 (the buffer it probes) stays registered.
+    barrier(*store, "verified", size);
   } else if (mode == "many") {
     const std::vector<size_t> sizes = {1, 100, 4000, 32768, 40000, 300000};
     const int count = 1000;

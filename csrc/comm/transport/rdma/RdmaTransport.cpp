@@ -643,6 +643,11 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
       reg = device_->cache->get(landing.data, env.nbytes, kAccess);
       reply.ctrl.address = reinterpret_cast<uint64_t>(landing.data);
       reply.ctrl.rkey = reg->rkey();
+#ifdef DICOMM_TEST_HOOKS
+      // Only in tests/comm_rdma's transport_check build: publishes a wrong key on request, so
+      // the pyverbs oracle (verbs_oracle.py) is shown to catch one.
+      reply.ctrl.rkey ^= static_cast<uint32_t>(envLong("DICOMM_TEST_RKEY_XOR", 0, 0, 0xffffffffL));
+#endif
     } catch (const std::system_error& e) {
       reply.ctrl.status = e.code().value() > 1 ? e.code().value() : EINVAL;
       std::string cause = "rdma: ibv_reg_mr of the " + std::to_string(env.nbytes) +
