@@ -29,20 +29,34 @@ test-rdma: setup
 
 # The micro-benchmarks (pytest-benchmark, benchmarks/micro): each group times a contender beside
 # its peer (CPU, gloo, exhaustive search) in the same run. `bench` saves the run under
-# $(BENCH_STORAGE); `bench-compare` runs them again and fails when a benchmark regressed against
-# the last saved run by more than $(BENCH_FAIL): the minimum of its rounds (the statistic least
-# moved by other load on a shared machine) more than 25% slower.
+# $(BENCH_STORAGE) and writes $(BENCH_REPORT) from the saved runs (benchmarks/report.py).
+# `bench-compare` runs them again and fails when one regressed against the last saved run: its
+# minimum over rounds (the statistic least moved by other load; this shared VM still moves it
+# by up to 35% between runs) more than $(BENCH_FAIL) slower, or $(BENCH_FAIL_TWO_RANKS) for the
+# two-rank benchmarks: with two ranks and their transport threads on two shared cores, an
+# unchanged build's 1 MiB allreduce takes 0.29 ms in one run and 0.98 ms in the next (steady
+# within each run), so only a 4x change is a signal. Then each benchmark program's latest
+# saved run is held against its previous one by $(BENCH_FAIL).
 BENCH ?= benchmarks/micro
 BENCH_STORAGE ?= .benchmarks
-BENCH_FAIL ?= min:25%
+BENCH_FAIL ?= min:50%
+BENCH_FAIL_TWO_RANKS ?= min:300%
+BENCH_REPORT ?= docs/benchmarks.md
+BENCH_PYTEST = $(PY) -m pytest $(BENCH) --benchmark-storage=$(BENCH_STORAGE)
 bench: setup
-	$(PY) -m pytest $(BENCH) --benchmark-storage=$(BENCH_STORAGE) --benchmark-autosave $(BENCH_ARGS)
+	$(BENCH_PYTEST) --benchmark-autosave $(BENCH_ARGS)
+	$(PY) benchmarks/report.py --storage $(BENCH_STORAGE) --out $(BENCH_REPORT)
 
 bench-compare: setup
-	$(PY) -m pytest $(BENCH) --benchmark-storage=$(BENCH_STORAGE) --benchmark-compare \
-	  --benchmark-compare-fail=$(BENCH_FAIL) $(BENCH_ARGS)
+	$(BENCH_PYTEST) -m "not two_ranks" --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL) $(BENCH_ARGS) \
+	  || [ $$? = 5 ]
+	$(BENCH_PYTEST) -m two_ranks --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL_TWO_RANKS) $(BENCH_ARGS) \
+	  || [ $$? = 5 ]  # 5: no two-rank benchmark selected (BENCH names others)
+	DITORCH_BENCH_STORAGE=$(BENCH_STORAGE) $(PY) benchmarks/program_results.py compare --fail $(BENCH_FAIL)
 
-# The system-level benchmark programs (minutes each); comm_builds.py compares two builds and
+# The system-level benchmark programs (minutes each), each saving its run under
+# $(BENCH_STORAGE)/programs in pytest-benchmark's form; comm_builds.py compares two builds and
 # needs the baseline's path.
 bench-programs: setup
-	for b in benchmarks/*.py; do [ $$b = benchmarks/comm_builds.py ] || $(PY) $$b || exit 1; done
+	for b in benchmarks/*.py; do case $$b in benchmarks/comm_builds.py|benchmarks/program_results.py|benchmarks/report.py) continue;; esac; \
+	  DITORCH_BENCH_STORAGE=$(BENCH_STORAGE) $(PY) $$b || exit 1; done

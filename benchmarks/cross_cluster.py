@@ -46,6 +46,7 @@ from dips.harness import ClusterSpec, evaluate, free_port, read_log, start_clust
 from dips.leader import Leader, LeaderConfig  # noqa: E402
 from dips.model import build_model, load_config  # noqa: E402
 from ditorch.datasets import sample_batch, text_corpus  # noqa: E402
+from program_results import Measurement, save_run  # noqa: E402
 
 # mode -> (leader mode, clip, outlier filter, label)
 MODES = {
@@ -301,6 +302,12 @@ def drive(args, model_cfg: dict, step_s: float, measured: float, links: list[flo
                "step_s": step_s,
                "results": [{k: v for k, v in r.items() if k != "curve"} for r in results]}
     (out / f"cross_cluster_{tag}.json").write_text(json.dumps(summary, indent=1))
+    save_run(f"cross_cluster_{tag}", [
+        Measurement(f"cross-cluster {tag}: wall seconds per 1000 tokens trained", r["label"], [1e3 / r["throughput"]],
+                    {"final_loss": r["final_loss"], "tokens": r["tokens"], "rounds": r["rounds"],
+                     "rejected": r["rejected"], "peer": r["mode"] == "sync",
+                     **({"target": "<= 0.79x (1.27x throughput), loss within 2%"} if r["mode"] == "dips" else {})})
+        for r in results])
     print(f"plot: {out / f'cross_cluster_{tag}.png'}")
     return 0
 

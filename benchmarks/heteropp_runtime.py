@@ -33,6 +33,7 @@ from heteropp.runtime.profiler import write_cluster  # noqa: E402
 from heteropp.schedule import fine_grained, one_f_one_b  # noqa: E402
 from heteropp.search import HeteroAuto  # noqa: E402
 from heteropp.simulator import pipeline_from_plan, simulate  # noqa: E402
+from program_results import Measurement, save_run  # noqa: E402
 
 MODEL = REPO / "examples/configs/llama-small.yaml"
 SCALE = "0.01"
@@ -195,6 +196,11 @@ def main() -> int:
         print(f"  stage {i}: measured {peak * 1e3:.1f} MB, estimate {est * 1e3:.1f} MB, {100 * (peak / est - 1):+.1f}% "
               f"(target within 20%)")
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    save_run("heteropp_runtime", [
+        Measurement("heteropp runtime: seconds per pipeline iteration", r["name"], [r["measured_s"]],
+                    {"stages": r["stages"], "simulated_s": r["simulated_s"], "cpu_s_per_step": r["cpu_s"],
+                     "p2p_mib": r["p2p_mib"], "peer": r["name"] == main_name})
+        for r in results])
     _plot(results, out / "heteropp_runtime.png")
     print(f"\nresults: {out / 'results.json'}, plot: {out / 'heteropp_runtime.png'}")
     return 0

@@ -29,6 +29,7 @@ from volunteer.allocate import allocate  # noqa: E402
 from volunteer.cost import Workload, group_link_time  # noqa: E402
 from volunteer.devices import Device, Fleet  # noqa: E402
 from volunteer.simulator import SYSTEMS, Participant, Scenario, mean_batch_time  # noqa: E402
+from program_results import Measurement, save_run  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 NAMES = {"pool": "task pool (this system)", "swarm": "SWARM-like (no pool)", "sync": "sync 1F1B (restarts)"}
@@ -175,6 +176,12 @@ def main() -> int:
 
         result["measured"] = measured_against_simulated()
     (OUT / "volunteer.json").write_text(json.dumps(result, indent=1) + "\n")
+    save_run("volunteer", [
+        Measurement(f"volunteer, devices {kind}: {100 * ratio:.0f}% unreliable, {100 * r:.0f}% disconnect, "
+                    "simulated seconds per batch", NAMES[system], [times[system][i]],
+                    {"peer": True} if system == "swarm" else {"target": "<= 0.83x (1.2x SWARM's rate)"} if system == "pool" else {})
+        for kind, sweep in sweeps.items() for ratio, times in sweep["times"].items()
+        for i, r in enumerate(rates) for system in SYSTEMS])
     print(f"\nwall {time.perf_counter() - wall:.0f} s, CPU {time.process_time() - cpu:.0f} s; "
           f"wrote {OUT / 'volunteer_disconnection.png'} and {OUT / 'volunteer.json'}")
     return 0

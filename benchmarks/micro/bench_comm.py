@@ -10,6 +10,7 @@ import pytest
 
 from rank_pair import GROUPS
 
+pytestmark = pytest.mark.two_ranks
 MiB = 1 << 20
 SIZES = [8, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB]
 
@@ -27,6 +28,7 @@ def _estimate_s(nbytes: int) -> float:
 @pytest.mark.parametrize("group", GROUPS)
 def test_round_trip(benchmark, ranks, group, nbytes):
     benchmark.group = f"p2p round trip {_label(nbytes)}"
+    benchmark.extra_info["peer"] = group == "gloo"
     timed = ranks.timed(benchmark, "round_trip", group, nbytes, 2 * _estimate_s(nbytes))
     benchmark.extra_info["cpu_us_per_round_trip"] = timed.cpu_s_per_call * 1e6
     if not benchmark.disabled:
@@ -37,6 +39,7 @@ def test_round_trip(benchmark, ranks, group, nbytes):
 @pytest.mark.parametrize("group", GROUPS)
 def test_all_reduce(benchmark, ranks, group, nbytes):
     benchmark.group = f"allreduce float32, 2 ranks, {_label(nbytes)}"
+    benchmark.extra_info["peer"] = group == "gloo"
     timed = ranks.timed(benchmark, "all_reduce", group, nbytes, 2 * _estimate_s(nbytes))
     benchmark.extra_info["cpu_us_per_op"] = timed.cpu_s_per_call * 1e6
     if not benchmark.disabled:

@@ -18,10 +18,11 @@ SMALL_SEED = 30  # the case of tests/heteropp/heteropp_cases.py with the most co
 @pytest.mark.parametrize("search", ["heteroauto", "exhaustive"])
 def test_small_case_search(benchmark, search):
     benchmark.group = f"plan search, small case {SMALL_SEED} (exhaustive: ~1e5 configurations)"
+    benchmark.extra_info["peer"] = search == "exhaustive"
     model, cluster, gbs, alpha = small_case(SMALL_SEED)
     auto = HeteroAuto(model, cluster, gbs, alpha=alpha)
     run = (lambda: auto.search(two_stage=False)) if search == "heteroauto" else (lambda: exhaustive_search(auto))
-    result = benchmark.pedantic(run, rounds=3)
+    result = benchmark.pedantic(run, rounds=20 if search == "heteroauto" else 8)
     exact = exhaustive_search(auto)
     assert result.objective == pytest.approx(exact.objective, rel=1e-9)
 
@@ -32,7 +33,7 @@ def test_paper_config_search(benchmark, config):
     model = ModelSpec.from_yaml(CONFIGS / "model-100b.yaml")
     cluster = ClusterSpec.from_yaml(CONFIGS / f"cluster-exp-{config}.yaml")
     auto = HeteroAuto(model, cluster, parse_tokens(PAPER_GBS[config]))
-    benchmark.pedantic(auto.search, rounds=3)
-    benchmark.extra_info["paper_search_s"] = PAPER_SEARCH_S[config]
-    if not benchmark.disabled:
-        benchmark.extra_info["paper_over_ours"] = PAPER_SEARCH_S[config] / benchmark.stats.stats.median
+    benchmark.pedantic(auto.search, rounds=10)
+    # The peer is the paper's own search time (Table 8): a number, not something to run.
+    benchmark.extra_info.update(peer_s=PAPER_SEARCH_S[config], peer_name="the paper's search (Table 8)",
+                                target="<= 0.1x")

@@ -20,6 +20,7 @@ TOOLS = {"off": contextlib.nullcontext, "time_ops": tools.time_ops, "overflow_ch
 @pytest.mark.parametrize("tool", TOOLS)
 def test_train_step_with_tool(benchmark, tool):
     benchmark.group = "precision tools on a llama train step (2 layers, dim 64, 8x64 tokens)"
+    benchmark.extra_info["peer"] = tool == "off"
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**SMALL))

@@ -20,7 +20,7 @@ def _make(target: str, storage: Path, *bench_args: str) -> subprocess.CompletedP
         pytest.skip("make is not installed")
     # -o setup: the test run already set the environment up; do not reinstall mid-run.
     cmd = ["make", "-s", "-o", "setup", target, f"BENCH={BENCH}", f"BENCH_STORAGE={storage}",
-           f"BENCH_ARGS={' '.join(bench_args)}"]
+           f"BENCH_REPORT={storage / 'report.md'}", f"BENCH_ARGS={' '.join(bench_args)}"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -29,8 +29,14 @@ def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
     assert saved.returncode == 0, saved.stdout + saved.stderr
     runs = list(tmp_path.glob("*/0001_*.json"))
     assert len(runs) == 1, f"expected one saved run under {tmp_path}, found {runs}"
-    names = {b["name"] for b in json.loads(runs[0].read_text())["benchmarks"]}
-    assert names == {"test_add_one_element[cpu]", "test_add_one_element[dipu]"}
+    saved_run = {b["name"]: b for b in json.loads(runs[0].read_text())["benchmarks"]}
+    assert set(saved_run) == {"test_add_one_element[cpu]", "test_add_one_element[dipu]"}
+    # the report is made from the saved run: the dipu row's ratio is its median over the CPU peer's
+    medians = {name: b["stats"]["median"] for name, b in saved_run.items()}
+    ratio = medians["test_add_one_element[dipu]"] / medians["test_add_one_element[cpu]"]
+    report = (tmp_path / "report.md").read_text()
+    assert "| test_add_one_element[cpu] |" in report and "*peer*" in report
+    assert f"| {ratio:.2f}x | <= 2x |" in report, report
 
     # 200 us before a call of ~1-3 us: a regression far beyond the threshold.
     slower = _make("bench-compare", tmp_path, "--slow-down-us=200")
