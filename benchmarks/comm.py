@@ -42,6 +42,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from program_results import save_run  # noqa: E402
 
 MiB = 1 << 20
 ROUNDS = 5
@@ -399,8 +401,27 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"comm-{mode}.json").write_text(json.dumps(results, indent=1))
+    save_run(f"comm_{mode}", measurements(results))
     plot(results, sizes, out / f"comm-{mode}.png")
     return 0
+
+
+def measurements(results: dict) -> list:
+    """The run as program_results measurements: one group per op and size, gloo the peer."""
+    from program_results import Measurement
+
+    out = []
+    for label, by_size in results["p2p"].items():
+        for nbytes, r in by_size.items():
+            out.append(Measurement(f"{results['mode']}: p2p one-way {fmt_size(nbytes)}", label, [r["lat_us"] / 1e6],
+                                   {"peer": label == "gloo", "cpu_us": r["cpu_us"], "bw_GBs": r["bw_GBs"]}))
+    for key, by_size in results["allreduce"].items():
+        label, world = key.split("/")
+        for nbytes, r in by_size.items():
+            out.append(Measurement(f"{results['mode']}: allreduce {world} ranks {fmt_size(nbytes)}", label,
+                                   [r["time_us"] / 1e6],
+                                   {"peer": label == "gloo", "cpu_us": r["cpu_us"], "busbw_GBs": r["busbw_GBs"]}))
+    return out
 
 
 def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:

@@ -24,6 +24,7 @@ from heteropp.schedule import one_f_one_b  # noqa: E402
 from heteropp.search import HeteroAuto  # noqa: E402
 from heteropp.simulator import pipeline_from_plan, simulate  # noqa: E402
 from heteropp.timeline import plot_timeline  # noqa: E402
+from program_results import Measurement, save_run  # noqa: E402
 
 CONFIGS = ROOT / "examples" / "configs"
 EXPS = [("Exp-A-1", "a-1", "2M"), ("Exp-A-2", "a-2", "6M"), ("Exp-B-1", "b-1", "2M"), ("Exp-B-2", "b-2", "8M"),
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     hdr = (f"{'config':<8} {'chips':>5} {'GBS':>4} {'DP':>3} {'PP':>3} {'search s':>8} {'paper s':>7} {'ratio':>6} "
            f"{'cost s':>7} {'sim s':>7} {'sim/cost':>8} {'TGS':>6} {'HSR':>7} {'paper HSR':>9} {'uniform/HeteroPP':>16}")
     print(hdr)
+    saved: list[Measurement] = []
     for name, key, gbs in EXPS:
         cluster = ClusterSpec.from_yaml(CONFIGS / f"cluster-exp-{key}.yaml")
         times = []
@@ -103,12 +105,20 @@ def main(argv=None) -> int:
               f"{res.iteration_time:>7.2f} {res.iteration_time / plan.estimate['iteration_time_s']:>8.3f} {tgs:>6.1f} "
               f"{100 * tgs / base:>6.1f}% {str(PAPER_RATIO.get(name, '-')) + ('%' if name in PAPER_RATIO else ''):>9} "
               f"{100 * ures.iteration_time / res.iteration_time:>15.1f}%{fits}", flush=True)
+        saved.append(Measurement(f"plan search {name}", "HeteroAuto", times,
+                                 {"peer_s": paper_s, "peer_name": "the paper's search (Table 8)",
+                                  "target": "<= 0.1x"} if paper_s else {}))
+        saved += [Measurement(f"{name}: simulated seconds per iteration", "HeteroPP plan (HeteroAuto)",
+                              [res.iteration_time], {"peer": True, "tgs": tgs}),
+                  Measurement(f"{name}: simulated seconds per iteration", f"uniform layers, same stages{fits}",
+                              [ures.iteration_time], {"paper": "1.264x (Table 9)"})]
         if args.show_plans:
             print(format_plan(plan))
         plot_timeline(res, out / f"plan_{key}_1f1b.png", title=f"{name} HeteroPP 1F1B: {res.iteration_time:.2f} s",
                       stage_labels=[f"{i} {s.chip} tp{s.tp}{' rc' if s.recompute else ''}" for i, s in enumerate(plan.stages)])
     print("\nratio = paper search time / ours (target >= 10x); HSR = HeteroSpeedupRatio against Table 6 TGS;")
     print("uniform/HeteroPP = simulated iteration time of uniform layers over the same stages (paper Table 9: 126.4%)")
+    save_run("plan_search", saved)
     return 0
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from program_results import Measurement, save_run  # noqa: E402
 SMALL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=64)
 PEERS = ["baseline", "tools off", "time_ops on", "overflow on"]
 
@@ -125,6 +126,11 @@ def main() -> int:
         rs = ratios[peer]
         print(f"{peer:<13} {statistics.median(times[peer]):>10.2f} {statistics.median(rs):>42.3f} "
               f"{min(rs):>7.3f} {max(rs):>7.3f}")
+    save_run("tools_overhead", [
+        Measurement("precision tools: llama train step, each peer beside a baseline process", peer,
+                    [ms / 1e3 for ms in times[peer]],
+                    {"peer": True} if peer == "baseline" else {"target": "<= 1.05x"} if peer == "tools off" else {})
+        for peer in PEERS])
     off = statistics.median(ratios["tools off"])
     verdict = "PASS" if off < 1.05 else "FAIL"
     print(f"{verdict}: tools off / baseline = {off:.3f} (target < 1.05)")
