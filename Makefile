@@ -29,7 +29,8 @@ test-rdma: setup
 
 # The micro-benchmarks (pytest-benchmark, benchmarks/micro): each group times a contender beside
 # its peer (CPU, gloo, exhaustive search) in the same run. `bench` saves the run under
-# $(BENCH_STORAGE) and writes $(BENCH_REPORT) from the saved runs (benchmarks/report.py).
+# $(BENCH_STORAGE) and writes $(BENCH_REPORT), and the marked blocks of the pages in $(BENCH_DOCS),
+# from the saved runs (benchmarks/report.py).
 # `bench-compare` runs them again and fails when one regressed against the last saved run: its
 # minimum over rounds (the statistic least moved by other load; this shared VM still moves it
 # by up to 35% between runs) more than $(BENCH_FAIL) slower, or $(BENCH_FAIL_TWO_RANKS) for the
@@ -42,10 +43,11 @@ BENCH_STORAGE ?= .benchmarks
 BENCH_FAIL ?= min:50%
 BENCH_FAIL_TWO_RANKS ?= min:300%
 BENCH_REPORT ?= docs/benchmarks.md
+BENCH_DOCS ?= docs
 BENCH_PYTEST = $(PY) -m pytest $(BENCH) --benchmark-storage=$(BENCH_STORAGE)
 bench: setup
 	$(BENCH_PYTEST) --benchmark-autosave $(BENCH_ARGS)
-	$(PY) benchmarks/report.py --storage $(BENCH_STORAGE) --out $(BENCH_REPORT)
+	$(PY) benchmarks/report.py --storage $(BENCH_STORAGE) --out $(BENCH_REPORT) --docs "$(BENCH_DOCS)"
 
 bench-compare: setup
 	$(BENCH_PYTEST) -m "not two_ranks" --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL) $(BENCH_ARGS) \

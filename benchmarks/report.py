@@ -1,17 +1,24 @@
-"""docs/benchmarks.md from saved benchmark runs, so the numbers the docs show are never typed in.
+"""The docs' benchmark tables from saved runs, so the numbers the docs show are never typed in.
 
 Reads the latest micro-benchmark run (`make bench`) and the latest run of each benchmark
 program (`make bench-programs`) from pytest-benchmark's storage and writes one markdown table
 per group: each benchmark's median and minimum, its ratio to the group's peer (the entry
 saved with ``extra_info["peer"]``, or a fixed ``peer_s`` such as a paper's number) and the
-target when there is one. `make bench` runs it after saving.
+target when there is one. All of them go to docs/benchmarks.md; a page that shows some of them
+in place marks where, and the text between the markers is regenerated:
 
-    .venv/bin/python benchmarks/report.py [--storage .benchmarks] [--out docs/benchmarks.md]
+    <!-- bench: volunteer "volunteer, devices vanish" -->   (at the start of a line: program,
+    <!-- /bench -->                                         group-name prefix)
+
+`make bench` runs it after saving.
+
+    .venv/bin/python benchmarks/report.py [--storage .benchmarks] [--out docs/benchmarks.md] [--docs docs]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -71,12 +78,39 @@ def _run_section(path: Path) -> list[str]:
              f"Run `{path.name}`, {data['datetime'][:16].replace('T', ' ')} UTC, commit "
              f"{str(c.get('id', '?'))[:10]}{' (uncommitted changes)' if c.get('dirty') else ''}; "
              f"{cpu}, {m.get('cpu', {}).get('count', '?')} cores, Python {m.get('python_version', '?')}.", ""]
-    groups: dict[str, list[dict]] = {}
-    for b in data["benchmarks"]:
-        groups.setdefault(b["group"] or "(no group)", []).append(b)
+    groups = _groups(path)
     for group in sorted(groups):
         lines += _table(group, sorted(groups[group], key=lambda b: b["stats"]["median"]))
     return lines
+
+
+# A marker starts its line (an indented one, as in an example, is text).
+MARKER = re.compile(r'(^<!-- bench: (?P<program>[\w.-]+) "(?P<prefix>[^"]*)" -->\n)(?P<body>.*?)(^<!-- /bench -->)',
+                    re.S | re.M)
+
+
+def _groups(path: Path) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for b in json.loads(path.read_text())["benchmarks"]:
+        groups.setdefault(b["group"] or "(no group)", []).append(b)
+    return groups
+
+
+def fill_markers(text: str, runs: dict[str, Path], where: str) -> str:
+    """`text` with every marked block replaced by the tables of its program's latest run."""
+    def block(m: re.Match) -> str:
+        program, prefix = m.group("program"), m.group("prefix")
+        if program not in runs:  # kept as it is until the program runs here
+            print(f"{where}: kept the block of {program} (no saved run of it here)")
+            return m.group(0)
+        groups = {g: rows for g, rows in _groups(runs[program]).items() if g.startswith(prefix)}
+        if not groups:
+            raise SystemExit(f"{where}: no group of {program}'s run {runs[program].name} starts with {prefix!r}")
+        lines = [f"*From run `{runs[program].name}` (`benchmarks/report.py` writes this block).*", ""]
+        for group in sorted(groups):
+            lines += _table(group, sorted(groups[group], key=lambda b: b["stats"]["median"]))
+        return m.group(1) + "\n".join(lines) + "\n" + m.group(5)
+    return MARKER.sub(block, text)
 
 
 def render(storage: Path) -> str:
@@ -97,9 +131,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--storage", default=str(ROOT / ".benchmarks"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--docs", default=str(ROOT / "docs"), help="pages whose marked blocks are regenerated ('' for none)")
     args = ap.parse_args(argv)
-    Path(args.out).write_text(render(Path(args.storage)))
+    storage = Path(args.storage)
+    Path(args.out).write_text(render(storage))
     print(f"wrote {args.out}")
+    if args.docs:
+        from pytest_benchmark.utils import get_machine_id
+
+        runs = {p.stem[5:]: p for p in _latest(storage / "programs" / get_machine_id())}
+        for page in sorted(Path(args.docs).glob("*.md")):
+            text = page.read_text()
+            if MARKER.search(text):
+                page.write_text(fill_markers(text, runs, str(page)))
+                print(f"updated the benchmark blocks of {page}")
     return 0
 
 

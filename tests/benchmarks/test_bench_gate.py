@@ -20,7 +20,7 @@ def _make(target: str, storage: Path, *bench_args: str) -> subprocess.CompletedP
         pytest.skip("make is not installed")
     # -o setup: the test run already set the environment up; do not reinstall mid-run.
     cmd = ["make", "-s", "-o", "setup", target, f"BENCH={BENCH}", f"BENCH_STORAGE={storage}",
-           f"BENCH_REPORT={storage / 'report.md'}", f"BENCH_ARGS={' '.join(bench_args)}"]
+           f"BENCH_REPORT={storage / 'report.md'}", "BENCH_DOCS=", f"BENCH_ARGS={' '.join(bench_args)}"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
