@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmark_modules import load
 
-import program_results  # noqa: E402
-from program_results import Measurement  # noqa: E402
+program_results = load("program_results")
+Measurement = program_results.Measurement
 
 
 @pytest.fixture

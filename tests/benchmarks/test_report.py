@@ -2,17 +2,14 @@
 marked blocks of doc pages."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmark_modules import load
 
-import program_results  # noqa: E402
-import report  # noqa: E402
-from program_results import Measurement  # noqa: E402
+program_results = load("program_results")
+report = load("report")
+Measurement = program_results.Measurement
 
 PAGE = """# A page
 
