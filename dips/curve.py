@@ -74,7 +74,11 @@ def serving_socket(context: zmq.Context, server: KeyPair, domain: str, bind: str
     s.zap_domain = domain.encode()
     _common(s, max_message_bytes)
     s.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a departed peer is dropped, not an error
-    s.bind(bind)
+    try:
+        s.bind(bind)
+    except zmq.ZMQError:
+        s.close(0)  # an open socket would block the context's term() forever
+        raise
     return s
 
 

@@ -3,12 +3,14 @@ benchmark and trying the system out. Each server and client has its own ZeroMQ c
 sockets, exactly as in separate processes; only the address space is shared."""
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 import time
 from typing import Any
 
 import torch
+import zmq
 
 from dips.auth import JobToken
 from dips.harness import free_port
@@ -19,29 +21,60 @@ from .security import JobKeys
 from .server import StageServer
 
 
+LOOPBACK = "127.0.0.1"
+BIND_ATTEMPTS = 5
+
+
 def loopback_job(model: dict[str, Any], layers: list[tuple[int, int]], servers: list[tuple[int, int]],
                  **training: Any) -> Job:
     """A job whose stage k has ``servers[k] = (frontal, backward)`` servers on loopback ports."""
     stages = []
     for k, ((f, b), rng) in enumerate(zip(servers, layers)):
         def side(prefix: str, n: int) -> tuple[Server, ...]:
-            return tuple(Server(f"{prefix}{k}.{i}", f"127.0.0.1:{free_port()}") for i in range(n))
+            return tuple(Server(f"{prefix}{k}.{i}", f"{LOOPBACK}:{free_port()}") for i in range(n))
         stages.append(StageSpec(rng, side("f", f), side("b", b)))
     return Job(model=model, stages=tuple(stages), **training)
+
+
+def with_fresh_ports(job: Job) -> Job:
+    """`job` with every server moved to a loopback port free now."""
+    def side(servers: tuple[Server, ...]) -> tuple[Server, ...]:
+        return tuple(dataclasses.replace(s, address=f"{LOOPBACK}:{free_port()}") for s in servers)
+    return dataclasses.replace(job, stages=tuple(dataclasses.replace(st, frontal=side(st.frontal),
+                                                                     backward=side(st.backward))
+                                                 for st in job.stages))
 
 
 class LocalJob:
     """Runs every server of ``job`` in a thread; clients are added with ``add_client``."""
 
     def __init__(self, job: Job, token: JobToken | None = None, data: torch.Tensor | None = None):
-        self.job = job
         self.keys = JobKeys(token or JobToken(secrets.token_hex(32)))
-        self.servers = [StageServer(job, s.name, self.keys, data=data, linger=0.5)
-                        for st in job.stages for s in st.servers]
+        self.job, self.servers = self._bind_servers(job, data)
         self.threads = [threading.Thread(target=s.run, name=s.name, daemon=True) for s in self.servers]
         self.clients: list[tuple[Client, threading.Thread]] = []
         for t in self.threads:
             t.start()
+
+    def _bind_servers(self, job: Job, data: torch.Tensor | None) -> tuple[Job, list[StageServer]]:
+        """Every server of `job`, bound. A port free_port() found can be taken (by any socket on
+        the host) before its server binds it; then every server of a loopback job moves to fresh
+        ports and binding starts over, a bounded number of times. `self.job` is the job as bound."""
+        loopback = all(s.address.startswith(f"{LOOPBACK}:") for st in job.stages for s in st.servers)
+        for attempt in range(BIND_ATTEMPTS):
+            servers: list[StageServer] = []
+            try:
+                for st in job.stages:
+                    for s in st.servers:
+                        servers.append(StageServer(job, s.name, self.keys, data=data, linger=0.5))
+                return job, servers
+            except zmq.ZMQError as exc:
+                for server in servers:
+                    server.close()
+                if exc.errno != zmq.EADDRINUSE or not loopback or attempt + 1 == BIND_ATTEMPTS:
+                    raise
+                job = with_fresh_ports(job)
+        raise AssertionError("unreachable")
 
     @property
     def losses(self) -> dict[int, float]:

@@ -74,7 +74,12 @@ class StageServer:
             self.role = BackwardServer(job, self.stage, self.index, self._to_client, self._to_server)
         self.context = zmq.Context()
         self.auth = authenticator(self.context, keys)
-        self.socket = serving_socket(self.context, keys, tcp_endpoint(self.bind), self.max_bytes)
+        try:
+            self.socket = serving_socket(self.context, keys, tcp_endpoint(self.bind), self.max_bytes)
+        except BaseException:  # e.g. the port is taken: leave no authenticator thread behind
+            self.auth.stop()
+            self.context.term()
+            raise
         # handshake failures happen below the application: the monitor is how they get logged
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)

@@ -8,6 +8,7 @@ single-process run, and each shard's summed gradient against the full-batch grad
 from __future__ import annotations
 
 import random
+import socket
 import time
 
 import pytest
@@ -54,6 +55,21 @@ def test_one_client_per_stage_equals_single_process_training():
     job = loopback_job(TINY, [(0, 1), (1, 3), (3, 4)], [(1, 1)] * 3, batch=8, microbatches=2, seq=16, steps=4,
                        lr=1e-2, weight_decay=0.1, **FAST)
     check_exact(job, run(job, [(k, f"c{k}", {}) for k in range(3)]))
+
+
+def test_a_port_taken_before_its_server_binds_moves_the_job_to_fresh_ports():
+    """free_port() cannot hold a port: another socket may take it before the server binds it.
+    LocalJob then moves every server to fresh ports, and the job trains exactly as before."""
+    job = loopback_job(TINY, [(0, 2), (2, 4)], [(1, 1), (1, 1)], batch=4, microbatches=2, seq=16, steps=2,
+                       lr=1e-2, **FAST)
+    host, port = job.stages[1].frontal[0].address.rsplit(":", 1)
+    with socket.socket() as squatter:
+        squatter.bind((host, int(port)))
+        squatter.listen(1)
+        lj = run(job, [(0, "a", {}), (1, "b", {})])
+    moved = {s.name: s.address for st in lj.job.stages for s in st.servers}
+    assert moved[job.stages[1].frontal[0].name] != job.stages[1].frontal[0].address
+    check_exact(job, lj)
 
 
 def test_many_servers_and_clients_of_unequal_speed_equal_single_process_training():
