@@ -168,6 +168,10 @@ void DeviceAllocator::copy_data(void* dst, const void* src, std::size_t bytes) c
 
 bool DeviceAllocator::owns(const void* ptr) const { return deviceOf(ptr) >= 0; }
 
+bool DeviceAllocator::isBlock(const c10::DataPtr& p) {
+  return p.get() != nullptr && p.get_deleter() == &freeBlock && p.get_context() == p.get();
+}
+
 int DeviceAllocator::deviceOf(const void* ptr) const {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);

@@ -25,6 +25,9 @@ class DeviceAllocator final : public c10::Allocator {
   void copy_data(void* dst, const void* src, std::size_t bytes) const override;
 
   bool owns(const void* ptr) const;
+  // Whether `p` is a whole block this allocator handed out (its deleter is ours): no lock, no
+  // lookup, so the shim can ask it of every kernel result.
+  static bool isBlock(const c10::DataPtr& p);
   int deviceOf(const void* ptr) const;  // -1 when not ours
   MemoryStats stats(int device) const;
   void resetPeakStats(int device);

@@ -80,8 +80,10 @@ bool isDipu(const at::Tensor& t) { return t.defined() && t.device().type() == kD
 }
 
 // The result `k` of a kernel, as a dipu tensor.
-at::Tensor fromKernel(const at::Tensor& k, const AliasTable& table, int device,
-                      std::vector<std::pair<c10::StorageImpl*, c10::Storage>>& adopted) {
+// Kernel result storages already given a dipu storage in this op (a list's items may share one).
+using Adopted = c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4>;
+
+at::Tensor fromKernel(const at::Tensor& k, const AliasTable& table, int device, Adopted& adopted) {
   if (!k.defined() || k.device().type() != vendor().kernelDeviceType()) return k;
   TORCH_CHECK(k.layout() == c10::kStrided, "dipu holds only strided tensors, but the '", vendor().name(),
               "' vendor's kernel returned a ", k.layout(), " tensor (sparse and other layouts are not supported on dipu)");
@@ -100,7 +102,7 @@ at::Tensor fromKernel(const at::Tensor& k, const AliasTable& table, int device,
     // A ZeroTensor (its storage has a size but no bytes) or an empty result: nothing to move.
     storage = c10::Storage(c10::Storage::use_byte_size_t(), ks->nbytes(), c10::DataPtr(nullptr, dipuDevice(device)),
                            &deviceAllocator(), true);
-  } else if (deviceAllocator().owns(data) && ks->data_ptr().get_context() == data) {
+  } else if (DeviceAllocator::isBlock(ks->data_ptr())) {
     // Born in device memory inside the kernel scope: adopt the block, no copy.
     c10::DataPtr block = ks->set_data_ptr(c10::DataPtr(nullptr, ks->device()));
     block.unsafe_set_device(dipuDevice(device));
@@ -124,7 +126,7 @@ void syncWrittenArguments(const AliasTable& table, int device) {
     // (A storage shared by two arguments is moved once; the second sees it already empty.)
     if (ks->data() != a.original_data && ks->data() != nullptr && ks->nbytes() > 0) {
       c10::DataPtr grown = ks->set_data_ptr(c10::DataPtr(nullptr, ks->device()));
-      if (deviceAllocator().owns(grown.get()) && grown.get_context() == grown.get()) {
+      if (DeviceAllocator::isBlock(grown)) {
         grown.unsafe_set_device(dipuDevice(device));
         orig->set_data_ptr_noswap(std::move(grown));
       } else {
@@ -260,7 +262,7 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
     }
   }
 
-  const KernelClock start = kernelClockNow();
+  const KernelClock start = kernelClockNow(chip.slowdown);
   {
     KernelAllocationScope scope(device);
     op.redispatchBoxed(c10::DispatchKeySet(kernel_key), stack);
@@ -268,7 +270,7 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
   chargeKernel(start, chip.slowdown);
 
   syncWrittenArguments(table, device);
-  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> adopted;
+  Adopted adopted;
   const size_t returns = schema.returns().size();
   for (size_t r = stack->size() - returns; r < stack->size(); ++r) {
     c10::IValue& v = (*stack)[r];

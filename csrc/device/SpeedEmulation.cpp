@@ -36,12 +36,15 @@ void sleepOffDebt() {
 
 }  // namespace
 
-KernelClock kernelClockNow() { return {clockNs(CLOCK_MONOTONIC), clockNs(CLOCK_THREAD_CPUTIME_ID)}; }
+KernelClock kernelClockNow(double slowdown) {
+  if (slowdown <= 1.0) return {};
+  const clockid_t clock = at::get_num_threads() == 1 ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
+  return {clockNs(clock), clock, true};
+}
 
 void chargeKernel(const KernelClock& start, double slowdown) {
-  if (slowdown <= 1.0) return;
-  const int64_t host_ns = at::get_num_threads() == 1 ? clockNs(CLOCK_THREAD_CPUTIME_ID) - start.cpu_ns
-                                                     : clockNs(CLOCK_MONOTONIC) - start.wall_ns;
+  if (!start.read || slowdown <= 1.0) return;
+  const int64_t host_ns = clockNs(start.clock) - start.start_ns;
   const int64_t extra = int64_t(double(host_ns) * (slowdown - 1.0));
   if (debt_ns.fetch_add(extra) + extra >= kSleepQuantumNs) sleepOffDebt();
 }

@@ -11,16 +11,20 @@
 // (each pipeline rank does), so a rank preempted by its neighbours is not charged for their
 // work; with more intra-op threads it is the wall time, which a thread's CPU time undercounts.
 #include <cstdint>
+#include <ctime>
 
 namespace ditorch {
 
+// A kernel's start on the one clock its charge is measured with.
 struct KernelClock {
-  int64_t wall_ns;
-  int64_t cpu_ns;
+  int64_t start_ns = 0;
+  clockid_t clock = CLOCK_MONOTONIC;
+  bool read = false;  // false: the chip is not slower than the host, so no clock was read
 };
 
-// Read before a kernel runs.
-KernelClock kernelClockNow();
+// Read before a kernel runs. Reads nothing when `slowdown` <= 1: every op pays for this read,
+// and the thread CPU clock is a system call (no vDSO path), a sizeable part of a small op.
+KernelClock kernelClockNow(double slowdown);
 // After the kernel: charge its host time times (slowdown - 1) and sleep off whole milliseconds.
 void chargeKernel(const KernelClock& start, double slowdown);
 // Sleep off all outstanding debt (the device is idle once this returns).

@@ -79,6 +79,23 @@ def test_memory_stats_track_allocations():
     assert torch.dipu.memory_reserved() == torch.dipu.memory_allocated()
 
 
+@pytest.mark.parametrize("op", ["add", "add_out", "resize_out"])
+def test_a_kernel_result_is_adopted_not_copied(op):
+    """A kernel allocates its result in device memory and the shim hands that block over as
+    the dipu tensor: one allocation per result (a copy would take a second), and an out=
+    argument the kernel grows takes the grown block itself."""
+    a, b = torch.ones(1000, device="dipu"), torch.full((1000,), 2.0, device="dipu")
+    out = torch.empty(0 if op == "resize_out" else 1000, device="dipu")
+    before = torch.dipu.memory_stats()["allocation.all.allocated"]
+    result = torch.add(a, b) if op == "add" else torch.add(a, b, out=out)
+    after = torch.dipu.memory_stats()["allocation.all.allocated"]
+    assert after - before == (0 if op == "add_out" else 1)
+    assert result.device.type == "dipu"
+    torch.testing.assert_close(result.cpu(), torch.full((1000,), 3.0))
+    if op != "add":
+        assert result.data_ptr() == out.data_ptr() and out.shape == (1000,)
+
+
 def test_capacity_is_enforced_with_an_out_of_memory_error():
     ditorch.set_chip("C", memory_scale=1e-4)  # 32 GB x 1e-4 = 3.3 MiB
     assert torch.dipu.get_device_properties().total_memory == int(32 * 2**30 * 1e-4)
