@@ -36,12 +36,13 @@ class Measurement:
     extra_info: dict = dataclasses.field(default_factory=dict)
 
 
-def storage_dir() -> Path:
-    """Where program runs are saved: ``$DITORCH_BENCH_STORAGE/programs/<machine id>`` (default
-    storage: the repository's .benchmarks, beside the micro-benchmarks' runs)."""
+def storage_dir(root: Path | None = None) -> Path:
+    """Where program runs are saved: ``<root>/programs/<machine id>``; `root` defaults to
+    ``$DITORCH_BENCH_STORAGE``, else the repository's .benchmarks, beside the micro-benchmarks'
+    runs (which pytest-benchmark keeps in ``<root>/<machine id>``)."""
     from pytest_benchmark.utils import get_machine_id
 
-    root = Path(os.environ.get("DITORCH_BENCH_STORAGE", ROOT / ".benchmarks"))
+    root = root or Path(os.environ.get("DITORCH_BENCH_STORAGE", ROOT / ".benchmarks"))
     return root / "programs" / get_machine_id()
 
 

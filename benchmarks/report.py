@@ -22,6 +22,8 @@ import re
 import sys
 from pathlib import Path
 
+from program_results import storage_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = """# Benchmark results
 
@@ -45,10 +47,8 @@ def _latest(folder: Path) -> list[Path]:
 
 
 def _seconds(s: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if s >= scale or unit == "us":
-            return f"{s / scale:.3g} {unit}"
-    return f"{s} s"
+    unit, scale = next(((u, k) for u, k in (("s", 1.0), ("ms", 1e-3)) if s >= k), ("us", 1e-6))
+    return f"{s / scale:.3g} {unit}"
 
 
 def _table(group: str, rows: list[dict]) -> list[str]:
@@ -115,12 +115,11 @@ def fill_markers(text: str, runs: dict[str, Path], where: str) -> str:
 
 def render(storage: Path) -> str:
     """The whole document for the runs saved under `storage`."""
-    from pytest_benchmark.utils import get_machine_id
-
-    machine = get_machine_id()
-    runs = _latest(storage / machine) + _latest(storage / "programs" / machine)
+    programs = storage_dir(storage)
+    micro = storage / programs.name  # pytest-benchmark's own folder for this machine
+    runs = _latest(micro) + _latest(programs)
     if not runs:
-        raise SystemExit(f"no saved runs under {storage}/{machine} or {storage}/programs/{machine}: run `make bench`")
+        raise SystemExit(f"no saved runs under {micro} or {programs}: run `make bench`")
     lines = [HEADER]
     for path in runs:
         lines += _run_section(path)
@@ -137,9 +136,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(render(storage))
     print(f"wrote {args.out}")
     if args.docs:
-        from pytest_benchmark.utils import get_machine_id
-
-        runs = {p.stem[5:]: p for p in _latest(storage / "programs" / get_machine_id())}
+        runs = {p.stem[5:]: p for p in _latest(storage_dir(storage))}
         for page in sorted(Path(args.docs).glob("*.md")):
             text = page.read_text()
             if MARKER.search(text):

@@ -29,8 +29,8 @@ def _estimate_s(nbytes: int) -> float:
 def test_round_trip(benchmark, ranks, group, nbytes):
     benchmark.group = f"p2p round trip {_label(nbytes)}"
     benchmark.extra_info["peer"] = group == "gloo"
-    timed = ranks.timed(benchmark, "round_trip", group, nbytes, 2 * _estimate_s(nbytes))
-    benchmark.extra_info["cpu_us_per_round_trip"] = timed.cpu_s_per_call * 1e6
+    cpu_s = ranks.timed(benchmark, "round_trip", group, nbytes, 2 * _estimate_s(nbytes))
+    benchmark.extra_info["cpu_us_per_round_trip"] = cpu_s * 1e6
     if not benchmark.disabled:
         benchmark.extra_info["bandwidth_GBs"] = 2 * nbytes / benchmark.stats.stats.median / 1e9
 
@@ -40,8 +40,8 @@ def test_round_trip(benchmark, ranks, group, nbytes):
 def test_all_reduce(benchmark, ranks, group, nbytes):
     benchmark.group = f"allreduce float32, 2 ranks, {_label(nbytes)}"
     benchmark.extra_info["peer"] = group == "gloo"
-    timed = ranks.timed(benchmark, "all_reduce", group, nbytes, 2 * _estimate_s(nbytes))
-    benchmark.extra_info["cpu_us_per_op"] = timed.cpu_s_per_call * 1e6
+    cpu_s = ranks.timed(benchmark, "all_reduce", group, nbytes, 2 * _estimate_s(nbytes))
+    benchmark.extra_info["cpu_us_per_op"] = cpu_s * 1e6
     if not benchmark.disabled:
         # nccl-tests' bus bandwidth: algbw * 2 (n - 1) / n, which is algbw for 2 ranks
         benchmark.extra_info["busbw_GBs"] = max(4, nbytes) / benchmark.stats.stats.median / 1e9

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-for path in (ROOT, ROOT / "benchmarks", ROOT / "tests", ROOT / "tests" / "heteropp"):
+# The repository first: benchmarks/ holds programs (volunteer.py, comm.py) that would shadow the
+# project's packages of the same name; it is searched only for what the packages do not have.
+for path in (ROOT / "tests" / "heteropp", ROOT / "tests", ROOT / "benchmarks", ROOT):
     sys.path.insert(0, str(path))
 
 from rank_pair import RankPair  # noqa: E402

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 GROUPS = ("gloo", "dicomm-tcp", "dicomm-shm")
@@ -83,14 +82,6 @@ def _helper(port: int, conn) -> None:
     dist.destroy_process_group()
 
 
-@dataclass
-class Timed:
-    """What rank 0 measured beside pytest-benchmark's wall time."""
-
-    calls: int
-    cpu_s_per_call: float
-
-
 class RankPair:
     """Rank 0 here, rank 1 in a helper process; `timed` runs one benchmark on both."""
 
@@ -125,9 +116,10 @@ class RankPair:
         if got != word:
             raise RuntimeError(f"the helper rank said {got!r}, expected {word!r}")
 
-    def timed(self, benchmark, op: str, group: str, nbytes: int, est_s: float) -> Timed:
+    def timed(self, benchmark, op: str, group: str, nbytes: int, est_s: float) -> float:
         """Time `op` of `nbytes` on `group` with pytest-benchmark; the helper mirrors every call.
-        `est_s`, a rough time per call, sizes the rounds to about half a second in all."""
+        `est_s`, a rough time per call, sizes the rounds to about half a second in all. Returns
+        rank 0's CPU seconds per call, which pytest-benchmark does not measure."""
         if op not in OPS or group not in self.groups:
             raise ValueError(f"op {op!r} on group {group!r}: expected an op of {OPS} on one of {GROUPS}")
         iterations = max(1, min(200, int(0.02 / est_s)))
@@ -150,7 +142,7 @@ class RankPair:
         if made != calls:
             raise RuntimeError(f"rank 0 made {made} calls, the helper {calls}: pytest-benchmark's "
                                "pedantic mode no longer calls as rank_pair.py expects")
-        return Timed(calls, cpu / calls)
+        return cpu / calls
 
     def close(self) -> None:
         """Stop the helper and leave the group."""
