@@ -10,7 +10,7 @@ micro-benchmarks, and ``compare`` below gates them with pytest-benchmark's own r
 checks, the same ``--benchmark-compare-fail`` expression ``make bench-compare`` passes to
 the micro-benchmarks. Every value saved is a time: lower is better, as the checks assume.
 
-    .venv/bin/python benchmarks/program_results.py compare --fail min:25%   # latest vs previous run
+    .venv/bin/python benchmarks/program_results.py compare --fail median:50%   # latest vs previous run
     .venv/bin/pytest-benchmark --storage .benchmarks/programs compare        # every run, as tables
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _runs_by_program(folder: Path) -> dict[str, list[Path]]:
 
 def compare(fail: str, folder: Path | None = None) -> int:
     """Each program's latest run against its previous one under pytest-benchmark's check
-    `fail` (e.g. ``min:25%``); prints every comparison, returns 1 when any regressed."""
+    `fail` (e.g. ``median:50%``); prints every comparison, returns 1 when any regressed."""
     from pytest_benchmark.utils import parse_compare_fail
 
     check = parse_compare_fail(fail)
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="each program's latest run against its previous one")
-    c.add_argument("--fail", default="min:25%", help="pytest-benchmark's --benchmark-compare-fail expression")
+    c.add_argument("--fail", default="median:50%", help="pytest-benchmark's --benchmark-compare-fail expression")
     c.add_argument("--storage", default=None, help="a programs/<machine id> folder (default: storage_dir())")
     args = ap.parse_args(argv)
     return compare(args.fail, Path(args.storage) if args.storage else None)

@@ -8,8 +8,24 @@ from __future__ import annotations
 
 import os
 
-import ditorch_ext
-from ditorch_ext import ChipProfile, cpu_fallback_counts, current as current_chip, set_chip, vendor_name
+# The device layer. A build without it (a laptop that only plans, a failed compile) still gives
+# what needs no device: the planner, the simulator, the MRE check, the parameter server. The
+# device names then raise, saying why the layer did not load.
+_DEVICE_NAMES = ("ChipProfile", "cpu_fallback_counts", "current_chip", "set_chip", "vendor_name")
+device_unavailable: ImportError | None = None
+try:
+    import ditorch_ext
+    from ditorch_ext import ChipProfile, cpu_fallback_counts, current as current_chip, set_chip, vendor_name
+except ImportError as exc:
+    if exc.name not in ("ditorch_ext", "ditorch_ext._C"):
+        raise
+    device_unavailable = exc
+
+    def __getattr__(name: str):
+        if name in _DEVICE_NAMES:
+            raise ImportError(f"ditorch.{name} needs the device layer (ditorch_ext), which did not load: "
+                              f"{device_unavailable}. Build it with `make build`.")
+        raise AttributeError(f"module 'ditorch' has no attribute {name!r}")
 
 # DiComm registers the backend on import. Only its compiled module may be missing (a build
 # without it): then ditorch still gives the dipu device, and `ditorch info` says why not dicomm.
@@ -24,4 +40,4 @@ if os.environ.get("DITORCH_TOOLS"):
     import ditorch.tools  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["ChipProfile", "cpu_fallback_counts", "current_chip", "set_chip", "vendor_name", "__version__"]
+__all__ = [*_DEVICE_NAMES, "device_unavailable", "__version__"]

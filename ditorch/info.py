@@ -10,6 +10,23 @@ def _section(title: str, lines: list[str]) -> str:
     return "\n".join([title] + [f"  {line}" for line in lines])
 
 
+def describe_numerics(profile) -> str:
+    """A chip's arithmetic in one line, as it differs from IEEE fp32 with round-to-nearest-even."""
+    parts = []
+    if profile.matmul_mantissa_bits < 23:
+        parts.append(f"fp32 matmul inputs keep {profile.matmul_mantissa_bits} mantissa bits")
+    if profile.accumulator_bits < 23 or profile.accumulation_block:
+        block = f"{profile.accumulation_block}-term blocks" if profile.accumulation_block else "the whole K"
+        parts.append(f"matmul accumulator keeps {profile.accumulator_bits} bits between {block}")
+    if profile.round_toward_zero:
+        parts.append("bf16/fp16 results truncated")
+    if profile.special_function_bits < 23:
+        parts.append(f"special functions to {profile.special_function_bits} bits")
+    if profile.flush_denormals:
+        parts.append("denormals flushed")
+    return "; ".join(parts) or "IEEE (as the host)"
+
+
 def _device_lines() -> list[str]:
     import torch
 
@@ -24,8 +41,7 @@ def _device_lines() -> list[str]:
         f"chip: {profile.name} - {profile.description}",
         f"capacity per device: {props.total_memory / 2**30:.3f} GiB (memory_gb={profile.memory_gb} x scale {scale:g})",
         f"speed: {profile.relative_speed}x A100 (kernels slowed {profile.slowdown:.2f}x on this host)",
-        f"numerics: matmul inputs keep {profile.matmul_mantissa_bits} mantissa bits; "
-        f"denormals {'flushed' if profile.flush_denormals else 'kept'}",
+        "numerics: " + describe_numerics(profile),
         f"node: {profile.chips_per_node} chips, {profile.nics_per_node} NICs",
         "chips known: " + ", ".join(sorted(ditorch_ext.known_profiles())),
         f"autocast dtypes: {', '.join(str(d).replace('torch.', '') for d in torch.dipu.get_amp_supported_dtype())}",

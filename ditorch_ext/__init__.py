@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ditorch_ext import _C  # noqa: E402  (needs torch loaded first)
+import ditorch_ext._C as _C  # noqa: E402  (needs torch loaded first; an ImportError here names the module)
 
 _C._init()
 

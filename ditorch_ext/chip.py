@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from ditorch_ext import _C
-from ditorch_ext.profiles import HOST, ChipProfile, memory_scale_from_env, resolve
+from ditorch_ext.profiles import HOST, NUMERICS_FIELDS, ChipProfile, memory_scale_from_env, resolve
 
 _current: tuple[ChipProfile, float] = (HOST, 1.0)
 
@@ -21,7 +21,9 @@ def set_chip(chip: str | ChipProfile, memory_scale: float | None = None) -> Chip
     if not scale > 0:
         raise ValueError(f"memory_scale={memory_scale!r} is invalid; expected a positive number")
     capacity = 0 if profile is HOST else profile.capacity_bytes(scale)
-    _C.set_chip_profile(profile.name, capacity, profile.slowdown, profile.matmul_mantissa_bits, profile.flush_denormals)
+    _C.set_chip_profile(
+        name=profile.name, memory_bytes=capacity, slowdown=profile.slowdown,
+        **{field: getattr(profile, field) for field in NUMERICS_FIELDS})
     _current = (profile, scale)
     return profile
 

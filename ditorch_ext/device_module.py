@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from ditorch_ext import _C, chip as _chip
+from ditorch_ext import _C, chip as _chip, profiles as _profiles
 
 Device = Union[int, str, torch.device, None]
 _PRIVATE_USE1 = 20  # c10::DeviceType::PrivateUse1, as torch.Stream wants it
@@ -219,6 +219,10 @@ class DeviceProperties:
     chips_per_node: int
     nics_per_node: int
     matmul_mantissa_bits: int
+    accumulator_bits: int
+    accumulation_block: int
+    round_toward_zero: bool
+    special_function_bits: int
     flush_denormals: bool
 
 
@@ -233,8 +237,7 @@ def get_device_properties(device: Device = None) -> DeviceProperties:
         relative_speed=profile.relative_speed,
         chips_per_node=profile.chips_per_node,
         nics_per_node=profile.nics_per_node,
-        matmul_mantissa_bits=profile.matmul_mantissa_bits,
-        flush_denormals=profile.flush_denormals,
+        **{field: getattr(profile, field) for field in _profiles.NUMERICS_FIELDS},
     )
 
 

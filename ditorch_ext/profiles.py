@@ -32,7 +32,12 @@ class ChipProfile:
     relative_speed: float
     chips_per_node: int
     nics_per_node: int
+    # Numerics (defaults: the host's IEEE arithmetic; see docs/device.md for each built-in's choice).
     matmul_mantissa_bits: int = 23  # fp32 matmul inputs keep this many mantissa bits (23 = exact)
+    accumulator_bits: int = 23  # mantissa bits the matmul accumulator keeps between K-blocks (23 = fp32)
+    accumulation_block: int = 0  # K-terms summed in fp32 before each accumulator rounding (0 = all of K)
+    round_toward_zero: bool = False  # matmul/cast/special-function results narrowed to bf16/fp16 are truncated
+    special_function_bits: int = 23  # mantissa bits of exp, softmax, rsqrt, silu, ... results
     flush_denormals: bool = False  # subnormal floats in op outputs become zero
     description: str = ""
 
@@ -50,14 +55,16 @@ class ChipProfile:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(field, value, "a positive integer")
-        if (
-            not isinstance(self.matmul_mantissa_bits, int)
-            or isinstance(self.matmul_mantissa_bits, bool)
-            or not 1 <= self.matmul_mantissa_bits <= 23
-        ):
-            raise bad("matmul_mantissa_bits", self.matmul_mantissa_bits, "an integer in [1, 23]")
-        if not isinstance(self.flush_denormals, bool):
-            raise bad("flush_denormals", self.flush_denormals, "true or false")
+        for field in ("matmul_mantissa_bits", "accumulator_bits", "special_function_bits"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 23:
+                raise bad(field, value, "an integer in [1, 23]")
+        if not isinstance(self.accumulation_block, int) or isinstance(self.accumulation_block, bool) \
+                or self.accumulation_block < 0:
+            raise bad("accumulation_block", self.accumulation_block, "an integer >= 0 (0: the whole K)")
+        for field in ("round_toward_zero", "flush_denormals"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, getattr(self, field), "true or false")
 
     @property
     def slowdown(self) -> float:
@@ -66,6 +73,11 @@ class ChipProfile:
 
     def capacity_bytes(self, memory_scale: float = 1.0) -> int:
         return int(self.memory_gb * (1 << 30) * memory_scale)
+
+
+# The fields that make up a chip's numerics, in the order the runtime takes them.
+NUMERICS_FIELDS = ("matmul_mantissa_bits", "accumulator_bits", "accumulation_block", "round_toward_zero",
+                   "special_function_bits", "flush_denormals")
 
 
 def _is_number(value: Any) -> bool:
@@ -77,17 +89,30 @@ HOST = ChipProfile(
     description="no emulation: host speed, exact fp32, capacity bounded only by the host",
 )
 
+# The reference of Table 1: the paper's A100, training with the same bf16 recipe. Its arithmetic
+# is the host's (fp32 accumulation, round-to-nearest-even, IEEE special functions); only speed,
+# memory and node shape are its own.
+A100 = ChipProfile(
+    "A100", memory_gb=80.0, relative_speed=1.0, chips_per_node=8, nics_per_node=8,
+    description="the reference accelerator: A100 80 GB; IEEE arithmetic, fp32 accumulation, nearest-even",
+)
+
 BUILTIN: dict[str, ChipProfile] = {
     p.name: p
     for p in (
-        ChipProfile("A", 96, 0.75, 16, 8, matmul_mantissa_bits=16,
-                    description="0.5-1.0x A100 FP16, 96 GB; matmul inputs keep 16 mantissa bits"),
-        ChipProfile("B", 64, 0.75, 8, 8, matmul_mantissa_bits=14,
-                    description="0.5-1.0x A100 FP16, 64 GB; matmul inputs keep 14 mantissa bits"),
-        ChipProfile("C", 32, 0.25, 16, 4, matmul_mantissa_bits=12,
-                    description="<0.5x A100 FP16, 32 GB; matmul inputs keep 12 mantissa bits"),
-        ChipProfile("D", 32, 1.75, 8, 8, matmul_mantissa_bits=10, flush_denormals=True,
-                    description="1.5-2.0x A100 FP16, 32 GB; TF32-like matmul (10 bits), denormals flushed"),
+        # Numerics: see docs/device.md. Each chip's errors are systematic (truncating), graded A < B < C < D
+        # as the paper's Table 1 MREs are; under bf16 autocast only the accumulator, the narrowing
+        # and the special functions act (matmul inputs are already bf16).
+        ChipProfile("A", 96, 0.75, 16, 8, matmul_mantissa_bits=16, special_function_bits=10,
+                    description="0.5-1.0x A100 FP16, 96 GB per chip, 16 chips per node"),
+        ChipProfile("B", 64, 0.75, 8, 8, matmul_mantissa_bits=14, accumulator_bits=12, accumulation_block=32,
+                    special_function_bits=8, description="0.5-1.0x A100 FP16, 64 GB per chip, 8 chips per node"),
+        ChipProfile("C", 32, 0.25, 16, 4, matmul_mantissa_bits=12, accumulator_bits=10, accumulation_block=16,
+                    special_function_bits=7, description="<0.5x A100 FP16, 32 GB per chip, 16 chips per node"),
+        ChipProfile("D", 32, 1.75, 8, 8, matmul_mantissa_bits=10, accumulator_bits=8, accumulation_block=8,
+                    round_toward_zero=True, special_function_bits=6, flush_denormals=True,
+                    description="1.5-2.0x A100 FP16, 32 GB per chip, 8 chips per node"),
+        A100,
         HOST,
     )
 }
@@ -109,23 +134,36 @@ def profile_from_dict(name: str, values: Mapping[str, Any], source: str = "profi
     return ChipProfile(**{**values, "name": name})
 
 
+# The top-level key of an emulated chip profile file. It is not the planner's ``chips:`` (chip
+# types with counts, TFLOPS and bandwidths, ``heteropp.ClusterSpec``): one file cannot pass for
+# the other, and each loader names the other's schema when given the wrong file.
+PROFILE_FILE_KEY = "emulated_chips"
+
+
 def load_profile_file(path: str | os.PathLike) -> dict[str, ChipProfile]:
-    """Read ``{chips: {NAME: {memory_gb: .., relative_speed: .., ...}}}`` from YAML or JSON."""
+    """Read ``{emulated_chips: {NAME: {memory_gb: .., relative_speed: .., ...}}}`` from YAML or JSON."""
     import yaml
 
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
-    chips = data.get("chips") if isinstance(data, dict) else None
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    chips = data.get(PROFILE_FILE_KEY) if isinstance(data, dict) else None
+    if isinstance(data, dict) and chips is None and "chips" in data:
+        raise ValueError(f"{path}: this is a planner chip library or cluster file (top-level 'chips', read by "
+                         f"`ditorch plan`), not an emulated chip profile file; those hold a top-level "
+                         f"'{PROFILE_FILE_KEY}' mapping (see docs/device.md)")
     if not isinstance(chips, dict) or not chips:
-        raise ValueError(f"{path}: expected a top-level 'chips' mapping of chip name to profile fields")
+        raise ValueError(f"{path}: expected a top-level '{PROFILE_FILE_KEY}' mapping of chip name to profile fields")
     return {str(name): profile_from_dict(str(name), fields, source=str(path)) for name, fields in chips.items()}
 
 
 def known_profiles() -> dict[str, ChipProfile]:
     """Built-in profiles plus those in ``$DITORCH_PROFILE_FILE`` (which may override them)."""
     profiles = dict(BUILTIN)
-    if os.environ.get("DITORCH_PROFILE_FILE"):
-        profiles.update(load_profile_file(os.environ["DITORCH_PROFILE_FILE"]))
+    path = os.environ.get("DITORCH_PROFILE_FILE")
+    if path:
+        try:
+            profiles.update(load_profile_file(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"DITORCH_PROFILE_FILE={path} is not a usable chip profile file: {exc}") from exc
     return profiles
 
 

@@ -248,6 +248,7 @@ class ClusterSpec:
             d = yaml.safe_load(f)
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a mapping with 'chips' and 'links'")
+        _refuse_emulated_profile_file(d, path)
         # a cluster may take its chip types from library files (one, or a list: e.g. one file
         # per chip written by `ditorch profile`) and only set counts
         if "chip_library" in d:
@@ -257,6 +258,7 @@ class ClusterSpec:
             for name in files:
                 with open(path.parent / name) as f:
                     library = yaml.safe_load(f) or {}
+                _refuse_emulated_profile_file(library, path.parent / name)
                 if not isinstance(library, dict) or not isinstance(library.get("chips"), dict):
                     raise ValueError(f"{path}: chip library {name} has no 'chips' mapping")
                 lib_chips.update(library["chips"])
@@ -274,6 +276,13 @@ class ClusterSpec:
             }
         d.setdefault("name", path.stem)
         return cls.from_dict(d, where=str(path))
+
+
+def _refuse_emulated_profile_file(d: Any, path: Path) -> None:
+    if isinstance(d, dict) and "emulated_chips" in d and "chips" not in d:
+        raise ValueError(f"{path}: this is an emulated chip profile file (top-level 'emulated_chips', read through "
+                         f"DITORCH_PROFILE_FILE), not a cluster or chip library; those hold a top-level 'chips' "
+                         f"mapping (see docs/heteropp.md)")
 
 
 def _activation_mb(d: Any, where: str) -> dict[int, float]:

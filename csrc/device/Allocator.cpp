@@ -160,6 +160,22 @@ c10::DataPtr DeviceAllocator::allocateOn(size_t bytes, int device, c10::Device t
   return c10::DataPtr(ptr, ptr, &freeBlock, tag);
 }
 
+c10::DataPtr DeviceAllocator::copyToNewBlock(const void* src, size_t copy_bytes, size_t bytes, int device,
+                                             c10::Device tag) {
+  TORCH_INTERNAL_ASSERT(copy_bytes <= bytes, "copying ", copy_bytes, " bytes into a block of ", bytes);
+  c10::DataPtr block = allocateOn(bytes, device, tag);
+  if (copy_bytes) vendor().memcpy(block.get(), src, copy_bytes, CopyKind::DeviceToDevice, device);
+  return block;
+}
+
+void resizeDeviceStorage(c10::StorageImpl* storage, size_t nbytes) {
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  const size_t common = std::min(nbytes, storage->nbytes());
+  storage->set_data_ptr_noswap(deviceAllocator().copyToNewBlock(storage->data(), common, nbytes,
+                                                                storage->device().index(), storage->device()));
+  storage->set_nbytes(nbytes);
+}
+
 c10::DeleterFnPtr DeviceAllocator::raw_deleter() const { return &freeBlock; }
 
 void DeviceAllocator::copy_data(void* dst, const void* src, std::size_t bytes) const {

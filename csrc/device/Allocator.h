@@ -2,6 +2,7 @@
 // Device memory: a caching allocator over the vendor's malloc with CUDA-style statistics and
 // the chip profile's capacity enforced (torch.OutOfMemoryError past it).
 #include <c10/core/Allocator.h>
+#include <c10/core/StorageImpl.h>
 
 #include <cstdint>
 #include <vector>
@@ -21,6 +22,9 @@ class DeviceAllocator final : public c10::Allocator {
   // `tag` is the device stamped on the DataPtr: dipu for device tensors, CPU while a shim
   // kernel allocates through the host allocator (its memory is still device memory).
   c10::DataPtr allocateOn(size_t bytes, int device, c10::Device tag);
+  // A fresh block of `bytes` on `device` holding a copy of `src`'s first `copy_bytes` bytes: the
+  // one allocate-and-copy behind storage resizes and kernel results born outside our blocks.
+  c10::DataPtr copyToNewBlock(const void* src, size_t copy_bytes, size_t bytes, int device, c10::Device tag);
   c10::DeleterFnPtr raw_deleter() const override;
   void copy_data(void* dst, const void* src, std::size_t bytes) const override;
 
@@ -35,6 +39,9 @@ class DeviceAllocator final : public c10::Allocator {
 };
 
 DeviceAllocator& deviceAllocator();
+
+// Resizes a dipu storage like CPU storages resize: a new block, the common prefix copied, swapped in.
+void resizeDeviceStorage(c10::StorageImpl* storage, size_t nbytes);
 
 // While alive, CPU allocations on this thread come from device `device` (the shim wraps the
 // CPU kernels it runs in it, so their outputs are born in device memory: no copy afterwards).

@@ -1,48 +1,141 @@
 #include "device/ChipNumerics.h"
 
+#include "device/vendor/Vendor.h"
+
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/abs.h>
-#include <ATen/ops/lt.h>
-#include <ATen/ops/masked_fill.h>
-#include <ATen/ops/empty_like.h>
 
 #include <cfloat>
 #include <cstring>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace ditorch {
+namespace {
 
-bool isMatmulOp(const std::string& name) {
+const std::unordered_set<std::string>& reproducedMatmuls() {
+  static const std::unordered_set<std::string> ops = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"};
+  return ops;
+}
+
+const std::unordered_set<std::string>& matmulFamily() {
   static const std::unordered_set<std::string> ops = {
       "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
       "aten::mv", "aten::addmv", "aten::dot", "aten::vdot", "aten::_addmm_activation",
   };
-  return ops.count(name) > 0;
+  return ops;
 }
 
-at::Tensor roundMantissa(const at::Tensor& t, int mantissa_bits) {
-  if (t.scalar_type() != at::kFloat || mantissa_bits >= 23 || t.numel() == 0) return t;
-  at::Tensor src = t.contiguous();
-  at::Tensor out = at::empty_like(src);
-  const uint32_t drop = 23 - mantissa_bits;
-  const uint32_t half = (1u << (drop - 1)) - 1;
-  const uint32_t mask = ~((1u << drop) - 1);
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
-  uint32_t* res = reinterpret_cast<uint32_t*>(out.mutable_data_ptr<float>());
-  at::parallel_for(0, src.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+// Functions a chip evaluates with its own approximations (transcendentals and what is built on them).
+const std::unordered_set<std::string>& specialFunctions() {
+  static const std::unordered_set<std::string> ops = {
+      "aten::exp", "aten::expm1", "aten::log", "aten::log1p", "aten::_softmax", "aten::_log_softmax",
+      "aten::sigmoid", "aten::silu", "aten::tanh", "aten::rsqrt", "aten::gelu", "aten::erf",
+  };
+  return ops;
+}
+
+NumericsRole decideRole(const c10::FunctionSchema& schema) {
+  const std::string& name = schema.name();
+  const bool functional = schema.overload_name().empty();
+  if (functional && reproducedMatmuls().count(name)) return NumericsRole::Matmul;
+  if (matmulFamily().count(name)) return NumericsRole::MatmulInputs;
+  if (functional && specialFunctions().count(name)) return NumericsRole::SpecialFunction;
+  return NumericsRole::None;
+}
+
+bool isNarrow(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// fp32 `x` narrowed to `dtype` as the chip rounds: nearest-even (the host's conversion) or by
+// truncation (the value truncated to the narrow mantissa first, which then converts exactly).
+at::Tensor narrowTo(const at::Tensor& x, at::ScalarType dtype, bool toward_zero) {
+  if (!isNarrow(dtype) || !toward_zero) return x.to(dtype);
+  return roundMantissa(x, dtype == at::kBFloat16 ? 7 : 10, Rounding::TowardZero).to(dtype);
+}
+
+// The running sum over `blocks` partial sums (laid out [batch][block][element]), truncated to
+// `bits` mantissa bits after every addition, as a narrow accumulator keeps it.
+at::Tensor truncatingSum(const at::Tensor& partials, int bits) {
+  const int64_t batch = partials.size(0), blocks = partials.size(1), elements = partials.size(2);
+  at::Tensor out = at::empty({batch, elements}, partials.options());
+  const uint32_t mask = bits >= 23 ? ~0u : ~((1u << (23 - bits)) - 1);
+  const float* in = partials.const_data_ptr<float>();
+  float* res = out.mutable_data_ptr<float>();
+  auto truncate = [mask](float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    if ((u & 0x7f800000u) != 0x7f800000u) u &= mask;  // inf and nan pass through
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+  };
+  at::parallel_for(0, batch * elements, 1 << 12, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      uint32_t bits = in[i];
-      if ((bits & 0x7f800000u) == 0x7f800000u) {  // inf and nan pass through
-        res[i] = bits;
-        continue;
-      }
-      res[i] = (bits + half + ((bits >> drop) & 1u)) & mask;  // round half to even
+      const int64_t b = i / elements, e = i % elements;
+      const float* p = in + b * blocks * elements + e;
+      float sum = truncate(p[0]);
+      for (int64_t j = 1; j < blocks; ++j) sum = truncate(sum + p[j * elements]);
+      res[i] = sum;
     }
   });
   return out;
 }
 
-namespace {
+// a @ b (batched or not) with the chip's K-reduction: each block of K-terms summed in fp32, the
+// running sum truncated to the accumulator's mantissa after every block. All blocks' partial
+// sums come from one batched matmul (K zero-padded to whole blocks: zeros add nothing).
+at::Tensor accumulate(const at::Tensor& a, const at::Tensor& b, const Numerics& n) {
+  const at::Tensor af = a.to(at::kFloat), bf = b.to(at::kFloat);
+  const int64_t k = af.size(-1);
+  if (k == 0) return at::matmul(af, bf);
+  const int64_t block = n.accumulation_block > 0 ? std::min<int64_t>(n.accumulation_block, k) : k;
+  const int64_t blocks = (k + block - 1) / block, padded = blocks * block;
+  const at::Tensor ap = padded == k ? af : at::constant_pad_nd(af, {0, padded - k});
+  const at::Tensor bp = padded == k ? bf : at::constant_pad_nd(bf, {0, 0, 0, padded - k});
+  const int64_t m = af.size(-2), cols = bf.size(-1);
+  const at::Tensor a3 = ap.reshape({-1, m, padded}), b3 = bp.reshape({-1, padded, cols});
+  const int64_t batch = a3.size(0);
+  // [batch, blocks, m, block] @ [batch, blocks, block, cols] -> [batch, blocks, m, cols]
+  const at::Tensor partials = at::matmul(a3.view({batch, m, blocks, block}).transpose(1, 2),
+                                         b3.view({batch, blocks, block, cols}));
+  at::Tensor sum = truncatingSum(partials.reshape({batch, blocks, m * cols}).contiguous(), n.accumulator_bits);
+  std::vector<int64_t> shape(af.sizes().begin(), af.sizes().end() - 1);
+  shape.push_back(cols);
+  return sum.view(shape);
+}
+
+void reproduceMatmul(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& in, const at::Tensor& result,
+                     const Numerics& n) {
+  const bool with_bias = schema.name() == "aten::addmm" || schema.name() == "aten::baddbmm";
+  at::Tensor y = accumulate(in[with_bias ? 1 : 0].toTensor(), in[with_bias ? 2 : 1].toTensor(), n);
+  if (with_bias) {
+    const at::Scalar beta = in[3].toScalar(), alpha = in[4].toScalar();
+    if (!(alpha.isIntegral(false) && alpha.toLong() == 1) && alpha.toDouble() != 1.0) y = y * alpha;
+    // beta == 0 ignores the bias, NaNs included, as the kernels do.
+    if (beta.toDouble() != 0.0) y = y + in[0].toTensor().to(at::kFloat) * beta;
+  }
+  result.copy_(narrowTo(y, result.scalar_type(), n.round_toward_zero));
+}
+
+void reproduceSpecialFunction(const c10::OperatorHandle& op, const std::vector<c10::IValue>& in,
+                              const at::Tensor& result, const Numerics& n) {
+  if (!result.is_floating_point()) return;
+  if (result.scalar_type() == at::kFloat || result.scalar_type() == at::kDouble) {
+    if (result.scalar_type() == at::kFloat) result.copy_(roundMantissa(result, n.special_function_bits, Rounding::TowardZero));
+    return;
+  }
+  // A narrow result: the chip's fp32 value is needed before narrowing, so the op runs again in fp32.
+  torch::jit::Stack stack;
+  stack.reserve(in.size());
+  for (const c10::IValue& v : in)
+    stack.push_back(v.isTensor() && v.toTensor().is_floating_point() ? c10::IValue(v.toTensor().to(at::kFloat)) : v);
+  const std::string& name = op.schema().name();
+  if (name == "aten::_softmax" || name == "aten::_log_softmax") stack[2] = false;  // half_to_float: input is fp32 now
+  op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()),
+                     &stack);
+  at::Tensor exact = stack.back().toTensor();
+  result.copy_(narrowTo(roundMantissa(exact, n.special_function_bits, Rounding::TowardZero), result.scalar_type(), n.round_toward_zero));
+}
+
 template <typename T>
 void flushContiguous(T* data, int64_t n, float smallest_normal) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
@@ -52,7 +145,58 @@ void flushContiguous(T* data, int64_t n, float smallest_normal) {
     }
   });
 }
+
 }  // namespace
+
+NumericsRole numericsRole(const c10::OperatorHandle& op) {
+  // Keyed by the schema's address, stable for the operator's lifetime; per thread, so no lock.
+  thread_local std::unordered_map<const void*, NumericsRole> roles;
+  const c10::FunctionSchema& schema = op.schema();
+  auto it = roles.find(&schema);
+  if (it != roles.end()) return it->second;
+  return roles.emplace(&schema, decideRole(schema)).first->second;
+}
+
+at::Tensor roundMantissa(const at::Tensor& t, int mantissa_bits, Rounding rounding) {
+  if (t.scalar_type() != at::kFloat || mantissa_bits >= 23 || t.numel() == 0) return t;
+  at::Tensor src = t.contiguous();
+  at::Tensor out = at::empty_like(src);
+  const uint32_t drop = 23 - mantissa_bits;
+  const uint32_t half = (1u << (drop - 1)) - 1;
+  const uint32_t mask = ~((1u << drop) - 1);
+  const bool nearest = rounding == Rounding::NearestEven;
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
+  uint32_t* res = reinterpret_cast<uint32_t*>(out.mutable_data_ptr<float>());
+  at::parallel_for(0, src.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t bits = in[i];
+      if ((bits & 0x7f800000u) == 0x7f800000u) {  // inf and nan pass through
+        res[i] = bits;
+        continue;
+      }
+      res[i] = nearest ? (bits + half + ((bits >> drop) & 1u)) & mask : bits & mask;
+    }
+  });
+  return out;
+}
+
+void reproduceChipResult(NumericsRole role, const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
+                         const at::Tensor& result, const Numerics& numerics) {
+  switch (role) {
+    case NumericsRole::Matmul: return reproduceMatmul(op.schema(), inputs, result, numerics);
+    case NumericsRole::SpecialFunction: return reproduceSpecialFunction(op, inputs, result, numerics);
+    default: return;
+  }
+}
+
+void copyOnChip(const at::Tensor& dst, const at::Tensor& src, const Numerics& numerics) {
+  const bool wide_source = src.scalar_type() == at::kFloat || src.scalar_type() == at::kDouble;
+  if (!numerics.round_toward_zero || !isNarrow(dst.scalar_type()) || !wide_source) {
+    dst.copy_(src);
+    return;
+  }
+  dst.copy_(narrowTo(src.to(at::kFloat), dst.scalar_type(), true));
+}
 
 void flushDenormals(const at::Tensor& t) {
   if (!t.defined() || t.numel() == 0) return;

@@ -1,19 +1,49 @@
 #pragma once
-// How an emulated chip's arithmetic differs from IEEE fp32 on the host. Real accelerators round
-// matmul inputs (TF32 keeps 10 mantissa bits, others keep fewer or more) while accumulating in
-// fp32, and many flush denormals to zero; the emu vendor reproduces both so that one training
-// run gives close-but-different losses per chip, as in the H2 paper's Table 1.
-#include <ATen/core/Tensor.h>
+// How an emulated chip's arithmetic differs from the host's, op by op. Real accelerators differ
+// where the H2 paper's Table 1 sees them differ, in bf16 mixed-precision training too:
+//   - fp32 matmul inputs rounded to fewer mantissa bits (TF32 keeps 10);
+//   - the K-reduction of a matmul: summed in blocks, the running sum truncated to fewer mantissa
+//     bits than fp32 between blocks (a narrow accumulator: FP8 GEMMs on H800 keep ~14 bits,
+//     DeepSeek-V3 section 3.3.2);
+//   - results narrowed to bf16/fp16 by truncation instead of round-to-nearest-even;
+//   - special functions (exp, softmax, rsqrt, silu, ...) computed to fewer bits, truncated (a
+//     fast approximation's error has a sign);
+//   - denormal results flushed to zero.
+// The vendor kernel runs as usual (and is what the chip's speed is charged for); the chip's result
+// is then recomputed from the same inputs and written over the kernel's.
+#include "device/ChipProfile.h"
 
-#include <string>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 namespace ditorch {
 
-// Matrix-multiply family whose fp32 inputs a chip rounds (mm, addmm, bmm, baddbmm, ...).
-bool isMatmulOp(const std::string& name);
-// A copy of `t` (a kernel-device tensor) with fp32 values rounded to nearest-even at
-// `mantissa_bits` mantissa bits; other dtypes are returned unchanged.
-at::Tensor roundMantissa(const at::Tensor& t, int mantissa_bits);
+enum class Rounding { NearestEven, TowardZero };
+
+// What part of a chip's numerics an op is subject to.
+enum class NumericsRole {
+  None,
+  Matmul,           // functional mm, addmm, bmm, baddbmm: accumulation and narrowing reproduced
+  MatmulInputs,     // the rest of the matmul family: only fp32 inputs rounded
+  SpecialFunction,  // functional exp, softmax, rsqrt, silu, ...: reduced-precision results
+};
+
+// The role of `op` (decided once per op and thread).
+NumericsRole numericsRole(const c10::OperatorHandle& op);
+
+// A copy of fp32 `t` with its values rounded to `mantissa_bits` mantissa bits; other dtypes
+// are returned unchanged.
+at::Tensor roundMantissa(const at::Tensor& t, int mantissa_bits, Rounding rounding = Rounding::NearestEven);
+
+// Overwrites `result` (the vendor kernel's output of `op` on the kernel-device `inputs`) with what
+// the chip computes. Inputs must be the op's arguments as the kernel saw them.
+void reproduceChipResult(NumericsRole role, const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
+                         const at::Tensor& result, const Numerics& numerics);
+
+// dst.copy_(src) for `dst` on the chip (both kernel-device tensors): a narrowing conversion to
+// bf16/fp16 is rounded as the chip rounds.
+void copyOnChip(const at::Tensor& dst, const at::Tensor& src, const Numerics& numerics);
+
 // In place: floating values below the dtype's smallest normal become (signed) zero.
 void flushDenormals(const at::Tensor& t);
 

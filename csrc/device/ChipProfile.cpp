@@ -8,15 +8,23 @@ ChipProfile& active() {
   static ChipProfile profile;
   return profile;
 }
+
+void checkBits(const ChipProfile& p, const char* field, int bits) {
+  TORCH_CHECK(bits >= 1 && bits <= 23, "chip profile '", p.name, "': ", field, " ", bits, " must be in [1, 23]");
+}
 }  // namespace
 
 const ChipProfile& chipProfile() { return active(); }
 
 void setChipProfile(const ChipProfile& profile) {
   TORCH_CHECK(profile.slowdown >= 1.0, "chip profile '", profile.name, "': slowdown ", profile.slowdown, " must be >= 1");
-  TORCH_CHECK(profile.matmul_mantissa_bits >= 1 && profile.matmul_mantissa_bits <= 23, "chip profile '", profile.name,
-              "': matmul_mantissa_bits ", profile.matmul_mantissa_bits, " must be in [1, 23]");
   TORCH_CHECK(profile.memory_bytes >= 0, "chip profile '", profile.name, "': memory must be >= 0");
+  const Numerics& n = profile.numerics;
+  checkBits(profile, "matmul_mantissa_bits", n.matmul_input_bits);
+  checkBits(profile, "accumulator_bits", n.accumulator_bits);
+  checkBits(profile, "special_function_bits", n.special_function_bits);
+  TORCH_CHECK(n.accumulation_block >= 0, "chip profile '", profile.name, "': accumulation_block ",
+              n.accumulation_block, " must be >= 0");
   active() = profile;
 }
 

@@ -35,15 +35,7 @@ struct DipuHooks final : public at::PrivateUse1HooksInterface {
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex device) const override { return exchangeDevice(device); }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
-    // Grow or shrink like CPU storages do: new block, copy the common prefix, swap.
-    c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-    TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
-    int device = impl->device().index();
-    c10::DataPtr fresh = deviceAllocator().allocateOn(newsize, device, impl->device());
-    size_t common = std::min(newsize, impl->nbytes());
-    if (common) deviceAllocator().copy_data(fresh.get(), impl->data(), common);
-    impl->set_data_ptr_noswap(std::move(fresh));
-    impl->set_nbytes(newsize);
+    resizeDeviceStorage(storage.unsafeGetStorageImpl(), newsize);
   }
 };
 

@@ -4,7 +4,7 @@
 #include "device/ChipProfile.h"
 #include "device/Generator.h"
 #include "device/Guard.h"
-#include "device/Shim.h"
+#include "device/CpuFallback.h"
 #include "device/SpeedEmulation.h"
 #include "device/vendor/Vendor.h"
 
@@ -64,10 +64,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     vendor().synchronize(d);
   });
   m.def("emulated_time_debt_ns", &emulatedTimeDebtNs, "device time owed by the emulated chip, not yet slept off");
-  m.def("set_chip_profile", [](const std::string& name, int64_t memory_bytes, double slowdown, int mantissa_bits,
-                               bool flush_denormals) {
-    setChipProfile(ChipProfile{name, memory_bytes, slowdown, mantissa_bits, flush_denormals});
-  });
+  m.def(
+      "set_chip_profile",
+      [](const std::string& name, int64_t memory_bytes, double slowdown, int matmul_mantissa_bits, int accumulator_bits,
+         int accumulation_block, bool round_toward_zero, int special_function_bits, bool flush_denormals) {
+        setChipProfile(ChipProfile{name, memory_bytes, slowdown,
+                                   Numerics{matmul_mantissa_bits, accumulator_bits, accumulation_block, round_toward_zero,
+                                            special_function_bits, flush_denormals}});
+      },
+      py::arg("name"), py::arg("memory_bytes"), py::arg("slowdown"), py::arg("matmul_mantissa_bits"),
+      py::arg("accumulator_bits"), py::arg("accumulation_block"), py::arg("round_toward_zero"),
+      py::arg("special_function_bits"), py::arg("flush_denormals"));
   m.def("memory_stats", &memoryStats);
   m.def("reset_peak_memory_stats", [](int d) {
     checkDevice(d);

@@ -3,7 +3,9 @@
 // goes through the shim (Shim.cpp).
 #include "device/Allocator.h"
 #include "device/Guard.h"
-#include "device/Shim.h"
+#include "device/ChipNumerics.h"
+#include "device/ChipProfile.h"
+#include "device/KernelArguments.h"
 #include "device/vendor/Vendor.h"
 
 #include <ATen/EmptyTensor.h>
@@ -19,7 +21,6 @@ namespace {
 
 constexpr c10::DeviceType kDipu = c10::DeviceType::PrivateUse1;
 
-bool isDipu(const at::Tensor& t) { return t.device().type() == kDipu; }
 
 int deviceIndexOf(std::optional<c10::Device> device) {
   int index = device && device->has_index() ? device->index() : currentDevice();
@@ -35,13 +36,7 @@ struct AllocateOn {
 };
 
 void growStorage(c10::StorageImpl* storage, size_t nbytes) {
-  if (nbytes <= storage->nbytes()) return;
-  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
-  int device = storage->device().index();
-  c10::DataPtr fresh = deviceAllocator().allocateOn(nbytes, device, storage->device());
-  if (storage->nbytes()) vendor().memcpy(fresh.get(), storage->data(), storage->nbytes(), CopyKind::DeviceToDevice, device);
-  storage->set_data_ptr_noswap(std::move(fresh));
-  storage->set_nbytes(nbytes);
+  if (nbytes > storage->nbytes()) resizeDeviceStorage(storage, nbytes);
 }
 
 size_t storageBytesNeeded(const at::Tensor& self) {
@@ -87,7 +82,9 @@ at::Tensor copyFrom(const at::Tensor& self, const at::Tensor& dst, bool non_bloc
   at::Tensor dst_k = isDipu(dst) ? asKernelTensor(dst) : dst;
   TORCH_CHECK(src_k.device().type() == dst_k.device().type(), "copy between ", self.device(), " and ", dst.device(),
               " is not supported by the '", vendor().name(), "' vendor");
-  dst_k.copy_(src_k, non_blocking);
+  // A conversion that lands on the chip is the chip's (autocast's weight casts are such copies).
+  if (isDipu(dst) && chipProfile().numerics.round_toward_zero) copyOnChip(dst_k, src_k, chipProfile().numerics);
+  else dst_k.copy_(src_k, non_blocking);
   return dst;
 }
 

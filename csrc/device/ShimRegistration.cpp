@@ -37,8 +37,7 @@ std::vector<c10::RegistrationHandleRAII>& handles() {
 void registerShimBeforeComposites() {
   if (!handles().empty()) return;
   c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
-  const c10::DispatchKey kernel_key =
-      c10::computeDispatchKey(std::nullopt, std::nullopt, vendor().kernelDeviceType());
+  const c10::DispatchKey kernel_key = kernelDispatchKey();
   const std::set<std::string> device_selecting = {"aten::convolution", "aten::convolution_backward",
                                                   "aten::_convolution"};
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {

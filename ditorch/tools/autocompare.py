@@ -19,7 +19,11 @@ from ditorch.tools.tool_mode import OpCall, ToolMode, logger, write_records
 @dataclasses.dataclass
 class OpComparison:
     """One result of one op call against its reference: ``output`` indexes the returned
-    tensors, followed by tensors written in place and not returned (see ``op_results``)."""
+    tensors, followed by tensors written in place and not returned (see ``op_results``).
+
+    ``status`` is ``match`` or ``mismatch`` (within tolerance or not), ``missing`` (one run
+    returned this output, the other did not) or ``reference failed`` (the reference could not
+    run the op, ``output`` -1: nothing was compared, so it is never counted as agreeing)."""
 
     index: int
     op: str
@@ -34,6 +38,7 @@ class OpComparison:
     rtol: float
     atol: float
     allclose: bool
+    status: str
     detail: str = ""
     inputs_saved: str = ""
 
@@ -42,13 +47,15 @@ class MismatchError(AssertionError):
     """Raised at the op when ``autocompare(raise_on_mismatch=True)`` finds a mismatch."""
 
     def __init__(self, result: OpComparison):
-        super().__init__(
-            f"autocompare: {result.op} (op #{result.index}, {result.phase}"
-            f"{' ' + result.autograd_node if result.autograd_node else ''}) output {result.output} "
-            f"differs from the reference: max abs {result.max_abs_err:.3g}, max rel {result.max_rel_err:.3g}, "
-            f"cosine {result.cosine:.6f} (rtol={result.rtol:g}, atol={result.atol:g})"
-            f"{'; inputs saved to ' + result.inputs_saved if result.inputs_saved else ''}"
-        )
+        where = (f"autocompare: {result.op} (op #{result.index}, {result.phase}"
+                 f"{' ' + result.autograd_node if result.autograd_node else ''}) output {result.output}")
+        if result.status == "missing":
+            what = f": {result.detail}"
+        else:
+            what = (f" differs from the reference: max abs {result.max_abs_err:.3g}, max rel {result.max_rel_err:.3g}, "
+                    f"cosine {result.cosine:.6f} (rtol={result.rtol:g}, atol={result.atol:g})")
+        saved = f"; inputs saved to {result.inputs_saved}" if result.inputs_saved else ""
+        super().__init__(where + what + saved)
         self.result = result
 
 
@@ -83,16 +90,31 @@ class autocompare(ToolMode):
         self.max_saved = max_saved
         self.results: list[OpComparison] = []
         self._saved = 0
+        self._unchecked_ops: set[str] = set()
 
     @property
     def mismatches(self) -> list[OpComparison]:
-        return [r for r in self.results if not r.allclose]
+        """Outputs that differ from the reference, or that only one run returned."""
+        return [r for r in self.results if r.status in ("mismatch", "missing")]
+
+    @property
+    def unchecked(self) -> list[OpComparison]:
+        """Calls the reference could not run: nothing was compared."""
+        return [r for r in self.results if r.status == "reference failed"]
 
     def _to_reference(self, x):
+        if isinstance(x, torch.device):  # a factory op's device= runs on the reference too
+            return self.reference
         if not isinstance(x, torch.Tensor):
             return x
         dtype = self.dtype if (self.dtype is not None and x.is_floating_point()) else x.dtype
         return x.to(device=self.reference, dtype=dtype, copy=True)
+
+    def _reference_inputs(self, inputs):
+        args, kwargs = tree_map(self._to_reference, inputs)
+        if self.dtype is not None and isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:
+            kwargs = {**kwargs, "dtype": self.dtype}  # a floating factory op at the reference dtype
+        return args, kwargs
 
     def handle(self, func, args, kwargs, call: OpCall):
         with hidden():
@@ -103,25 +125,30 @@ class autocompare(ToolMode):
         return out
 
     def _compare(self, func, args, kwargs, out, inputs, call: OpCall) -> None:
-        ref_args, ref_kwargs = tree_map(self._to_reference, inputs)
+        ref_args, ref_kwargs = self._reference_inputs(inputs)
         try:
             ref_out = func(*ref_args, **ref_kwargs)
         except Exception as exc:  # the reference cannot run it (e.g. no float64 kernel)
-            self.results.append(OpComparison(call.index, call.op, call.phase, call.node, -1, "", "",
-                                             float("nan"), float("nan"), float("nan"), 0.0, 0.0, True,
-                                             f"reference failed: {type(exc).__name__}: {exc}"))
+            result = self._record(call, -1, None, "reference failed", f"{type(exc).__name__}: {exc}")
+            if call.op not in self._unchecked_ops:  # once per op: a training loop repeats it
+                self._unchecked_ops.add(call.op)
+                logger.warning("autocompare: %s not compared (the reference %s could not run it: %s)",
+                               call.op, self.reference, result.detail)
             return
         actual = op_results(func, args, kwargs, out)
         expected = op_results(func, ref_args, ref_kwargs, ref_out)
         new = []
-        for i, (a, r) in enumerate(zip(actual, expected)):
+        for i in range(max(len(actual), len(expected))):
+            if i >= len(actual) or i >= len(expected):
+                present = actual[i] if i < len(actual) else expected[i]
+                side = "the device" if i < len(actual) else "the reference"
+                new.append(self._record(call, i, present, "missing", f"only {side} returned output {i}"))
+                continue
+            a, r = actual[i], expected[i]
             rtol, atol = self.tolerances.lookup(func, a.dtype)
             d = compare(a, r, rtol, atol)
-            new.append(OpComparison(call.index, call.op, call.phase, call.node, i, str(a.dtype).replace("torch.", ""),
-                                    "x".join(map(str, a.shape)), d.max_abs_err, d.max_rel_err, d.cosine,
-                                    rtol, atol, d.allclose, d.detail))
-        self.results.extend(new)
-        bad = [r for r in new if not r.allclose]
+            new.append(self._record(call, i, a, "match" if d.allclose else "mismatch", d.detail, d, rtol, atol))
+        bad = [r for r in new if r.status != "match"]
         if bad:
             saved = ""
             if self.out_dir is not None and self._saved < self.max_saved:
@@ -134,9 +161,22 @@ class autocompare(ToolMode):
             if self.raise_on_mismatch:
                 raise MismatchError(bad[0])
 
+    def _record(self, call: OpCall, output: int, tensor: Optional[torch.Tensor], status: str, detail: str,
+                diff=None, rtol: float = 0.0, atol: float = 0.0) -> OpComparison:
+        nan = float("nan")
+        result = OpComparison(
+            call.index, call.op, call.phase, call.node, output,
+            "" if tensor is None else str(tensor.dtype).replace("torch.", ""),
+            "" if tensor is None else "x".join(map(str, tensor.shape)),
+            nan if diff is None else diff.max_abs_err, nan if diff is None else diff.max_rel_err,
+            nan if diff is None else diff.cosine, rtol, atol, status == "match", status, detail)
+        self.results.append(result)
+        return result
+
     def finish(self) -> None:
         if self.out_dir is not None and self.results:
             write_records(self.results, self.out_dir / "autocompare.csv")
             write_records(self.results, self.out_dir / "autocompare.json")
         if self.results:
-            logger.info("autocompare: %d outputs compared, %d mismatches", len(self.results), len(self.mismatches))
+            logger.info("autocompare: %d outputs compared, %d mismatches, %d calls the reference could not run",
+                        len(self.results) - len(self.unchecked), len(self.mismatches), len(self.unchecked))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,6 +24,13 @@ from ditorch.tools.tensors import bitwise_equal, copy_with_layout, hidden, op_re
 from ditorch.tools.tool_mode import OpCall, ToolMode, logger
 
 _LOAD_GLOBALS = [torch.memory_format, torch.layout]
+
+
+def _active_chip() -> Optional[str]:
+    """The chip this process emulates (``set_chip()`` or ``DITORCH_CHIP``); None without the device layer."""
+    ext = sys.modules.get("ditorch_ext")
+    current = getattr(ext, "current", None)
+    return current()[0].name if current is not None else None
 
 
 def _devices_of(tree: Any) -> list[str]:
@@ -44,7 +52,7 @@ def save_op_call(directory: Path, func: torch._ops.OpOverload, call: OpCall, inp
         "phase": call.phase,
         "autograd_node": call.node,
         "devices": _devices_of(outputs) or None,
-        "chip": os.environ.get("DITORCH_CHIP"),
+        "chip": _active_chip(),
         "random": torch.Tag.nondeterministic_seeded in func.tags,
         "torch": torch.__version__,
         **(extra or {}),
@@ -146,9 +154,8 @@ def replay(directory: str | os.PathLike, device: str | torch.device = "cpu") -> 
     notes = []
     if meta.get("random"):
         notes.append("random op: outputs depend on the generator state")
-    if device.type != "cpu" and meta.get("chip") != os.environ.get("DITORCH_CHIP"):
-        notes.append(f"captured with DITORCH_CHIP={meta.get('chip')}, replayed with "
-                     f"DITORCH_CHIP={os.environ.get('DITORCH_CHIP')}")
+    if device.type != "cpu" and meta.get("chip") != _active_chip():
+        notes.append(f"captured on chip {meta.get('chip')}, replayed on chip {_active_chip()}")
     note = "; ".join(notes)
     if len(got) != len(want):
         return ReplayResult(str(directory), func.name(), str(device), False, [],

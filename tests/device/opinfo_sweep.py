@@ -255,15 +255,125 @@ def run_op(op, max_samples: int) -> OpResult:
     return res
 
 
+# Variants swept beside each op's function form, and the dtypes beside its preferred one.
+VARIANTS = ("function", "inplace", "out")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class VariantResult:
+    """One (op, variant, dtype) combination: forward results of its samples on dipu vs CPU."""
+
+    name: str
+    variant: str  # function | inplace | out
+    dtype: str
+    samples_run: int = 0  # samples whose CPU run succeeded
+    verdict: str = "skip"  # pass | fail | skip (no sample ran on CPU)
+    error: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}[{self.variant},{self.dtype}]"
+
+
+def _variant_call(op, variant: str):
+    """A callable (input, args, kwargs, out) -> (result, written) for the variant, or None if the op lacks it."""
+    if variant == "function":
+        return lambda inp, args, kwargs, out: (op(inp, *args, **kwargs), None)
+    if variant == "inplace":
+        if op.inplace_variant is None:
+            return None
+        return lambda inp, args, kwargs, out: (op.inplace_variant(inp, *args, **kwargs), inp)
+    if not op.supports_out:
+        return None
+    return lambda inp, args, kwargs, out: (op(inp, *args, **kwargs, out=out), out)
+
+
+def _out_like(expected: Any, device: str) -> Any:
+    """Empty out= tensors shaped like the function's result (a tensor or a tuple of them)."""
+    if isinstance(expected, torch.Tensor):
+        return torch.empty_like(expected, device=device)
+    if isinstance(expected, (tuple, list)) and expected and all(isinstance(t, torch.Tensor) for t in expected):
+        return tuple(torch.empty_like(t, device=device) for t in expected)
+    return None
+
+
+def _touches_dipu(tree: Any) -> bool:
+    """Whether a moved sample reaches dipu at all (a factory sample without a device argument does not)."""
+    leaves, _ = tree_flatten(tree)
+    return any((isinstance(x, torch.Tensor) and x.device.type == DIPU) or
+               (isinstance(x, torch.device) and x.type == DIPU) or (isinstance(x, str) and x == DIPU) for x in leaves)
+
+
+def run_variants(op, max_samples: Optional[int], random: bool) -> list:
+    """Forward results of the op's function, in-place and out= forms in its preferred dtype, bf16
+    and fp16 (those it supports on CPU), on every sample under the size cap (``max_samples`` per
+    combination when given), on dipu against CPU. Random ops (``run_op`` tells them) are left to
+    ``run_op``'s generator-contract check. No dispatch mode runs here: under one, some CPU out=
+    kernels (linalg.matrix_rank's) leave their out tensor unwritten."""
+    dtype = pick_dtype(op)
+    if dtype is None or random:
+        return []
+    supported = op.supported_dtypes("cpu")
+    dtypes = [dtype] + [d for d in LOW_PRECISION if d in supported and d != dtype]
+    keep = CPU_ARGUMENTS.get(op_key(op), (None, ()))[1]
+    values = not op.has_nondeterministic_output
+    results = []
+    for dt in dtypes:
+        try:
+            torch.manual_seed(SEED)
+            samples = [s for s in op.sample_inputs("cpu", dt, requires_grad=False) if _numel(s) <= MAX_SAMPLE_NUMEL]
+        except Exception:
+            continue  # no samples in this dtype: not a combination that runs on CPU
+        samples = samples[:max_samples] if max_samples else samples
+        for variant in VARIANTS:
+            call = _variant_call(op, variant)
+            if call is None:
+                continue
+            res = VariantResult(op_key(op), variant, str(dt).replace("torch.", ""))
+            ok = True
+            for si, sample in enumerate(samples):
+                try:
+                    expected = op(sample.input, *sample.args, **sample.kwargs) if variant == "out" else None
+                    inp = sample.input.clone() if isinstance(sample.input, torch.Tensor) else sample.input
+                    out_c = _out_like(expected, "cpu") if variant == "out" else None
+                    if variant == "out" and out_c is None:
+                        continue
+                    dev_inp = _to_dipu(inp)  # taken before an in-place variant writes it
+                    cpu = call(inp, sample.args, sample.kwargs, out_c)
+                except Exception:
+                    continue
+                dev_args = tuple(a if i in keep else _to_dipu(a) for i, a in enumerate(sample.args))
+                dev_kwargs = _to_dipu(sample.kwargs)
+                if not _touches_dipu((dev_inp, dev_args, dev_kwargs)):
+                    continue  # runs on the default device (CPU) on both sides: not a dipu sample
+                res.samples_run += 1
+                try:
+                    out_d = _out_like(expected, DIPU) if variant == "out" else None
+                    dev = call(dev_inp, dev_args, dev_kwargs, out_d)
+                    compare(cpu, dev, f"sample {si} {variant}", values=values)
+                except Exception as e:
+                    if ok:
+                        res.error = f"sample {si}: {_short(e)}"
+                    ok = False
+            if res.samples_run:
+                res.verdict = "pass" if ok else "fail"
+                results.append(res)
+    return results
+
+
 def load_op_db() -> list:
     from torch.testing._internal.common_methods_invocations import op_db
 
     return op_db
 
 
-def sweep(max_samples: int = 3, only: Optional[set] = None, progress: Optional[Callable[[OpResult], None]] = None) -> list:
-    """Run every OpInfo (or those named in ``only``) and return their results."""
-    results = []
+def sweep(max_samples: int = 3, only: Optional[set] = None, progress: Optional[Callable[[OpResult], None]] = None,
+          variant_samples: Optional[int] = None) -> tuple:
+    """Run every OpInfo (or those named in ``only``): returns (one OpResult per op, one
+    VariantResult per (op, variant, dtype) that runs on CPU, ``variant_samples`` samples each
+    or all under the size cap)."""
+    results, combos = [], []
     threads = torch.get_num_threads()
     # One intra-op thread for both sides: the samples are tiny, and on a shared, loaded machine
     # spinning OpenMP workers cost several times the work itself.
@@ -276,15 +386,17 @@ def sweep(max_samples: int = 3, only: Optional[set] = None, progress: Optional[C
                     continue
                 r = run_op(op, max_samples)
                 results.append(r)
+                combos += run_variants(op, variant_samples, r.random)
                 if progress:
                     progress(r)
     finally:
         torch.set_num_threads(threads)
-    return results
+    return results, combos
 
 
-def summarize(results: list) -> dict:
+def summarize(results: list, combos: list) -> dict:
     ran = [r for r in results if r.samples_run]
+    combos_pass = [c for c in combos if c.verdict == "pass"]
     fwd_pass = [r for r in ran if r.forward == "pass"]
     graded = [r for r in ran if r.grad in ("pass", "fail")]
     grad_pass = [r for r in graded if r.grad == "pass"]
@@ -301,13 +413,20 @@ def summarize(results: list) -> dict:
         "forward_failures": {r.name: r.forward_error for r in ran if r.forward == "fail"},
         "grad_failures": {r.name: r.grad_error for r in ran if r.grad == "fail"},
         "cpu_fallbacks": {r.name: r.fallbacks for r in results if r.fallbacks},
+        "combos_ran": len(combos),
+        "combos_pass": len(combos_pass),
+        "combos_rate": len(combos_pass) / max(1, len(combos)),
+        "combos_by_variant": {v: sum(c.variant == v for c in combos) for v in VARIANTS},
+        "combos_by_dtype": {d: sum(c.dtype == d for c in combos) for d in sorted({c.dtype for c in combos})},
+        "combo_failures": {c.key: c.error for c in combos if c.verdict == "fail"},
     }
 
 
-def write_report(results: list, path: Path) -> dict:
-    summary = summarize(results)
+def write_report(results: list, combos: list, path: Path) -> dict:
+    summary = summarize(results, combos)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"summary": summary, "ops": [dataclasses.asdict(r) for r in results]}, indent=1))
+    path.write_text(json.dumps({"summary": summary, "ops": [dataclasses.asdict(r) for r in results],
+                                "combinations": [dataclasses.asdict(c) for c in combos]}, indent=1))
     return summary
 
 
@@ -317,8 +436,11 @@ def format_summary(summary: dict) -> str:
         f"  forward agree: {summary['forward_pass']}/{summary['ops_cpu_ran']} = {summary['forward_rate']:.1%}",
         f"  gradients agree: {summary['grad_pass']}/{summary['grad_checked']} = {summary['grad_rate']:.1%}",
         f"  random ops (compared under the shared-seed generator contract): {len(summary['random_ops'])}",
+        f"  (op, variant, dtype) combinations agree: {summary['combos_pass']}/{summary['combos_ran']} = "
+        f"{summary['combos_rate']:.1%} (variants {summary['combos_by_variant']}, dtypes {summary['combos_by_dtype']})",
     ]
-    for title, key in (("forward failures", "forward_failures"), ("gradient failures", "grad_failures")):
+    for title, key in (("forward failures", "forward_failures"), ("gradient failures", "grad_failures"),
+                       ("combination failures", "combo_failures")):
         lines.append(f"{title} ({len(summary[key])}):")
         lines += [f"  {name:40s} {err}" for name, err in sorted(summary[key].items())]
     if summary["cpu_fallbacks"]:
@@ -330,6 +452,8 @@ def format_summary(summary: dict) -> str:
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=3, help="samples per op (default 3)")
+    p.add_argument("--variant-samples", type=int, default=0,
+                   help="samples per (op, variant, dtype) combination (default 0: all under the size cap)")
     p.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "build" / "opinfo.json"))
     p.add_argument("-v", "--verbose", action="store_true")
@@ -342,8 +466,8 @@ def main(argv: Optional[list] = None) -> int:
                   flush=True)
 
     t0 = time.perf_counter()
-    results = sweep(a.samples, only, progress)
-    summary = write_report(results, Path(a.out))
+    results, combos = sweep(a.samples, only, progress, a.variant_samples or None)
+    summary = write_report(results, combos, Path(a.out))
     print(format_summary(summary))
     print(f"({time.perf_counter() - t0:.1f}s; JSON in {a.out})")
     return 0

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,7 +126,8 @@ def test_chip_numerics_round_matmul_inputs_and_flush_denormals():
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     exact = a @ b
     torch.testing.assert_close((a.dipu() @ b.dipu()).cpu(), exact, rtol=0, atol=0)
-    ditorch.set_chip("D")  # 10 mantissa bits, like TF32
+    # Only fp32 input rounding to 10 mantissa bits, like TF32 (the built-in chips add more).
+    ditorch.set_chip(ditorch.ChipProfile("TF32", 8, 2.0, 8, 8, matmul_mantissa_bits=10, flush_denormals=True))
     rounded = (a.dipu() @ b.dipu()).cpu()
     assert not torch.equal(rounded, exact)
     # Reference: round the inputs to 10 bits by hand, multiply in fp32.
@@ -220,24 +222,24 @@ def test_autocast_casts_like_cuda():
 def test_bad_input_errors_name_the_value(tmp_path):
     with pytest.raises(RuntimeError, match="same device.*dipu:0.*cpu"):
         torch.ones(3, device="dipu") + torch.ones(3)
-    with pytest.raises(ValueError, match="unknown chip 'Z'.*A, B, C, D"):
+    with pytest.raises(ValueError, match="unknown chip 'Z'.*A, A100, B, C, D"):
         ditorch.set_chip("Z")
     with pytest.raises((IndexError, RuntimeError), match="dipu device index 99 is out of range"):
         torch.dipu.set_device(99)
     with pytest.raises(IndexError, match="dipu device index 42 is out of range"):
         torch.ones(1, device="dipu:42")
     bad = tmp_path / "chips.yaml"
-    bad.write_text("chips:\n  X:\n    memory_gb: -4\n    relative_speed: 1\n    chips_per_node: 8\n    nics_per_node: 4\n")
+    bad.write_text("emulated_chips:\n  X:\n    memory_gb: -4\n    relative_speed: 1\n    chips_per_node: 8\n    nics_per_node: 4\n")
     with pytest.raises(ValueError, match=r"chip profile 'X': memory_gb=-4 is invalid"):
         ditorch_ext.load_profile_file(bad)
-    bad.write_text("chips:\n  X:\n    memory_gb: 4\n    speed: 1\n")
+    bad.write_text("emulated_chips:\n  X:\n    memory_gb: 4\n    speed: 1\n")
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['speed'\]"):
         ditorch_ext.load_profile_file(bad)
 
 
 def test_user_profile_file_and_environment_selection(tmp_path):
     path = tmp_path / "chips.yaml"
-    path.write_text("chips:\n  E:\n    memory_gb: 8\n    relative_speed: 1.0\n    chips_per_node: 4\n"
+    path.write_text("emulated_chips:\n  E:\n    memory_gb: 8\n    relative_speed: 1.0\n    chips_per_node: 4\n"
                     "    nics_per_node: 2\n    matmul_mantissa_bits: 12\n")
     env = dict(os.environ, DITORCH_PROFILE_FILE=str(path), DITORCH_CHIP="E", DITORCH_MEMORY_SCALE="0.5")
     code = ("import torch, ditorch; p = torch.dipu.get_device_properties();"
@@ -248,3 +250,20 @@ def test_user_profile_file_and_environment_selection(tmp_path):
     env["DITORCH_CHIP"] = "nope"
     out = subprocess.run([sys.executable, "-c", "import ditorch"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "unknown chip 'nope'" in out.stderr
+
+
+def test_a_planner_chip_library_is_refused_as_a_profile_file_and_the_reverse(tmp_path):
+    """The two files' schemas differ; each loader names the other's when given the wrong one."""
+    from heteropp import ClusterSpec
+
+    library = Path(__file__).resolve().parents[2] / "examples" / "configs" / "chips-h2.yaml"
+    with pytest.raises(ValueError, match="planner chip library or cluster file.*'emulated_chips'"):
+        ditorch_ext.load_profile_file(library)
+    env = dict(os.environ, DITORCH_PROFILE_FILE=str(library))
+    out = subprocess.run([sys.executable, "-c", "import ditorch"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"DITORCH_PROFILE_FILE={library} is not a usable chip profile file" in out.stderr
+    profiles = tmp_path / "emulated.yaml"
+    profiles.write_text("emulated_chips:\n  E:\n    memory_gb: 8\n    relative_speed: 1.0\n    chips_per_node: 4\n"
+                        "    nics_per_node: 2\n")
+    with pytest.raises(ValueError, match="emulated chip profile file.*not a cluster or chip library"):
+        ClusterSpec.from_yaml(profiles)

@@ -75,14 +75,10 @@ def test_plan_errors_exit_nonzero(tmp_path, capsys):
 
 def test_calibration_reproduces_table6():
     # each chip's Table 6 configuration, simulated, gives back the measured throughput
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("plan_search_bench", CONFIGS.parents[1] / "benchmarks" / "plan_search.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["plan_search_bench"] = bench
-    spec.loader.exec_module(bench)
+    from benchmark_modules import load
     from heteropp import ClusterSpec, ModelSpec
+
+    bench = load("plan_search")
 
     model = ModelSpec.from_yaml(CONFIGS / "model-100b.yaml")
     lib = ClusterSpec.from_yaml(CONFIGS / "cluster-exp-b-1.yaml")

@@ -49,7 +49,7 @@ def make_plan(stages: list[tuple[str, int, int, bool]], dp: int = 1, microbatche
 
 def chip_file(tmp: Path) -> Path:
     path = tmp / "chips.yaml"
-    path.write_text(yaml.safe_dump({"chips": EXACT_CHIPS}))
+    path.write_text(yaml.safe_dump({"emulated_chips": EXACT_CHIPS}))
     return path
 
 

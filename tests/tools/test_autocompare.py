@@ -181,3 +181,47 @@ def test_finds_the_emulated_chips_matmul_numerics():
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"aten::mm", "aten::relu", "aten::add.Tensor"} <= set(found["ops"])
     assert found["bad"] == ["aten::mm"]
+
+
+def test_a_call_the_reference_cannot_run_is_unchecked_never_agreeing(test_library):
+    test_library.define("fp32_only(Tensor x) -> Tensor")
+
+    def kernel(x):
+        if x.dtype != torch.float32:
+            raise RuntimeError(f"fp32_only: no {x.dtype} kernel")
+        return x * 2
+
+    test_library.impl("fp32_only", kernel, "CPU")
+    with autocompare(dtype=torch.float64, out_dir=None) as ac:
+        torch.ops.ditorch_tools_test.fp32_only(torch.randn(3))
+    [result] = ac.results
+    assert result.status == "reference failed" and not result.allclose
+    assert "no torch.float64 kernel" in result.detail
+    assert ac.unchecked == [result] and not ac.mismatches
+
+
+def test_an_output_only_one_run_returned_is_a_mismatch(test_library):
+    """A kernel returning one more piece in float32 than in float64 (the reference)."""
+    test_library.define("pieces(Tensor x) -> Tensor[]")
+    test_library.impl("pieces", lambda x: list(x.split(2 if x.dtype == torch.float32 else 3)), "CPU")
+    with autocompare(dtype=torch.float64, out_dir=None) as ac:
+        torch.ops.ditorch_tools_test.pieces(torch.randn(6))
+    assert [r.status for r in ac.results] == ["mismatch", "mismatch", "missing"]  # shapes 2 vs 3 differ, then a third
+    assert ac.mismatches[-1].output == 2 and "only the device returned output 2" in ac.mismatches[-1].detail
+    with pytest.raises(tools.MismatchError, match="only the device returned output 2"):
+        raise tools.MismatchError(ac.mismatches[-1])
+
+
+@needs_dipu
+def test_a_factory_ops_reference_runs_on_the_reference_device():
+    """Chip D flushes denormals: a dipu `full` of a denormal is 0, the CPU's is not. With the
+    reference still on dipu, both would be 0 and agree."""
+    import ditorch
+
+    ditorch.set_chip("D")
+    try:
+        with autocompare(reference="cpu", ops="full", tolerances={"full": (0.0, 0.0)}, out_dir=None) as ac:
+            torch.full((3,), 1e-40, device="dipu")
+    finally:
+        ditorch.set_chip("host")
+    assert [(r.op, r.status) for r in ac.results] == [("aten::full", "mismatch")]

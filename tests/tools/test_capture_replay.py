@@ -90,3 +90,19 @@ def test_dipu_capture_replays_on_dipu_and_on_cpu(tmp_path):
     for d in cap.saved:
         assert json.loads((d / "meta.json").read_text())["devices"] == ["dipu:0"]
     assert ditorch_main(["replay", str(tmp_path), "--device", "dipu"]) == 0
+
+
+@needs_dipu
+def test_a_capture_records_the_chip_set_in_the_program_and_replay_notes_another(tmp_path):
+    import ditorch
+
+    ditorch.set_chip("D")
+    try:
+        a = torch.randn(4, 4).to("dipu")
+        with capture(path=tmp_path, ops="mm") as cap:
+            a @ a
+    finally:
+        ditorch.set_chip("host")
+    [saved] = cap.saved
+    assert json.loads((saved / "meta.json").read_text())["chip"] == "D"
+    assert "captured on chip D, replayed on chip host" in replay(saved, "dipu").note

@@ -23,9 +23,11 @@ class EmuVendor final : public Vendor {
   bool hostAddressable() const override { return true; }
   int deviceCount() const override {
     if (const char* env = std::getenv("DITORCH_EMU_DEVICES")) {
-      int n = std::atoi(env);
-      TORCH_CHECK(n >= 1 && n <= 64, "DITORCH_EMU_DEVICES=", env, " is invalid; expected an integer in [1, 64]");
-      return n;
+      char* end = nullptr;
+      const long n = std::strtol(env, &end, 10);
+      TORCH_CHECK(end != env && *end == '\0' && n >= 1 && n <= 64, "DITORCH_EMU_DEVICES=", env,
+                  " is invalid; expected an integer in [1, 64]");
+      return static_cast<int>(n);
     }
     return 8;
   }

@@ -3,6 +3,7 @@
 // In the spirit of DIPU's device APIs: raw memory, copies, streams/events, synchronisation and
 // the native device type whose ATen kernels the operator shim re-dispatches to.
 #include <c10/core/DeviceType.h>
+#include <c10/core/TensorOptions.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -35,6 +36,11 @@ class Vendor {
 
 // The process's vendor, chosen once (DITORCH_VENDOR, default "emu").
 Vendor& vendor();
+
+// The dispatch key of the vendor's kernel device (CPU for emu): where the shim re-dispatches.
+inline c10::DispatchKey kernelDispatchKey() {
+  return c10::computeDispatchKey(std::nullopt, std::nullopt, vendor().kernelDeviceType());
+}
 // Name -> vendor; throws with the known names when `name` is not built in.
 Vendor& selectVendor(const std::string& name);
 

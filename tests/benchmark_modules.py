@@ -7,11 +7,15 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# The helper module the programs import by name (they run with benchmarks/ as the script folder).
+SHARED = "program_results"
 
 
 def load(name: str) -> ModuleType:
     """benchmarks/<name>.py as module `name` (registered, as dataclasses need)."""
+    if name != SHARED:
+        load(SHARED)
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(BENCHMARKS / f"{name}.py"):
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")

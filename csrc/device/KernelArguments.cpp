@@ -1,0 +1,162 @@
+#include "device/KernelArguments.h"
+
+#include "device/Allocator.h"
+#include "device/Generator.h"
+#include "device/vendor/Vendor.h"
+
+#include <c10/core/StorageImpl.h>
+
+namespace ditorch {
+namespace {
+
+constexpr c10::DeviceType kDipu = c10::DeviceType::PrivateUse1;
+
+c10::Device dipuDevice(int index) { return c10::Device(kDipu, static_cast<c10::DeviceIndex>(index)); }
+
+at::Tensor makeTensor(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like_geometry) {
+  c10::DispatchKeySet keys(key);
+  if (like_geometry._is_zerotensor()) keys = keys.add(c10::DispatchKey::ZeroTensor);  // (settable only at birth)
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), keys, like_geometry.dtype());
+  impl->set_sizes_and_strides(like_geometry.sizes(), like_geometry.strides(), like_geometry.storage_offset());
+  // The lazy conjugate, negative and zero bits are part of the value: kernels that reach the shim
+  // with them set (mm, copy_, clone, views...) resolve them, so the re-viewed tensor must carry them.
+  impl->_set_conj(like_geometry.is_conj());
+  impl->_set_neg(like_geometry.is_neg());
+  return at::Tensor(std::move(impl));
+}
+
+// Non-owning, resizable storage over a dipu storage's bytes. Resizable so that out= kernels
+// may grow it: the new bytes come from the kernel allocation scope and are moved back.
+c10::Storage kernelStorageOver(c10::StorageImpl* s) {
+  c10::Device kernel_device(vendor().kernelDeviceType());
+  return c10::Storage(c10::Storage::use_byte_size_t(), s->nbytes(), c10::DataPtr(s->mutable_data(), kernel_device),
+                      c10::GetAllocator(vendor().kernelDeviceType()), /*resizable=*/true);
+}
+
+// The bytes of `ks` (a kernel-side storage) as device memory of `device`. A block of ours (born
+// inside the kernel allocation scope) is taken from `ks`, no copy; other memory (a constant the
+// kernel keeps cached, say) is copied and left where it is.
+c10::DataPtr takeAsDeviceBlock(c10::StorageImpl* ks, int device) {
+  if (!DeviceAllocator::isBlock(ks->data_ptr()))
+    return deviceAllocator().copyToNewBlock(ks->data(), ks->nbytes(), ks->nbytes(), device, dipuDevice(device));
+  c10::DataPtr block = ks->set_data_ptr(c10::DataPtr(nullptr, ks->device()));
+  block.unsafe_set_device(dipuDevice(device));
+  return block;
+}
+
+bool isGeneratorArgument(const c10::Argument& arg) {
+  return arg.type()->kind() == c10::TypeKind::OptionalType &&
+         arg.type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::GeneratorType;
+}
+
+}  // namespace
+
+at::Tensor asKernelTensor(const at::Tensor& t) {
+  return makeTensor(kernelStorageOver(t.storage().unsafeGetStorageImpl()), kernelDispatchKey(), t);
+}
+
+at::Tensor KernelArguments::alias(const at::Tensor& t, bool written) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  c10::Storage storage;
+  for (const Alias& a : aliases_) {
+    if (a.original.storage().unsafeGetStorageImpl() == s) {
+      // Two views of one storage share one alias storage, so kernels see them overlap.
+      storage = a.kernel_storage;
+      break;
+    }
+  }
+  if (!storage) storage = kernelStorageOver(s);
+  at::Tensor k = makeTensor(storage, kernelDispatchKey(), t);
+  aliases_.push_back(Alias{storage, k, t, s->mutable_data(), written});
+  return k;
+}
+
+void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t base = stack.size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    c10::IValue& v = stack[base + i];
+    const bool written = args[i].alias_info() && args[i].alias_info()->isWrite();
+    if (v.isTensor()) {
+      if (isDipu(v.toTensor())) v = alias(v.toTensor(), written);
+    } else if (v.isList()) {
+      // Tensor[] and Tensor?[] arguments (cat, index, the fused optimizers' parameter lists, ...).
+      c10::List<c10::IValue> list = v.toList();
+      bool any = false;
+      for (const c10::IValue& e : list) any |= e.isTensor() && isDipu(e.toTensor());
+      if (!any) continue;
+      c10::impl::GenericList out(list.elementType());
+      out.reserve(list.size());
+      for (const c10::IValue& e : list)
+        out.push_back(e.isTensor() && isDipu(e.toTensor()) ? c10::IValue(alias(e.toTensor(), written)) : e);
+      v = c10::IValue(std::move(out));
+    } else if (v.isDevice() && v.toDevice().type() == kDipu) {
+      v = c10::Device(vendor().kernelDeviceType());
+    } else if (v.isGenerator() && v.toGenerator().device().type() == kDipu) {
+      v = static_cast<DipuGenerator*>(v.toGenerator().unsafeGetGeneratorImpl())->kernelGenerator();
+    } else if (v.isNone() && isGeneratorArgument(args[i])) {
+      // Default randomness comes from the dipu device's generator, not the CPU one.
+      v = static_cast<DipuGenerator*>(defaultGenerator(device_).unsafeGetGeneratorImpl())->kernelGenerator();
+    }
+  }
+}
+
+void KernelArguments::syncWritten() {
+  for (const Alias& a : aliases_) {
+    if (!a.written) continue;
+    c10::StorageImpl* ks = a.kernel_storage.unsafeGetStorageImpl();
+    c10::StorageImpl* orig = a.original.storage().unsafeGetStorageImpl();
+    // (A storage shared by two arguments is moved once; the second sees it already empty.)
+    if (ks->data() != a.original_data && ks->data() != nullptr && ks->nbytes() > 0) {
+      orig->set_data_ptr_noswap(takeAsDeviceBlock(ks, device_));
+      orig->set_nbytes(ks->nbytes());
+    }
+    c10::TensorImpl* ot = a.original.unsafeGetTensorImpl();
+    const c10::TensorImpl* kt = a.kernel_tensor.unsafeGetTensorImpl();
+    if (ot->sizes() != kt->sizes() || ot->strides() != kt->strides() || ot->storage_offset() != kt->storage_offset())
+      ot->set_sizes_and_strides(kt->sizes(), kt->strides(), kt->storage_offset());
+  }
+}
+
+at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
+  if (!k.defined() || k.device().type() != vendor().kernelDeviceType()) return k;
+  TORCH_CHECK(k.layout() == c10::kStrided, "dipu holds only strided tensors, but the '", vendor().name(),
+              "' vendor's kernel returned a ", k.layout(), " tensor (sparse and other layouts are not supported on dipu)");
+  c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
+  for (const Alias& a : aliases_) {
+    if (a.kernel_storage.unsafeGetStorageImpl() != ks) continue;
+    // In-place and out= results are the caller's own tensor; views share its storage.
+    if (a.kernel_tensor.unsafeGetTensorImpl() == k.unsafeGetTensorImpl()) return a.original;
+    return makeTensor(a.original.storage(), c10::DispatchKey::PrivateUse1, k);
+  }
+  for (auto& [kernel_storage, storage] : adopted_)
+    if (kernel_storage == ks) return makeTensor(storage, c10::DispatchKey::PrivateUse1, k);
+  c10::DataPtr block;
+  if (ks->mutable_data() == nullptr)
+    // A ZeroTensor (its storage has a size but no bytes) or an empty result: nothing to move.
+    block = c10::DataPtr(nullptr, dipuDevice(device_));
+  else
+    block = takeAsDeviceBlock(ks, device_);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), ks->nbytes(), std::move(block), &deviceAllocator(), true);
+  adopted_.emplace_back(ks, storage);
+  at::Tensor t = makeTensor(storage, c10::DispatchKey::PrivateUse1, k);
+  fresh_.push_back(t);
+  return t;
+}
+
+void KernelArguments::adoptResults(size_t returns, torch::jit::Stack& stack) {
+  for (size_t r = stack.size() - returns; r < stack.size(); ++r) {
+    c10::IValue& v = stack[r];
+    if (v.isTensor()) {
+      v = toDipu(v.toTensor());
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> list = v.toTensorList();
+      c10::List<at::Tensor> out;
+      out.reserve(list.size());
+      for (const at::Tensor& t : list) out.push_back(toDipu(t));
+      v = std::move(out);
+    }
+  }
+}
+
+}  // namespace ditorch

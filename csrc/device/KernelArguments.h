@@ -1,0 +1,64 @@
+#pragma once
+// One op call as the vendor's kernel sees it. Each dipu argument (lists included) is re-viewed as
+// a tensor of the kernel device (CPU for emu) over the same bytes; after the kernel, arguments it
+// wrote are brought back to the caller's tensors and its results become dipu tensors: no copies.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/SmallVector.h>
+
+#include <utility>
+
+namespace ditorch {
+
+class KernelArguments {
+ public:
+  explicit KernelArguments(int device) : device_(device) {}
+
+  // Rewrites `op`'s arguments on `stack` for the vendor's kernel: dipu tensors become kernel-device
+  // aliases, and dipu devices and generators (an absent generator included) the kernel device's.
+  void rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+  // After the kernel: in-place and out= arguments (list items too) it regrew or re-strided carry
+  // their new bytes and geometry back to the caller's tensors.
+  void syncWritten();
+  // After the kernel: its results on the top of `stack` become dipu tensors (the caller's own tensor
+  // for an in-place or out= result, a view of it for a view, an adopted block otherwise).
+  void adoptResults(size_t returns, torch::jit::Stack& stack);
+
+  // Calls `f` with each caller tensor the kernel may have written.
+  template <typename F>
+  void forEachWritten(F&& f) const {
+    for (const Alias& a : aliases_)
+      if (a.written) f(a.original);
+  }
+  // Results born in this kernel: neither an argument nor a view of one.
+  const c10::SmallVector<at::Tensor, 4>& freshResults() const { return fresh_; }
+
+ private:
+  // One dipu argument re-viewed for the kernel. The references are owning: an argument may be
+  // replaced on the stack (a chip rounds matmul inputs into a copy), and its alias must outlive the
+  // kernel so results can still be matched against it.
+  struct Alias {
+    c10::Storage kernel_storage;  // the alias storage the kernel saw
+    at::Tensor kernel_tensor;     // the alias tensor the kernel saw
+    at::Tensor original;          // the caller's dipu tensor
+    void* original_data;
+    bool written;                 // an in-place or out= argument
+  };
+
+  at::Tensor alias(const at::Tensor& t, bool written);
+  at::Tensor toDipu(const at::Tensor& k);
+
+  int device_;
+  c10::SmallVector<Alias, 8> aliases_;
+  // Kernel result storages already given a dipu storage (a list's items may share one).
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> adopted_;
+  c10::SmallVector<at::Tensor, 4> fresh_;
+};
+
+// Whether `t` is a (defined) dipu tensor.
+inline bool isDipu(const at::Tensor& t) { return t.defined() && t.device().type() == c10::DeviceType::PrivateUse1; }
+
+// A tensor of the vendor's kernel device over `t`'s storage (same bytes, sizes, strides).
+at::Tensor asKernelTensor(const at::Tensor& t);
+
+}  // namespace ditorch
