@@ -42,16 +42,11 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from dips.address import free_port  # noqa: E402
 from program_results import save_run  # noqa: E402  (beside this file)
 
 MiB = 1 << 20
 ROUNDS = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _iters(nbytes: int, budget_s: float, lo: int, hi: int, est_bw: float = 1e9) -> int:
@@ -327,7 +322,7 @@ def run(world: int, sizes, ar_sizes, budget: float, hosts: list | None) -> dict:
     ranks 0 and 1 (world 2 only: gloo, dicomm over tcp and, on one host, shm, one raw socket)
     and allreduce of `ar_sizes`; returns rank 0's results. With `hosts`, the ranks are split over
     them in contiguous blocks (as torchrun places nodes) and the store is on the first."""
-    port = _free_port()
+    port = free_port()
     placed = [hosts[r * len(hosts) // world] if hosts else None for r in range(world)]
     store_host = hosts[0].address if hosts else "127.0.0.1"
     return _spawn(_worker, [(r, world, port, sizes, ar_sizes, budget, placed[r], store_host) for r in range(world)])

@@ -42,7 +42,8 @@ import torch  # noqa: E402
 
 from dips.auth import JobToken  # noqa: E402
 from dips.client import OuterClient  # noqa: E402
-from dips.harness import ClusterSpec, evaluate, free_port, read_log, start_cluster, start_follower  # noqa: E402
+from dips.address import free_port  # noqa: E402
+from dips.harness import ClusterSpec, evaluate, read_log, start_cluster, start_follower  # noqa: E402
 from dips.leader import Leader, LeaderConfig  # noqa: E402
 from dips.model import build_model, load_config  # noqa: E402
 from ditorch.datasets import sample_batch, text_corpus  # noqa: E402

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from dips.auth import JobToken  # noqa: E402
 from dips.follower import Follower  # noqa: E402
-from dips.harness import free_port  # noqa: E402
+from dips.address import free_port  # noqa: E402
 from dips.leader import Leader, LeaderConfig  # noqa: E402
 
 SMALL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64,

@@ -18,7 +18,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,13 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dips.address import free_port  # noqa: E402
+
 SIZES = [8, 4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _iters(nbytes: int, slow: bool) -> int:
@@ -93,7 +88,7 @@ def _rank(rank: int, port: int, transport: str, slow: bool, sizes: list[int], ou
 def measure(transport: str, slow: bool, sizes: list[int]) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, transport, slow, sizes, q)) for r in range(2)]
     for p in procs:
         p.start()

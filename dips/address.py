@@ -60,3 +60,11 @@ def _is_v6(host: str) -> bool:
         return ipaddress.ip_address(host.split("%")[0]).version == 6
     except ValueError:
         return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now, for a server started next (another process may
+    take it first: callers that can, retry on a failed bind)."""
+    with socket.socket(socket.AF_INET6 if _is_v6(host) else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dips.address import free_port
 from ditorch.datasets import sample_batch, text_corpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,15 +198,6 @@ def start_follower(leader: str, bind: str, server_token_file: str, ckpt_dir: str
                              "--server-token-file", server_token_file, "--checkpoint-dir", ckpt_dir,
                              "--log-level", "WARNING"],
                             env=python_env(), stdout=out, stderr=subprocess.STDOUT)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for servers started next)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":  # one rank of an emulated cluster: python -m dips.harness SPEC_JSON RANK

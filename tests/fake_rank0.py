@@ -16,6 +16,8 @@ import struct
 
 import torch
 
+from dips.address import free_port
+
 HELLO = struct.Struct("<QiiQ32sii")  # magic, rank, pid, probe, nonce, lane, lanes (64 bytes)
 HELLO_MAGIC = 0x336D6D6F4369446C
 LABEL = {"accept": b"dicomm-accept-1\0", "dial": b"dicomm-dial-1\0\0\0"}
@@ -36,12 +38,6 @@ def frame(kind: str | int, tag: int = 0, nbytes: int = 0, dtype: int = -1, addre
           seq: int = 0, status: int = 0) -> bytes:
     return FRAME.pack(KIND.get(kind, kind) if isinstance(kind, str) else kind, status, tag, nbytes, dtype, 0,
                       address, seq)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def closed_by_peer(s: socket.socket, within: float = 5.0) -> bool:

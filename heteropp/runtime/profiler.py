@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -24,14 +23,9 @@ from pathlib import Path
 
 import yaml
 
+from dips.address import free_port
 from ditorch.models.llama import LlamaConfig
 from heteropp.cluster import END_TIME_KEYS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn, sync, repeats: int) -> float:
@@ -178,7 +172,7 @@ def profile_tp(chip: str, config: LlamaConfig, tp: int, precision: str = "bf16",
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, nprocs=tp, start_method="spawn",
-                           args=(tp, _free_port(), chip, config.__dict__, precision, memory_scale, repeats,
+                           args=(tp, free_port(), chip, config.__dict__, precision, memory_scale, repeats,
                                  sequence_parallel, out))
         return json.loads(Path(out).read_text())
 

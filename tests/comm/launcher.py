@@ -10,16 +10,11 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dips.address import free_port
 
 
 def _entry(fn, rank, world, port, env, results, init, timeout_s, host, store_host):

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from launcher import error_of, free_port, leave_together, run_ranks
+from dips.address import free_port
+from launcher import error_of, leave_together, run_ranks
 
 
 def peer_dies(rank: int, world: int, _port: int) -> dict:

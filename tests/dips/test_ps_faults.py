@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from dips.auth import JobToken
-from dips.harness import ClusterSpec, free_port, python_env, read_log, start_cluster, start_follower
+from dips.address import free_port
+from dips.harness import ClusterSpec, python_env, read_log, start_cluster, start_follower
 from dips.rpc import RpcClient, RpcError
 
 from pscluster import ROOT

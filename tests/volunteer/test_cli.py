@@ -15,7 +15,7 @@ import yaml
 
 from emulated_hosts import can_make_hosts, emulated_hosts
 from volunteer.cli import load_job
-from dips.harness import free_port
+from dips.address import free_port
 
 from volunteer_reference import reference_run
 
