@@ -2,6 +2,7 @@
 
 #include "device/ChipProfile.h"
 #include "device/Guard.h"
+#include "device/MemoryWindow.h"
 #include "device/vendor/Vendor.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -85,7 +86,10 @@ class KernelHostAllocator final : public c10::Allocator {
   explicit KernelHostAllocator(c10::Allocator* original) : original_(original) {}
   c10::DataPtr allocate(size_t bytes) override {
     if (t_kernel_device < 0) return original_->allocate(bytes);
-    return deviceAllocator().allocateOn(bytes, t_kernel_device, c10::Device(c10::DeviceType::CPU));
+    c10::DataPtr block = deviceAllocator().allocateOn(bytes, t_kernel_device, c10::Device(c10::DeviceType::CPU));
+    // The kernel writes it now: open for the rest of the op where memory is protected.
+    if (MemoryWindow* window = MemoryWindow::current()) window->open(block.get());
+    return block;
   }
   c10::DeleterFnPtr raw_deleter() const override { return &rawDelete; }
   void copy_data(void* dst, const void* src, std::size_t bytes) const override { original_->copy_data(dst, src, bytes); }

@@ -6,6 +6,8 @@
 
 #include <c10/core/StorageImpl.h>
 
+#include <tuple>
+
 namespace ditorch {
 namespace {
 
@@ -28,9 +30,9 @@ at::Tensor makeTensor(c10::Storage storage, c10::DispatchKey key, const at::Tens
 // Non-owning, resizable storage over a dipu storage's bytes. Resizable so that out= kernels
 // may grow it: the new bytes come from the kernel allocation scope and are moved back.
 c10::Storage kernelStorageOver(c10::StorageImpl* s) {
-  c10::Device kernel_device(vendor().kernelDeviceType());
-  return c10::Storage(c10::Storage::use_byte_size_t(), s->nbytes(), c10::DataPtr(s->mutable_data(), kernel_device),
-                      c10::GetAllocator(vendor().kernelDeviceType()), /*resizable=*/true);
+  static c10::Allocator* const kernel_allocator = c10::GetAllocator(kernelDevice().type());
+  return c10::Storage(c10::Storage::use_byte_size_t(), s->nbytes(), c10::DataPtr(s->mutable_data(), kernelDevice()),
+                      kernel_allocator, /*resizable=*/true);
 }
 
 // The bytes of `ks` (a kernel-side storage) as device memory of `device`. A block of ours (born
@@ -44,6 +46,36 @@ c10::DataPtr takeAsDeviceBlock(c10::StorageImpl* ks, int device) {
   return block;
 }
 
+// Alias tensors and their storages are made and dropped by every op. A few per thread are kept
+// for the next op instead: a malloc, a free and two constructors saved per argument (most of what
+// re-viewing an argument costs). Only pairs nothing else holds come back.
+struct SpareAlias {
+  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tensor;
+  c10::intrusive_ptr<c10::StorageImpl> storage;
+};
+constexpr size_t kMaxSpareAliases = 16;
+thread_local c10::SmallVector<SpareAlias, kMaxSpareAliases> t_spare_aliases;
+
+// A kernel-device alias over dipu storage `s` shaped like `t`, from a spare pair when one is kept.
+std::pair<c10::Storage, at::Tensor> newAlias(c10::StorageImpl* s, const at::Tensor& t) {
+  if (t_spare_aliases.empty() || t._is_zerotensor()) {
+    c10::Storage storage = kernelStorageOver(s);
+    at::Tensor k = makeTensor(storage, kernelDispatchKey(), t);
+    return {std::move(storage), std::move(k)};
+  }
+  SpareAlias spare = std::move(t_spare_aliases.back());
+  t_spare_aliases.pop_back();
+  spare.storage->set_data_ptr_noswap(c10::DataPtr(s->mutable_data(), kernelDevice()));
+  spare.storage->set_nbytes(s->nbytes());
+  c10::Storage storage(std::move(spare.storage));
+  c10::TensorImpl* impl = spare.tensor.get();
+  impl->set_storage_and_dtype(storage, t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  impl->_set_conj(t.is_conj());
+  impl->_set_neg(t.is_neg());
+  return {std::move(storage), at::Tensor(std::move(spare.tensor))};
+}
+
 bool isGeneratorArgument(const c10::Argument& arg) {
   return arg.type()->kind() == c10::TypeKind::OptionalType &&
          arg.type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::GeneratorType;
@@ -55,19 +87,39 @@ at::Tensor asKernelTensor(const at::Tensor& t) {
   return makeTensor(kernelStorageOver(t.storage().unsafeGetStorageImpl()), kernelDispatchKey(), t);
 }
 
-at::Tensor KernelArguments::alias(const at::Tensor& t, bool written) {
+KernelArguments::~KernelArguments() {
+  for (Alias& a : aliases_) {
+    // Kept only when the alias and the tensor over it are the sole holders of the storage and
+    // nothing holds the tensor (a kernel may have kept either).
+    if (t_spare_aliases.size() == kMaxSpareAliases || a.kernel_tensor.use_count() != 1 ||
+        a.kernel_storage.use_count() != 2 || a.kernel_tensor.storage().unsafeGetStorageImpl() !=
+        a.kernel_storage.unsafeGetStorageImpl())
+      continue;
+    t_spare_aliases.push_back(SpareAlias{a.kernel_tensor.unsafeReleaseIntrusivePtr(),
+                                         c10::intrusive_ptr<c10::StorageImpl>::reclaim(
+                                             a.kernel_storage.unsafeReleaseStorageImpl())});
+  }
+}
+
+at::Tensor KernelArguments::alias(c10::MaybeOwned<at::Tensor> original, bool written) {
+  const at::Tensor& t = *original;
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   c10::Storage storage;
   for (const Alias& a : aliases_) {
-    if (a.original.storage().unsafeGetStorageImpl() == s) {
+    if (a.original->storage().unsafeGetStorageImpl() == s) {
       // Two views of one storage share one alias storage, so kernels see them overlap.
       storage = a.kernel_storage;
       break;
     }
   }
-  if (!storage) storage = kernelStorageOver(s);
-  at::Tensor k = makeTensor(storage, kernelDispatchKey(), t);
-  aliases_.push_back(Alias{storage, k, t, s->mutable_data(), written});
+  at::Tensor k;
+  if (storage) {
+    k = makeTensor(storage, kernelDispatchKey(), t);
+  } else {
+    std::tie(storage, k) = newAlias(s, t);
+    window_.open(s);
+  }
+  aliases_.push_back(Alias{storage, k, std::move(original), s->mutable_data(), written});
   return k;
 }
 
@@ -78,7 +130,8 @@ void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& 
     c10::IValue& v = stack[base + i];
     const bool written = args[i].alias_info() && args[i].alias_info()->isWrite();
     if (v.isTensor()) {
-      if (isDipu(v.toTensor())) v = alias(v.toTensor(), written);
+      // Moved off the stack (the slot is overwritten): no reference count taken.
+      if (isDipu(v.toTensor())) v = alias(c10::MaybeOwned<at::Tensor>::owned(std::move(v).toTensor()), written);
     } else if (v.isList()) {
       // Tensor[] and Tensor?[] arguments (cat, index, the fused optimizers' parameter lists, ...).
       c10::List<c10::IValue> list = v.toList();
@@ -88,10 +141,12 @@ void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& 
       c10::impl::GenericList out(list.elementType());
       out.reserve(list.size());
       for (const c10::IValue& e : list)
-        out.push_back(e.isTensor() && isDipu(e.toTensor()) ? c10::IValue(alias(e.toTensor(), written)) : e);
+        out.push_back(e.isTensor() && isDipu(e.toTensor())
+                          ? c10::IValue(alias(c10::MaybeOwned<at::Tensor>::owned(at::Tensor(e.toTensor())), written))
+                          : e);
       v = c10::IValue(std::move(out));
     } else if (v.isDevice() && v.toDevice().type() == kDipu) {
-      v = c10::Device(vendor().kernelDeviceType());
+      v = kernelDevice();
     } else if (v.isGenerator() && v.toGenerator().device().type() == kDipu) {
       v = static_cast<DipuGenerator*>(v.toGenerator().unsafeGetGeneratorImpl())->kernelGenerator();
     } else if (v.isNone() && isGeneratorArgument(args[i])) {
@@ -105,38 +160,58 @@ void KernelArguments::syncWritten() {
   for (const Alias& a : aliases_) {
     if (!a.written) continue;
     c10::StorageImpl* ks = a.kernel_storage.unsafeGetStorageImpl();
-    c10::StorageImpl* orig = a.original.storage().unsafeGetStorageImpl();
+    c10::StorageImpl* orig = a.original->storage().unsafeGetStorageImpl();
     // (A storage shared by two arguments is moved once; the second sees it already empty.)
     if (ks->data() != a.original_data && ks->data() != nullptr && ks->nbytes() > 0) {
       orig->set_data_ptr_noswap(takeAsDeviceBlock(ks, device_));
       orig->set_nbytes(ks->nbytes());
+      window_.open(orig);
     }
-    c10::TensorImpl* ot = a.original.unsafeGetTensorImpl();
+    c10::TensorImpl* ot = a.original->unsafeGetTensorImpl();
     const c10::TensorImpl* kt = a.kernel_tensor.unsafeGetTensorImpl();
     if (ot->sizes() != kt->sizes() || ot->strides() != kt->strides() || ot->storage_offset() != kt->storage_offset())
       ot->set_sizes_and_strides(kt->sizes(), kt->strides(), kt->storage_offset());
   }
 }
 
+bool KernelArguments::becomeDipu(const at::Tensor& k) {
+  // Only a result nobody else sees: the kernel's own tensor over a block it allocated from us.
+  c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
+  if (k.use_count() != 1 || k.storage().use_count() != 1 || !DeviceAllocator::isBlock(ks->data_ptr())) return false;
+  const c10::Device device = dipuDevice(device_);
+  ks->_mutable_data_ptr_no_checks().unsafe_set_device(device);
+  ks->set_allocator(&deviceAllocator());
+  c10::TensorImpl* impl = k.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(k.storage());  // re-reads the device from the storage
+  impl->_change_backend_component_keys(device);
+  return true;
+}
+
 at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
-  if (!k.defined() || k.device().type() != vendor().kernelDeviceType()) return k;
+  if (!k.defined() || k.device().type() != kernelDevice().type()) return k;
   TORCH_CHECK(k.layout() == c10::kStrided, "dipu holds only strided tensors, but the '", vendor().name(),
               "' vendor's kernel returned a ", k.layout(), " tensor (sparse and other layouts are not supported on dipu)");
   c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
   for (const Alias& a : aliases_) {
     if (a.kernel_storage.unsafeGetStorageImpl() != ks) continue;
     // In-place and out= results are the caller's own tensor; views share its storage.
-    if (a.kernel_tensor.unsafeGetTensorImpl() == k.unsafeGetTensorImpl()) return a.original;
-    return makeTensor(a.original.storage(), c10::DispatchKey::PrivateUse1, k);
+    if (a.kernel_tensor.unsafeGetTensorImpl() == k.unsafeGetTensorImpl()) return *a.original;
+    return makeTensor(a.original->storage(), c10::DispatchKey::PrivateUse1, k);
   }
   for (auto& [kernel_storage, storage] : adopted_)
     if (kernel_storage == ks) return makeTensor(storage, c10::DispatchKey::PrivateUse1, k);
+  if (becomeDipu(k)) {
+    adopted_.emplace_back(ks, k.storage());
+    fresh_.push_back(k);
+    return k;
+  }
   c10::DataPtr block;
   if (ks->mutable_data() == nullptr)
     // A ZeroTensor (its storage has a size but no bytes) or an empty result: nothing to move.
     block = c10::DataPtr(nullptr, dipuDevice(device_));
   else
     block = takeAsDeviceBlock(ks, device_);
+  window_.open(block.get());
   c10::Storage storage(c10::Storage::use_byte_size_t(), ks->nbytes(), std::move(block), &deviceAllocator(), true);
   adopted_.emplace_back(ks, storage);
   at::Tensor t = makeTensor(storage, c10::DispatchKey::PrivateUse1, k);

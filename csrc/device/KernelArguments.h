@@ -2,8 +2,12 @@
 // One op call as the vendor's kernel sees it. Each dipu argument (lists included) is re-viewed as
 // a tensor of the kernel device (CPU for emu) over the same bytes; after the kernel, arguments it
 // wrote are brought back to the caller's tensors and its results become dipu tensors: no copies.
+// Where device memory is protected from the host, all of it stays open until the call ends.
+#include "device/MemoryWindow.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/MaybeOwned.h>
 #include <c10/util/SmallVector.h>
 
 #include <utility>
@@ -13,10 +17,20 @@ namespace ditorch {
 class KernelArguments {
  public:
   explicit KernelArguments(int device) : device_(device) {}
+  ~KernelArguments();  // keeps spare alias tensors for the next op
+  KernelArguments(const KernelArguments&) = delete;
+  KernelArguments& operator=(const KernelArguments&) = delete;
 
   // Rewrites `op`'s arguments on `stack` for the vendor's kernel: dipu tensors become kernel-device
   // aliases, and dipu devices and generators (an absent generator included) the kernel device's.
   void rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+  // One dipu tensor argument of an unboxed call, as the kernel sees it. `t` is borrowed: the caller
+  // holds it for the call (no reference is taken, so a tensor Python owns costs no GIL round trip).
+  at::Tensor borrowArgument(const at::Tensor& t, bool written) {
+    return alias(c10::MaybeOwned<at::Tensor>::borrowed(t), written);
+  }
+  // One kernel result as the caller's dipu tensor (what adoptResults does for each).
+  at::Tensor adoptResult(const at::Tensor& k) { return toDipu(k); }
   // After the kernel: in-place and out= arguments (list items too) it regrew or re-strided carry
   // their new bytes and geometry back to the caller's tensors.
   void syncWritten();
@@ -28,7 +42,7 @@ class KernelArguments {
   template <typename F>
   void forEachWritten(F&& f) const {
     for (const Alias& a : aliases_)
-      if (a.written) f(a.original);
+      if (a.written) f(*a.original);
   }
   // Results born in this kernel: neither an argument nor a view of one.
   const c10::SmallVector<at::Tensor, 4>& freshResults() const { return fresh_; }
@@ -40,14 +54,18 @@ class KernelArguments {
   struct Alias {
     c10::Storage kernel_storage;  // the alias storage the kernel saw
     at::Tensor kernel_tensor;     // the alias tensor the kernel saw
-    at::Tensor original;          // the caller's dipu tensor
+    c10::MaybeOwned<at::Tensor> original;  // the caller's dipu tensor (borrowed from an unboxed call)
     void* original_data;
     bool written;                 // an in-place or out= argument
   };
 
-  at::Tensor alias(const at::Tensor& t, bool written);
+  at::Tensor alias(c10::MaybeOwned<at::Tensor> t, bool written);
   at::Tensor toDipu(const at::Tensor& k);
+  // Turns a kernel result into a dipu tensor in place when nothing else holds it (no new tensor
+  // and storage to build and free); false when it must be re-wrapped instead.
+  bool becomeDipu(const at::Tensor& k);
 
+  MemoryWindow window_;  // the memory the kernel (and the chip's numerics after it) work on
   int device_;
   c10::SmallVector<Alias, 8> aliases_;
   // Kernel result storages already given a dipu storage (a list's items may share one).

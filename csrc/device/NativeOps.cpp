@@ -6,6 +6,7 @@
 #include "device/ChipNumerics.h"
 #include "device/ChipProfile.h"
 #include "device/KernelArguments.h"
+#include "device/MemoryWindow.h"
 #include "device/vendor/Vendor.h"
 
 #include <ATen/EmptyTensor.h>
@@ -74,10 +75,13 @@ const at::Tensor& resize(const at::Tensor& self, c10::IntArrayRef size, std::opt
   return self;
 }
 
-// Copies involving dipu: on a host-addressable vendor both sides are re-viewed on the kernel
-// device and the kernel device's copy_ handles dtype conversion, strides and broadcasting.
+// Copies involving dipu: both sides are re-viewed on the kernel device and the kernel device's
+// copy_ handles dtype conversion, strides and broadcasting (a kernel like any other: where device
+// memory is protected from the host, it is open for the copy).
 at::Tensor copyFrom(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
-  TORCH_CHECK(vendor().hostAddressable(), "copies for the '", vendor().name(), "' vendor need its memcpy path");
+  MemoryWindow window;
+  if (isDipu(self)) window.open(self.storage().unsafeGetStorageImpl());
+  if (isDipu(dst)) window.open(dst.storage().unsafeGetStorageImpl());
   at::Tensor src_k = isDipu(self) ? asKernelTensor(self) : self;
   at::Tensor dst_k = isDipu(dst) ? asKernelTensor(dst) : dst;
   TORCH_CHECK(src_k.device().type() == dst_k.device().type(), "copy between ", self.device(), " and ", dst.device(),
@@ -94,7 +98,11 @@ at::Tensor copyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
   return copyFrom(self, dst, false);
 }
 
-at::Scalar localScalarDense(const at::Tensor& self) { return at::_local_scalar_dense(asKernelTensor(self)); }
+at::Scalar localScalarDense(const at::Tensor& self) {
+  MemoryWindow window;
+  window.open(self.storage().unsafeGetStorageImpl());
+  return at::_local_scalar_dense(asKernelTensor(self));
+}
 
 at::Tensor& setStorage(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
                        c10::IntArrayRef stride) {

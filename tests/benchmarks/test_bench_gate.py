@@ -36,7 +36,7 @@ def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
     ratio = medians["test_add_one_element[dipu]"] / medians["test_add_one_element[cpu]"]
     report = (tmp_path / "report.md").read_text()
     assert "| test_add_one_element[cpu] |" in report and "*peer*" in report
-    assert f"| {ratio:.2f}x | <= 2x |" in report, report
+    assert f"| {ratio:.2f}x | <= 1.3x |" in report, report
 
     # 200 us before a call of ~1-3 us: a regression far beyond the threshold.
     slower = _make("bench-compare", tmp_path, "--slow-down-us=200")

@@ -29,6 +29,14 @@ class Vendor {
   virtual void memcpy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int device) = 0;
   virtual void synchronize(int device) = 0;
 
+  // Memory the host may not touch outside the vendor's kernels. A vendor whose kernels run on the
+  // host (emu) opens what a kernel touches for its duration; one whose kernels run on the device
+  // needs no opening and keeps these no-ops. open returns a token that close must be given (a
+  // block freed and remapped at the same address in between is then left alone).
+  virtual bool protectsMemory() const { return false; }
+  virtual std::uint64_t openForKernel(const void* /*ptr*/) { return 0; }
+  virtual void closeAfterKernel(const void* /*ptr*/, std::uint64_t /*token*/) {}
+
   // Page-locked host memory for fast staging.
   virtual void* mallocHost(std::size_t bytes) = 0;
   virtual void freeHost(void* ptr) = 0;
@@ -37,9 +45,15 @@ class Vendor {
 // The process's vendor, chosen once (DITORCH_VENDOR, default "emu").
 Vendor& vendor();
 
-// The dispatch key of the vendor's kernel device (CPU for emu): where the shim re-dispatches.
+// The vendor's kernel device (CPU for emu) and its dispatch key: where the shim re-dispatches.
+// Computed once (the vendor is chosen once); asked several times per op.
+inline c10::Device kernelDevice() {
+  static const c10::Device device(vendor().kernelDeviceType());
+  return device;
+}
 inline c10::DispatchKey kernelDispatchKey() {
-  return c10::computeDispatchKey(std::nullopt, std::nullopt, vendor().kernelDeviceType());
+  static const c10::DispatchKey key = c10::computeDispatchKey(std::nullopt, std::nullopt, kernelDevice());
+  return key;
 }
 // Name -> vendor; throws with the known names when `name` is not built in.
 Vendor& selectVendor(const std::string& name);
