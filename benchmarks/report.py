@@ -10,6 +10,11 @@ in place marks where, and the text between the markers is regenerated:
     <!-- bench: volunteer "volunteer, devices vanish" -->   (at the start of a line: program,
     <!-- /bench -->                                         group-name prefix)
 
+A block may add columns from each row's ``extra_info`` and keep the rows in the order the
+program saved them (cases rather than contenders; otherwise rows go fastest first):
+
+    <!-- bench: plan_search "plan search, H2" columns=chips,GBS,HSR_sim order=saved -->
+
 `make bench` runs it after saving.
 
     .venv/bin/python benchmarks/report.py [--storage .benchmarks] [--out docs/benchmarks.md] [--docs docs]
@@ -51,10 +56,19 @@ def _seconds(s: float) -> str:
     return f"{s / scale:.3g} {unit}"
 
 
-def _table(group: str, rows: list[dict]) -> list[str]:
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _table(group: str, rows: list[dict], columns: tuple[str, ...] = ()) -> list[str]:
     peers = [b for b in rows if b["extra_info"].get("peer")]
     peer_s = peers[0]["stats"]["median"] if peers else None
-    lines = [f"### {group}", "", "| benchmark | median | min | ratio | target |", "|---|---|---|---|---|"]
+    header = ["benchmark", "median", "min", "ratio", "target", *(c.replace("_", " ") for c in columns)]
+    lines = [f"### {group}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for b in rows:
         info, stats = b["extra_info"], b["stats"]
         base = info.get("peer_s", peer_s)
@@ -64,8 +78,9 @@ def _table(group: str, rows: list[dict]) -> list[str]:
             ratio = f"{stats['median'] / base:.2f}x" + (f" of {info['peer_name']}" if "peer_name" in info else "")
         else:
             ratio = "-"
+        extra = "".join(f" {_cell(info.get(c))} |" for c in columns)
         lines.append(f"| {b['name']} | {_seconds(stats['median'])} | {_seconds(stats['min'])} | {ratio} | "
-                     f"{info.get('target', '')} |")
+                     f"{info.get('target', '')} |{extra}")
     return lines + [""]
 
 
@@ -85,8 +100,19 @@ def _run_section(path: Path) -> list[str]:
 
 
 # A marker starts its line (an indented one, as in an example, is text).
-MARKER = re.compile(r'(^<!-- bench: (?P<program>[\w.-]+) "(?P<prefix>[^"]*)" -->\n)(?P<body>.*?)(^<!-- /bench -->)',
-                    re.S | re.M)
+MARKER = re.compile(r'(^<!-- bench: (?P<program>[\w.-]+) "(?P<prefix>[^"]*)"(?P<options>(?: [\w]+=\S+)*) -->\n)'
+                    r'(?P<body>.*?)(?P<end>^<!-- /bench -->)', re.S | re.M)
+OPTIONS = {"columns", "order"}
+
+
+def _options(text: str, where: str) -> dict[str, str]:
+    options = dict(item.split("=", 1) for item in text.split())
+    unknown = set(options) - OPTIONS
+    if unknown:
+        raise SystemExit(f"{where}: unknown bench block option(s) {sorted(unknown)}; expected {sorted(OPTIONS)}")
+    if options.get("order", "saved") != "saved":
+        raise SystemExit(f"{where}: order={options['order']!r}; expected order=saved (or no order: fastest first)")
+    return options
 
 
 def _groups(path: Path) -> dict[str, list[dict]]:
@@ -100,6 +126,8 @@ def fill_markers(text: str, runs: dict[str, Path], where: str) -> str:
     """`text` with every marked block replaced by the tables of its program's latest run."""
     def block(m: re.Match) -> str:
         program, prefix = m.group("program"), m.group("prefix")
+        options = _options(m.group("options"), where)
+        columns = tuple(c for c in options.get("columns", "").split(",") if c)
         if program not in runs:  # kept as it is until the program runs here
             print(f"{where}: kept the block of {program} (no saved run of it here)")
             return m.group(0)
@@ -107,23 +135,38 @@ def fill_markers(text: str, runs: dict[str, Path], where: str) -> str:
         if not groups:
             raise SystemExit(f"{where}: no group of {program}'s run {runs[program].name} starts with {prefix!r}")
         lines = [f"*From run `{runs[program].name}` (`benchmarks/report.py` writes this block).*", ""]
-        for group in sorted(groups):
-            lines += _table(group, sorted(groups[group], key=lambda b: b["stats"]["median"]))
-        return m.group(1) + "\n".join(lines) + "\n" + m.group(5)
+        for group, rows in sorted(groups.items()):
+            if "order" not in options:
+                rows = sorted(rows, key=lambda b: b["stats"]["median"])
+            lines += _table(group, rows, columns)
+        return m.group(1) + "\n".join(lines) + "\n" + m.group("end")
     return MARKER.sub(block, text)
 
 
-def render(storage: Path) -> str:
-    """The whole document for the runs saved under `storage`."""
+def _sections(text: str) -> dict[str, str]:
+    """The `## ...` sections of a document made by render(), by heading."""
+    parts = re.split(r"^(## .*)$", text, flags=re.M)
+    return {parts[i]: parts[i] + parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def render(storage: Path, previous: str = "") -> str:
+    """The whole document for the runs saved under `storage`. A program with no saved run here
+    keeps its section from `previous` (the document as it was), as a marked block does."""
     programs = storage_dir(storage)
     micro = storage / programs.name  # pytest-benchmark's own folder for this machine
     runs = _latest(micro) + _latest(programs)
     if not runs:
         raise SystemExit(f"no saved runs under {micro} or {programs}: run `make bench`")
-    lines = [HEADER]
+    sections = {}
     for path in runs:
-        lines += _run_section(path)
-    return "\n".join(lines).rstrip() + "\n"
+        lines = _run_section(path)
+        sections[lines[0]] = "\n".join(lines).rstrip() + "\n\n"
+    for heading, text in _sections(previous).items():
+        if heading not in sections:
+            print(f"kept {heading[3:]} (no saved run of it here)")
+            sections[heading] = text.rstrip() + "\n\n"
+    ordered = sorted(sections, key=lambda h: (h != "## Micro-benchmarks", h))
+    return (HEADER + "\n" + "".join(sections[h] for h in ordered)).rstrip() + "\n"
 
 
 def main(argv=None) -> int:
@@ -133,7 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", default=str(ROOT / "docs"), help="pages whose marked blocks are regenerated ('' for none)")
     args = ap.parse_args(argv)
     storage = Path(args.storage)
-    Path(args.out).write_text(render(storage))
+    out = Path(args.out)
+    out.write_text(render(storage, out.read_text() if out.exists() else ""))
     print(f"wrote {args.out}")
     if args.docs:
         runs = {p.stem[5:]: p for p in _latest(storage_dir(storage))}
