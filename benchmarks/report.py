@@ -75,7 +75,8 @@ def _table(group: str, rows: list[dict], columns: tuple[str, ...] = ()) -> list[
         if info.get("peer"):
             ratio = "*peer*"
         elif base:
-            ratio = f"{stats['median'] / base:.2f}x" + (f" of {info['peer_name']}" if "peer_name" in info else "")
+            r = stats["median"] / base
+            ratio = (f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x") + (f" of {info['peer_name']}" if "peer_name" in info else "")
         else:
             ratio = "-"
         extra = "".join(f" {_cell(info.get(c))} |" for c in columns)
