@@ -68,13 +68,20 @@ at::Tensor truncatingSum(const at::Tensor& partials, int bits) {
     std::memcpy(&v, &u, sizeof v);
     return v;
   };
-  at::parallel_for(0, batch * elements, 1 << 12, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / elements, e = i % elements;
-      const float* p = in + b * blocks * elements + e;
-      float sum = truncate(p[0]);
-      for (int64_t j = 1; j < blocks; ++j) sum = truncate(sum + p[j * elements]);
-      res[i] = sum;
+  // Block-major over a run of elements of one batch entry: every block's row is read contiguously
+  // (element-major walks blocks `elements` apart, a cache miss per term).
+  constexpr int64_t kRun = 1024;
+  const int64_t runs_per_batch = (elements + kRun - 1) / kRun;
+  at::parallel_for(0, batch * runs_per_batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / runs_per_batch, e0 = (r % runs_per_batch) * kRun, e1 = std::min(elements, e0 + kRun);
+      const float* p = in + b * blocks * elements;
+      float* sum = res + b * elements;
+      for (int64_t e = e0; e < e1; ++e) sum[e] = truncate(p[e]);
+      for (int64_t j = 1; j < blocks; ++j) {
+        const float* row = p + j * elements;
+        for (int64_t e = e0; e < e1; ++e) sum[e] = truncate(sum[e] + row[e]);
+      }
     }
   });
   return out;
