@@ -14,6 +14,7 @@ intra-node bandwidth.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -92,12 +93,21 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     update = _timed(optimizer.step, sync, repeats)
     ends = _end_times(cfg, tp, rank, device, autocast, sync, repeats, sequence_parallel)
     holder.clear()
+    # Garbage from the timing runs (autograd graphs in reference cycles, finished collectives'
+    # work objects) is collected first and the collector kept off in the measured forward: a
+    # collection inside it frees unrelated tensors and once made the activation negative.
+    gc.collect()
+    dist.barrier()
     sync()
     torch.dipu.reset_peak_memory_stats()
-    base = torch.dipu.memory_allocated()
-    forward()
-    sync()
-    activation = torch.dipu.memory_allocated() - base
+    gc.disable()
+    try:
+        base = torch.dipu.memory_allocated()
+        forward()
+        sync()
+        activation = torch.dipu.memory_allocated() - base
+    finally:
+        gc.enable()
     holder.clear()
     bandwidth = None
     if tp >= 2:
