@@ -30,7 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import yaml  # noqa: E402
+
 from heteropp.runtime.profiler import write_cluster  # noqa: E402
+
 NOISE = ("rdma transport not usable", "FutureWarning", "return func(", "OMP_NUM_THREADS", "*****")
 
 
@@ -46,6 +49,20 @@ def run(cmd: list[str], env: dict, step: str, check: bool = True) -> int:
         sys.exit(f"hetero demo: step {step} failed (exit {proc.returncode})")
     print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
     return proc.returncode
+
+
+def usable_profile(path: Path, chip: str) -> bool:
+    """Whether a profile measured before exists and is one the planner accepts (else measure again)."""
+    from heteropp.cluster import ChipSpec
+
+    if not path.exists():
+        return False
+    try:
+        ChipSpec.from_dict(chip, yaml.safe_load(path.read_text())["chips"][chip])
+    except (ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
+        print(f"\n[1/6] chip {chip}: the profile measured before ({path}) is not usable ({exc}); measuring again")
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for chip in counts:
         profile = out / f"chip-{chip}.yaml"
-        if args.reprofile or not profile.exists():
+        if args.reprofile or not usable_profile(profile, chip):
             run([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp", "1,2", "--out", str(profile)],
                 env, "1/6")
         else:

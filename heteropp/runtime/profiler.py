@@ -26,7 +26,7 @@ import yaml
 
 from dips.address import free_port
 from ditorch.models.llama import LlamaConfig
-from heteropp.cluster import END_TIME_KEYS
+from heteropp.cluster import END_TIME_KEYS, ChipSpec
 
 
 def _timed(fn, sync, repeats: int) -> float:
@@ -261,6 +261,11 @@ def profile_command(args) -> int:
               f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "
               f"{r['head_fwd']:>6.2f}/{r['head_bwd']:<6.2f}", flush=True)
     desc = {"chips": {args.chip: chip_description(args.chip, results, scale)}}
+    try:  # what the planner will read: a measurement it would refuse is not written
+        ChipSpec.from_dict(args.chip, desc["chips"][args.chip])
+    except ValueError as exc:
+        print(f"ditorch profile: the measurement is not a valid profile, not writing {args.out}: {exc}", file=sys.stderr)
+        return 1
     header = (f"# ditorch profile --chip {args.chip} --model {args.model} --tp {args.tp} --precision {args.precision}\n"
               f"# measured one layer per micro-batch of {config.max_seq_len} tokens; memory is the emulated "
               f"capacity at memory scale {scale:g}\n")
