@@ -43,10 +43,12 @@ def _env() -> dict:
     return dict(os.environ, DITORCH_MEMORY_SCALE=SCALE, PYTHONPATH=str(REPO))
 
 
-def profile_chips(out: Path, chips: list[str]) -> None:
+def profile_chips(out: Path, chips: list[str], reuse: bool = False) -> None:
+    """Profiles each chip on this machine now (the build and the machine's speed both move the
+    profiles), or, with `reuse`, keeps a profile an earlier run left in `out`."""
     for chip in chips:
         path = out / f"chip-{chip}.yaml"
-        if not path.exists():
+        if not (reuse and path.exists()):
             print(f"profiling chip {chip} ...", flush=True)
             subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", str(MODEL),
                             "--tp", "1,2", "--out", str(path)], env=_env(), check=True, capture_output=True)
@@ -139,10 +141,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=str(REPO / "out/bench-heteropp"))
+    ap.add_argument("--reuse-profiles", action="store_true", help="keep chip profiles an earlier run left in --out")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile_chips(out, ["A", "B", "C"])
+    profile_chips(out, ["A", "B", "C"], args.reuse_profiles)
     plans = {f"heteroauto {' '.join(f'{c}{n}' for c, n in counts.items())}": heteroauto(out, counts)
              for counts in ({"A": 1, "B": 1, "C": 2}, {"A": 2, "B": 1, "C": 1}, {"A": 2, "C": 2})}
     main_name, main_plan = next(iter(plans.items()))
@@ -196,10 +199,28 @@ def main() -> int:
         print(f"  stage {i}: measured {peak * 1e3:.1f} MB, estimate {est * 1e3:.1f} MB, {100 * (peak / est - 1):+.1f}% "
               f"(target within 20%)")
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    # What docs/heteropp-runtime.md shows per run (report.py reads these columns): a note per row
+    # with what that row is compared with.
+    notes = {main_name: "chips in the pipeline vs alone " + ", ".join(
+                 f"{100 * (m / solo - 1):+.0f}%" for _, m, solo in chip_speed(main_r, main_plan))
+             + "; memory vs the plan " + ", ".join(
+                 f"{100 * (peak / est - 1):+.0f}%" for peak, est in zip(main_r["stage_peak_gb"], main_r["stage_estimate_gb"])),
+             "fine-grained": f"1F1B / fine-grained: measured {main_r['measured_s'] / fine['measured_s']:.2f}x, "
+                             f"simulated {main_r['simulated_s'] / fine['simulated_s']:.2f}x",
+             "loaded machine": f"loaded / quiet: CPU per step {loaded['cpu_s'] / main_r['cpu_s']:.2f}x"}
+    if "uniform split" in by:
+        notes["uniform split"] = (f"uniform / HeteroAuto simulated "
+                                  f"{by['uniform split']['simulated_s'] / main_r['simulated_s']:.2f}x")
+    if reshard_plan is not None:
+        notes["naive resharding"] = (f"naive / SR&AG on {reshard_name}: bytes "
+                                     f"{by['naive resharding']['p2p_mib'] / by[reshard_name]['p2p_mib']:.2f}x, time "
+                                     f"{by['naive resharding']['measured_s'] / by[reshard_name]['measured_s']:.2f}x")
     save_run("heteropp_runtime", [
         Measurement("heteropp runtime: seconds per pipeline iteration", r["name"], [r["measured_s"]],
-                    {"stages": r["stages"], "simulated_s": r["simulated_s"], "cpu_s_per_step": r["cpu_s"],
-                     "p2p_mib": r["p2p_mib"], "peer": r["name"] == main_name})
+                    {"stages": r["stages"], "simulated_s": round(r["simulated_s"], 3),
+                     "measured/simulated": round(r["measured_s"] / r["simulated_s"], 2),
+                     "cpu_s_per_step": round(r["cpu_s"], 2), "p2p_mib": round(r["p2p_mib"], 2),
+                     "note": notes.get(r["name"], ""), "peer": r["name"] == main_name})
         for r in results])
     _plot(results, out / "heteropp_runtime.png")
     print(f"\nresults: {out / 'results.json'}, plot: {out / 'heteropp_runtime.png'}")

@@ -10,8 +10,9 @@ in place marks where, and the text between the markers is regenerated:
     <!-- bench: volunteer "volunteer, devices vanish" -->   (at the start of a line: program,
     <!-- /bench -->                                         group-name prefix)
 
-A block may add columns from each row's ``extra_info`` and keep the rows in the order the
-program saved them (cases rather than contenders; otherwise rows go fastest first):
+A block may add columns from each row's ``extra_info`` and keep the groups and rows in the order
+the program saved them (cases rather than contenders; otherwise groups go by name and rows
+fastest first):
 
     <!-- bench: plan_search "plan search, H2" columns=chips,GBS,HSR_sim order=saved -->
 
@@ -136,7 +137,7 @@ def fill_markers(text: str, runs: dict[str, Path], where: str) -> str:
         if not groups:
             raise SystemExit(f"{where}: no group of {program}'s run {runs[program].name} starts with {prefix!r}")
         lines = [f"*From run `{runs[program].name}` (`benchmarks/report.py` writes this block).*", ""]
-        for group, rows in sorted(groups.items()):
+        for group, rows in (groups.items() if "order" in options else sorted(groups.items())):
             if "order" not in options:
                 rows = sorted(rows, key=lambda b: b["stats"]["median"])
             lines += _table(group, rows, columns)

@@ -1,0 +1,59 @@
+"""`ditorch profile` writes only what the planner accepts, and the demo measures again when the
+profile it cached is not usable. The measurement itself is replaced by fixed numbers here (the
+real one spawns ranks and runs for seconds: the demo runs it)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from heteropp.cluster import ChipSpec
+from heteropp.runtime import profiler
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "examples" / "configs" / "llama-small.yaml"
+
+
+def _measured(activation_bytes: float) -> dict:
+    ms = {"fwd": 10.0, "bwd": 20.0, "recompute": 10.0, "update": 5.0, "activation_bytes": activation_bytes,
+          "p2p_bytes_per_s": None}
+    return {**ms, **{key: 1.0 for key in profiler.END_TIME_KEYS}}
+
+
+def _profile(monkeypatch, tmp_path, activation_bytes: float) -> tuple[int, Path]:
+    monkeypatch.setattr(profiler, "profile_tp", lambda *a, **k: _measured(activation_bytes))
+    out = tmp_path / "chip-B.yaml"
+    args = argparse.Namespace(chip="B", model=str(MODEL), tp="1", precision="bf16", memory_scale=0.001, repeats=1,
+                              sequence_parallel=True, out=str(out))
+    return profiler.profile_command(args), out
+
+
+def test_a_valid_measurement_is_written_and_loads(monkeypatch, tmp_path):
+    rc, out = _profile(monkeypatch, tmp_path, 5 * 2**20)
+    assert rc == 0
+    spec = ChipSpec.from_dict("B", yaml.safe_load(out.read_text())["chips"]["B"])
+    assert spec is not None
+
+
+def test_a_measurement_the_planner_refuses_is_not_written(monkeypatch, tmp_path, capsys):
+    rc, out = _profile(monkeypatch, tmp_path, -1.6 * 2**20)
+    assert rc == 1 and not out.exists()
+    assert "activation_mb[1] must be a number >= 0" in capsys.readouterr().err
+
+
+def test_the_demo_measures_again_when_its_cached_profile_is_unusable(monkeypatch, tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import hetero_demo
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    _, good = _profile(monkeypatch, tmp_path, 5 * 2**20)
+    assert hetero_demo.usable_profile(good, "B")
+    bad = tmp_path / "bad.yaml"
+    desc = yaml.safe_load(good.read_text())
+    desc["chips"]["B"]["activation_mb"] = {1: -1.6}
+    bad.write_text(yaml.safe_dump(desc))
+    assert not hetero_demo.usable_profile(bad, "B")
+    assert not hetero_demo.usable_profile(tmp_path / "missing.yaml", "B")
