@@ -123,7 +123,7 @@ class Places:
         return self.hosts[cluster + 1].run if self.hosts else None
 
 
-def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path, places: Places) -> dict:
+def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, work: Path, places: Places) -> dict:
     work.mkdir(parents=True)
     base_mode, clip, outlier_filter, label = MODES[mode]
     token_file, server_token_file = str(work / "job.key"), str(work / "servers.key")
@@ -133,7 +133,7 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path, places
                                  token_budget=args.budget, metadata=str(work / "leader.json"),
                                  clip_norm=args.clip_norm if clip else None,
                                  beta=3.0 if outlier_filter else float("inf"),
-                                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                                 outer_lr=args.outer_lr, outer_momentum=momentum,
                                  heartbeat_s=args.heartbeat, restart_followers=False), token, server_token)
     followers = [start_follower(leader.address, f"{ps}:{free_port(ps)}", server_token_file, str(work / f"f{i}"),
                                 str(work / f"f{i}.log")) for i in range(args.followers)]
@@ -190,7 +190,7 @@ def run_mode(mode: str, args, model_cfg: dict, step_s: float, work: Path, places
     overran = sum(1 for r in steps if r.get("late")) / max(len(steps), 1)  # compute overran the emulated pace
     scales = [r["scale"] for r in rounds]
     stale = [s for r in rounds for s in r["staleness"]]
-    return {"mode": mode, "label": label, "tokens": tokens, "wall": t_end - t_start,
+    return {"mode": mode, "label": label, "momentum": momentum, "tokens": tokens, "wall": t_end - t_start,
             "throughput": tokens / (t_end - t_start), "final_loss": final, "version": version,
             "rounds": len(rounds), "rejected": sum(r["rejected"] for r in rounds),
             "mean_scale": sum(scales) / max(len(scales), 1), "min_scale": min(scales, default=1.0),
@@ -261,25 +261,55 @@ def report(results: list[dict], args, links: list[float] | None, step_s: float, 
           f"alone, paced to {step_s * 1e3:.0f} ms x (1 + delay); links {shaped}"
           f"{'; churn: late join, leave, crash + restart' if args.churn else ''}"
           f"{f'; c{args.faulty} pushes x100 parameters from its 4th outer step' if args.faulty is not None else ''}")
-    print(f"{'mode':30s} {'tokens':>8s} {'wall s':>7s} {'tokens/s':>9s} {'rounds':>6s} {'rejected':>8s} "
-          f"{'clip mean/min':>13s} {'stale':>9s} {'late':>5s} {'final loss':>10s}")
-    for r in results:
-        print(f"{r['label']:30s} {r['tokens']:8d} {r['wall']:7.1f} {r['throughput']:9.0f} {r['rounds']:6d} "
-              f"{r['rejected']:8d} {r['mean_scale']:6.2f}/{r['min_scale']:<6.2f} "
-              f"{r['staleness']:5.1f}/{r['max_staleness']:<3d} {r['late']:5.0%} "
-              f"{r['final_loss']:10.4f}")
+    for momentum in args.outer_momentum:
+        rows = [r for r in results if r["momentum"] == momentum]
+        print(f"\nouter momentum {momentum:g}")
+        print(f"{'mode':30s} {'tokens':>8s} {'wall s':>7s} {'tokens/s':>9s} {'rounds':>6s} {'rejected':>8s} "
+              f"{'clip mean/min':>13s} {'stale':>9s} {'late':>5s} {'final loss':>10s}")
+        for r in rows:
+            print(f"{r['label']:30s} {r['tokens']:8d} {r['wall']:7.1f} {r['throughput']:9.0f} {r['rounds']:6d} "
+                  f"{r['rejected']:8d} {r['mean_scale']:6.2f}/{r['min_scale']:<6.2f} "
+                  f"{r['staleness']:5.1f}/{r['max_staleness']:<3d} {r['late']:5.0%} "
+                  f"{r['final_loss']:10.4f}")
+        for r in rows:
+            if "vs_sync" in r:
+                target = " (target >= 1.27x, loss within 2%)" if r["mode"] == "dips" else ""
+                print(f"{r['label']} / sync DiLoCo: throughput {r['vs_sync']['throughput']:.2f}x, final loss "
+                      f"{r['vs_sync']['loss'] * 100:+.2f}%{target}")
     print("(clip: clip scale over the rounds, 1 = not clipped; stale: mean/max versions decided between an "
           "applied push's base and the version it was applied to; late: inner steps whose computation overran "
           "the emulated pace)")
-    by = {r["mode"]: r for r in results}
-    if "sync" in by:
-        for mode in ("dips", "async", "dips-noclip", "dips-nofilter"):
-            if mode in by:
-                ratio = by[mode]["throughput"] / by["sync"]["throughput"]
-                gap = (by[mode]["final_loss"] - by["sync"]["final_loss"]) / by["sync"]["final_loss"]
-                target = " (target >= 1.27x, loss within 2%)" if mode == "dips" else ""
-                print(f"{by[mode]['label']} / sync DiLoCo: throughput {ratio:.2f}x, final loss {gap * 100:+.2f}%"
-                      f"{target}")
+
+
+def compare_with_sync(results: list[dict]) -> None:
+    """Add each result's throughput ratio and final-loss gap to sync DiLoCo at the same momentum."""
+    sync = {r["momentum"]: r for r in results if r["mode"] == "sync"}
+    for r in results:
+        base = sync.get(r["momentum"])
+        if base is not None and r is not base:
+            r["vs_sync"] = {"throughput": r["throughput"] / base["throughput"],
+                            "loss": (r["final_loss"] - base["final_loss"]) / base["final_loss"]}
+
+
+def run_tag(args) -> str:
+    """The run's name: cluster count and scenario, and the outer momentum when not the default."""
+    momentum = "" if args.outer_momentum == [0.0] else "-momentum-" + "-".join(f"{m:g}" for m in args.outer_momentum)
+    return (f"{args.clusters}c{'-churn' if args.churn else ''}{'-faulty' if args.faulty is not None else ''}"
+            f"{momentum}")
+
+
+def measurements(results: list[dict], tag: str) -> list[Measurement]:
+    """One group per outer momentum: each mode's wall seconds per 1000 tokens, sync DiLoCo the
+    peer, with the table's other columns as extra_info."""
+    return [Measurement(f"cross-cluster {tag}, outer momentum {r['momentum']:g}: wall seconds per 1000 tokens",
+                        r["label"], [1e3 / r["throughput"]],
+                        {"peer": r["mode"] == "sync", "tokens": r["tokens"], "rounds": r["rounds"],
+                         "rejected": r["rejected"], "clip_mean/min": f"{r['mean_scale']:.2f} / {r['min_scale']:.2f}",
+                         "stale_mean/max": f"{r['staleness']:.1f} / {r['max_staleness']}",
+                         "final_loss": round(r["final_loss"], 4),
+                         "loss_vs_sync": f"{r['vs_sync']['loss'] * 100:+.1f}%" if "vs_sync" in r else "",
+                         **({"target": "<= 0.79x (1.27x tokens/s), loss within 2%"} if r["mode"] == "dips" else {})})
+            for r in results]
 
 
 def drive(args, model_cfg: dict, step_s: float, measured: float, links: list[float] | None,
@@ -290,11 +320,16 @@ def drive(args, model_cfg: dict, step_s: float, measured: float, links: list[flo
     results = []
     with tempfile.TemporaryDirectory(prefix="dips-bench-") as tmp:
         work = Path(args.workdir or tmp)
-        for mode in args.modes.split(","):
-            print(f"running {MODES[mode][3]} ...", flush=True)
-            results.append(run_mode(mode, args, model_cfg, step_s, work / mode, Places(hosts)))
+        for momentum in args.outer_momentum:
+            for mode in args.modes.split(","):
+                print(f"running {MODES[mode][3]}, outer momentum {momentum:g} ...", flush=True)
+                results.append(run_mode(mode, args, momentum, model_cfg, step_s, work / f"{mode}-m{momentum:g}",
+                                        Places(hosts)))
+                if len(args.outer_momentum) > 1:
+                    results[-1]["label"] += f", momentum {momentum:g}"
+    compare_with_sync(results)
     report(results, args, links, step_s, measured)
-    tag = f"{args.clusters}c{'-churn' if args.churn else ''}{'-faulty' if args.faulty is not None else ''}"
+    tag = run_tag(args)
     title = (f"Di-PS vs DiLoCo: {args.clusters} emulated clusters, eta = {args.eta:g}, "
              f"{'shaped WAN links' if links else 'loopback'}{', churn' if args.churn else ''}"
              f"{', a faulty cluster' if args.faulty is not None else ''}")
@@ -303,12 +338,7 @@ def drive(args, model_cfg: dict, step_s: float, measured: float, links: list[flo
                "step_s": step_s,
                "results": [{k: v for k, v in r.items() if k != "curve"} for r in results]}
     (out / f"cross_cluster_{tag}.json").write_text(json.dumps(summary, indent=1))
-    save_run(f"cross_cluster_{tag}", [
-        Measurement(f"cross-cluster {tag}: wall seconds per 1000 tokens trained", r["label"], [1e3 / r["throughput"]],
-                    {"final_loss": r["final_loss"], "tokens": r["tokens"], "rounds": r["rounds"],
-                     "rejected": r["rejected"], "peer": r["mode"] == "sync",
-                     **({"target": "<= 0.79x (1.27x throughput), loss within 2%"} if r["mode"] == "dips" else {})})
-        for r in results])
+    save_run(f"cross_cluster_{tag}", measurements(results, tag))
     print(f"plot: {out / f'cross_cluster_{tag}.png'}")
     return 0
 
@@ -331,7 +361,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="every mode's outer Nesterov learning rate")
     # 0, not the paper's 0.8: on this tiny model both Di-PS and sync DiLoCo end lower without outer
     # momentum (docs/dips.md has the sweep), and momentum amplifies stale asynchronous pushes most
-    ap.add_argument("--outer-momentum", type=float, default=0.0, help="every mode's outer Nesterov momentum")
+    ap.add_argument("--outer-momentum", default="0",
+                    help="every mode's outer Nesterov momentum; comma-separated values run every mode at each")
     ap.add_argument("--budget", type=int, default=0, help="tokens per mode (0: 25,600 per cluster)")
     ap.add_argument("--step-s", type=float, default=0.0, help="paced inner step at delay 0 (0: pace x measured)")
     ap.add_argument("--pace", type=float, default=0.0,
@@ -352,6 +383,12 @@ def parse(argv=None) -> argparse.Namespace:
     if unknown:
         ap.error(f"--modes {unknown}: expected some of {', '.join(MODES)}")
     args.budget = args.budget or 25_600 * args.clusters
+    try:
+        args.outer_momentum = [float(m) for m in args.outer_momentum.split(",")]
+    except ValueError:
+        ap.error(f"--outer-momentum {args.outer_momentum!r}: expected comma-separated numbers, e.g. 0,0.5,0.8")
+    if any(not 0 <= m < 1 for m in args.outer_momentum):
+        ap.error(f"--outer-momentum {args.outer_momentum}: expected values in [0, 1)")
     if args.faulty is not None and not 0 <= args.faulty < args.clusters:
         ap.error(f"--faulty {args.faulty}: expected a cluster index in 0..{args.clusters - 1}")
     return args

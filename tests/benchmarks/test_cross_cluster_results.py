@@ -1,0 +1,49 @@
+"""benchmarks/cross_cluster.py's saved results (docs/dips.md's tables): a momentum sweep is one
+run with one group per momentum, each mode compared with sync DiLoCo at the same momentum."""
+from __future__ import annotations
+
+import pytest
+
+from benchmark_modules import load
+
+cross_cluster = load("cross_cluster")
+
+
+def _result(mode: str, momentum: float, throughput: float, loss: float) -> dict:
+    return {"mode": mode, "label": cross_cluster.MODES[mode][3], "momentum": momentum, "tokens": 1000,
+            "throughput": throughput, "final_loss": loss, "rounds": 3, "rejected": 0, "mean_scale": 0.5,
+            "min_scale": 0.25, "staleness": 1.5, "max_staleness": 3}
+
+
+def test_a_sweep_compares_each_mode_with_sync_at_its_own_momentum():
+    args = cross_cluster.parse(["--clusters", "9", "--churn", "--outer-momentum", "0.5,0.8", "--modes", "dips,sync"])
+    assert args.outer_momentum == [0.5, 0.8]
+    tag = cross_cluster.run_tag(args)
+    assert tag == "9c-churn-momentum-0.5-0.8"
+    results = [_result("dips", 0.5, 300.0, 2.2), _result("sync", 0.5, 200.0, 2.0),
+               _result("dips", 0.8, 300.0, 3.0), _result("sync", 0.8, 100.0, 4.0)]
+    cross_cluster.compare_with_sync(results)
+    saved = cross_cluster.measurements(results, tag)
+    groups = {m.group for m in saved}
+    assert groups == {f"cross-cluster {tag}, outer momentum {m}: wall seconds per 1000 tokens" for m in ("0.5", "0.8")}
+    by = {(m.group.split("momentum ")[1][:3], m.name): m for m in saved}
+    dips5, sync5, dips8 = by[("0.5", "Di-PS")], by[("0.5", "sync DiLoCo")], by[("0.8", "Di-PS")]
+    assert sync5.extra_info["peer"] and not dips5.extra_info["peer"]
+    assert dips5.samples == [pytest.approx(1000 / 300)] and sync5.samples == [pytest.approx(5.0)]
+    assert dips5.extra_info["loss_vs_sync"] == "+10.0%"  # 2.2 against 2.0 at the same momentum
+    assert dips8.extra_info["loss_vs_sync"] == "-25.0%"  # 3.0 against 4.0, not against 0.5's sync
+    assert sync5.extra_info["loss_vs_sync"] == ""
+    assert dips5.extra_info["clip_mean/min"] == "0.50 / 0.25" and dips5.extra_info["stale_mean/max"] == "1.5 / 3"
+
+
+def test_the_default_momentum_keeps_the_plain_tag():
+    assert cross_cluster.run_tag(cross_cluster.parse([])) == "4c"
+    assert cross_cluster.run_tag(cross_cluster.parse(["--faulty", "1", "--clusters", "9", "--churn",
+                                                      "--outer-momentum", "0,0.8"])) == "9c-churn-faulty-momentum-0-0.8"
+
+
+@pytest.mark.parametrize("value", ["x", "0.5,", "1", "-0.1"])
+def test_a_bad_momentum_is_refused_naming_it(value, capsys):
+    with pytest.raises(SystemExit):
+        cross_cluster.parse(["--outer-momentum", value])
+    assert "--outer-momentum" in capsys.readouterr().err
