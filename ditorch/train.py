@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="replicate activations over TP ranks instead of cutting them along the sequence")
     p.add_argument("--zero1", action="store_true", help="ZeRO-1: shard AdamW's state over each stage's DP group (no effect at DP 1)")
+    p.add_argument("--check-replicas", type=int, default=0, metavar="N",
+                   help="every N steps and at the end, check each stage's DP replicas hold equal parameters")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE)")
     # Not "--log": torchrun's parser reads it as an abbreviation of its own --log-dir and stops.
     p.add_argument("--loss-log", type=Path, default=None, help="per-step loss log (JSON lines) for `ditorch mre`")
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps, lr=args.lr, clip=args.clip, seed=args.seed, precision=args.precision, schedule=args.schedule,
             reshard=args.reshard, sequence_parallel=args.sequence_parallel, memory_scale=args.memory_scale,
             log=args.loss_log, trace=args.trace, save=args.save,
-            save_every=args.save_every, resume=args.resume, zero1=args.zero1, progress=not args.quiet)
+            save_every=args.save_every, resume=args.resume, zero1=args.zero1, check_replicas=args.check_replicas,
+            progress=not args.quiet)
     except (PlanError, ValueError, OSError) as exc:
         print(f"ditorch.train: {exc}", file=sys.stderr)
         return 2

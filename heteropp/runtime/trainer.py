@@ -52,6 +52,7 @@ class TrainOptions:
     save_every: int = 0
     resume: Path | None = None
     zero1: bool = False
+    check_replicas: int = 0  # every N steps and at the end, check DP replicas hold equal parameters
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -63,6 +64,8 @@ class TrainOptions:
             raise ValueError(f"reshard={self.reshard!r}: expected one of {RESHARD_MODES}")
         if not self.lr > 0 or not self.clip > 0:
             raise ValueError(f"lr={self.lr}, clip={self.clip}: both must be > 0")
+        if self.check_replicas < 0:
+            raise ValueError(f"check_replicas={self.check_replicas}: expected a step count >= 0 (0: never)")
 
 
 def model_config(plan: Plan) -> LlamaConfig:
@@ -296,7 +299,10 @@ class PipelineTrainer:
                     self._progress(step + 1, loss, tokens_per_step * len(losses) / (time.perf_counter() - start))
                 if o.save and o.save_every and (step + 1) % o.save_every == 0:
                     self.save(o.save, step + 1)
-                if after_step is not None and after_step(step):
+                stop = after_step is not None and after_step(step)
+                if o.check_replicas and ((step + 1) % o.check_replicas == 0 or stop or step + 1 == o.steps):
+                    self.check_replicas()
+                if stop:
                     break
         finally:
             if log is not None:
@@ -306,6 +312,13 @@ class PipelineTrainer:
         if o.trace:
             self._write_trace(o.trace)
         return losses
+
+    def check_replicas(self) -> None:
+        """Raise ReplicaDivergence if this stage's DP replicas hold different parameters (after
+        the step's update and any outer step); collective over every DP group."""
+        from .replicas import check_replicas
+
+        check_replicas(self.module, self.groups.dp, f"stage {self.place.stage} TP rank {self.place.tp_index}")
 
     def _progress(self, step: int, loss: float, rate: float) -> None:
         n = self.options.steps

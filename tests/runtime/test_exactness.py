@@ -62,7 +62,7 @@ def test_pipeline_equals_single_process(case, tmp_path):
     nproc = plan.num_chips
     run = torchrun(tmp_path / "plan.json", nproc, ["--steps", str(STEPS), "--precision", "fp32", "--schedule", schedule,
                                                    "--reshard", reshard, "--clip", str(clip), "--loss-log", "run.jsonl", "--save", "ckpt",
-                                                   *extra],
+                                                   "--check-replicas", "1", *extra],
                    tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     ref_losses, ref_params = _reference(dp, clip)

@@ -56,7 +56,8 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
     """One pipeline cluster, H = 1, outer lr 1, momentum 0, no clipping, no penalty: every outer
     step hands the cluster its own parameters back (up to the BF16 of the wire), so training
     equals the same pipeline without the PS, and the PS ends holding the cluster's model. With
-    DP 2 the second replica gets the pulled values from the first."""
+    DP 2 the second replica gets the pulled values from the first, and the run checks after every
+    outer step that both replicas hold the same bytes (a checkpoint keeps only one of them)."""
     plan = make_plan(stages, dp=dp)
     plan.to_json(tmp_path / "plan.json")
     common = ["--steps", str(STEPS), "--precision", "fp32"]
@@ -66,7 +67,7 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
         run = torchrun(tmp_path / "plan.json", plan.num_chips,
                        common + ["--loss-log", "ps.jsonl", "--save", "ckpt", "--ps", leader.address,
                                  "--inner-steps", "1", "--ps-token-file", str(tmp_path / "job.key"),
-                                 "--ps-name", "pipeline"], tmp_path)
+                                 "--ps-name", "pipeline", "--check-replicas", "1"], tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
         status = leader.status()
         assert status["version"] == STEPS and status["clusters"] == ["pipeline"]
