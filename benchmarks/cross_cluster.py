@@ -19,7 +19,7 @@ Prints aggregated tokens/s and the final held-out loss of the global model per m
 throughput ratio of Di-PS to sync DiLoCo and the loss gap, rejected pushes and clip scales;
 writes loss-vs-tokens and loss-vs-time plots and a JSON of the results.
 
-    .venv/bin/python benchmarks/cross_cluster.py                        # 4 clusters, ~10 min
+    .venv/bin/python benchmarks/cross_cluster.py                        # 4 clusters, ~6 min
     .venv/bin/python benchmarks/cross_cluster.py --clusters 9 --churn --faulty 1   # production-like
 """
 from __future__ import annotations
