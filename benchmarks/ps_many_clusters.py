@@ -6,7 +6,9 @@ LLaMA (a ~30 K-parameter config, so pushes are tens of KB) whose inner training 
 the clusters' compute, is what is measured. The leader (16 RPC worker threads, heartbeat 1 s:
 a cluster silent for 3 s is removed) and two followers run in this process. Every second the
 benchmark samples the leader; at the end it prints, per cluster count, the removals (target 0),
-outer rounds, pushes applied, and the CPU time of the PS process, and writes JSON and a PNG.
+outer rounds, pushes applied, and the CPU time of the PS process, writes JSON and a PNG, and
+saves the run as ``ps_many_clusters`` (the PS's CPU and wall seconds per outer round, the counts
+beside them) for docs/dips.md.
 
     .venv/bin/python benchmarks/ps_many_clusters.py --clusters 64 --minutes 10   # the issue's soak
     .venv/bin/python benchmarks/ps_many_clusters.py --clusters 64 --minutes 2    # a short run
@@ -24,8 +26,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # program_results
 
 import torch  # noqa: E402
+from program_results import save_run  # noqa: E402
 
 from dips.auth import JobToken  # noqa: E402
 from dips.follower import Follower  # noqa: E402
@@ -77,6 +81,20 @@ class RemovalCounter(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "removed: no heartbeat" in record.getMessage():
             self.removed.append((record.created, record.getMessage()))
+
+
+def measurements(result: dict) -> list:
+    """The run in program_results' form: the PS's CPU and wall seconds per outer round, with the
+    counts the target is about (removed clusters, the fewest alive) beside them."""
+    from program_results import Measurement
+
+    rounds = max(result["rounds"], 1)
+    counts = {k: result[k] for k in ("removed", "min_clusters_after_join", "rounds", "pushes_applied",
+                                     "pushes_failed", "outer_steps_skipped", "ps_cpu_s", "wall_s")}
+    group = f"many clusters: {result['clusters']} clusters, {result['minutes']:g} min"
+    return [Measurement(group, "PS CPU seconds per outer round", [result["ps_cpu_s"] / rounds],
+                        {**counts, "target": "0 removed, all alive after joining"}),
+            Measurement(group, "wall seconds per outer round", [result["wall_s"] / rounds], counts)]
 
 
 def main() -> int:
@@ -142,6 +160,7 @@ def main() -> int:
           f"{result['outer_steps_skipped']:>7} {result['ps_cpu_s']:>8} {result['wall_s']:>6}")
     print("target: 0 removed, every cluster alive after joining")
     _plot(samples, out / "ps_many_clusters.png", args.clusters)
+    save_run("ps_many_clusters", measurements(result))
     print(f"wrote {out / 'result.json'} and {out / 'ps_many_clusters.png'}")
     return 0 if result["removed"] == 0 else 1
 
