@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from program_results import Measurement, save_run  # noqa: E402
+
 # (table, series, size in bytes, label); the time compared is p2p's one-way time, allreduce's op time
 ROWS = [
     ("p2p", "dicomm-tcp", "8", "p2p tcp 8 B one-way"),
@@ -68,17 +69,18 @@ def main() -> None:
                 runs[name].append(run(ext, Path(tmp) / f"{name}{i}", args.flags))
     print(f"median of {args.rounds} alternating runs of benchmarks/comm.py --quick {' '.join(args.flags)}")
     print(f"{'us':40s} | {args.baseline_name:>10s} | {'current':>10s} | current/baseline")
+    mode = f" ({' '.join(args.flags)})" if args.flags else ""
     measurements = []
     for table, series, size, label in ROWS:
         samples = {name: [r[table][series][size][METRIC[table]] for r in rs] for name, rs in runs.items()}
         medians = {name: statistics.median(v) for name, v in samples.items()}
         print(f"{label:40s} | {medians['baseline']:10.1f} | {medians['current']:10.1f} | "
               f"{medians['current'] / medians['baseline']:6.3f}")
-        mode = f" ({' '.join(args.flags)})" if args.flags else ""
         measurements += [Measurement(f"dicomm builds{mode}: {label}", name if name == "current" else args.baseline_name,
                                      [us / 1e6 for us in samples[name]], {"peer": name == "baseline"})
                          for name in ("baseline", "current")]
     save_run("comm_builds", measurements)
+
 
 if __name__ == "__main__":
     main()

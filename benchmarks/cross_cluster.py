@@ -308,7 +308,8 @@ def measurements(results: list[dict], tag: str) -> list[Measurement]:
                          "stale_mean/max": f"{r['staleness']:.1f} / {r['max_staleness']}",
                          "final_loss": round(r["final_loss"], 4),
                          "loss_vs_sync": f"{r['vs_sync']['loss'] * 100:+.1f}%" if "vs_sync" in r else "",
-                         **({"target": "<= 0.79x (1.27x tokens/s), loss within 2%"} if r["mode"] == "dips" else {})})
+                         **({"target": "<= 0.79x (1.27x tokens/s), loss within 2%"}
+                            if r["mode"] == "dips" and "vs_sync" in r else {})})
             for r in results]
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # program_results
 
 import torch  # noqa: E402
-from program_results import save_run  # noqa: E402
+from program_results import Measurement, save_run  # noqa: E402
 
 from dips.auth import JobToken  # noqa: E402
 from dips.follower import Follower  # noqa: E402
@@ -83,11 +83,9 @@ class RemovalCounter(logging.Handler):
             self.removed.append((record.created, record.getMessage()))
 
 
-def measurements(result: dict) -> list:
+def measurements(result: dict) -> list[Measurement]:
     """The run in program_results' form: the PS's CPU and wall seconds per outer round, with the
     counts the target is about (removed clusters, the fewest alive) beside them."""
-    from program_results import Measurement
-
     rounds = max(result["rounds"], 1)
     counts = {k: result[k] for k in ("removed", "min_clusters_after_join", "rounds", "pushes_applied",
                                      "pushes_failed", "outer_steps_skipped", "ps_cpu_s", "wall_s")}

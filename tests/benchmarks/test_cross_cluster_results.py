@@ -34,6 +34,14 @@ def test_a_sweep_compares_each_mode_with_sync_at_its_own_momentum():
     assert dips8.extra_info["loss_vs_sync"] == "-25.0%"  # 3.0 against 4.0, not against 0.5's sync
     assert sync5.extra_info["loss_vs_sync"] == ""
     assert dips5.extra_info["clip_mean/min"] == "0.50 / 0.25" and dips5.extra_info["stale_mean/max"] == "1.5 / 3"
+    assert "target" in dips5.extra_info and "target" not in sync5.extra_info
+
+
+def test_a_run_without_sync_states_no_target():
+    alone = [_result("dips", 0.0, 300.0, 2.2), _result("dips-nofilter", 0.0, 310.0, 2.3)]
+    cross_cluster.compare_with_sync(alone)
+    saved = cross_cluster.measurements(alone, "9c-churn-faulty")
+    assert all("target" not in m.extra_info and m.extra_info["loss_vs_sync"] == "" for m in saved)
 
 
 def test_the_default_momentum_keeps_the_plain_tag():
