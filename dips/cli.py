@@ -50,6 +50,8 @@ def _add_commands(sub) -> None:
     lead.add_argument("--alpha", type=float, default=0.02, help="EMA factor of the norm statistics")
     lead.add_argument("--beta", type=float, default=3.0, help="outlier threshold scale")
     lead.add_argument("--clip-norm", type=float, default=1.0, help="clip the averaged pseudo-gradient (<=0: off)")
+    lead.add_argument("--staleness-decay", type=float, default=0.0,
+                      help="scale a push s versions stale by (1 + s) ** -decay (0: no staleness penalty)")
     lead.add_argument("--heartbeat", type=float, default=1.0, help="cluster heartbeat interval, seconds")
     lead.add_argument("--follower-heartbeat", type=float, default=1.0, help="follower heartbeat interval, seconds")
     lead.add_argument("--token-budget", type=int, default=None, help="stop after this many consumed tokens")
@@ -156,6 +158,7 @@ def run_leader(args: argparse.Namespace) -> int:
                        checkpoint_root=args.checkpoint_root, server_token_file=args.server_token_file,
                        seed=args.seed, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                        alpha=args.alpha, beta=args.beta, clip_norm=args.clip_norm if args.clip_norm > 0 else None,
+                       staleness_decay=args.staleness_decay,
                        heartbeat_s=args.heartbeat, follower_heartbeat_s=args.follower_heartbeat, token_budget=args.token_budget, metadata=args.metadata,
                        max_cluster_tokens_per_s=args.max_cluster_tokens_per_s,
                        restart_followers=not args.no_restart_followers)

@@ -51,6 +51,7 @@ class LeaderConfig:
     alpha: float = 0.02
     beta: float = 3.0
     clip_norm: float | None = 1.0
+    staleness_decay: float = 0.0  # a push s versions stale is scaled by (1 + s) ** -decay (dips mode)
     warmup_rounds: int = 3
     initial_grace: float = 0.05
     max_grace: float = 5.0

@@ -88,7 +88,8 @@ class LeaderState:
         self.last_seal = 0.0
         self.pull_s = 0.0           # a cluster's last pull time (part of the round cost C_m)
         self.budget_reached_at: float | None = None
-        self.penalty = PseudoGradientPenalty(config.alpha, config.beta, config.clip_norm, config.warmup_rounds)
+        self.penalty = PseudoGradientPenalty(config.alpha, config.beta, config.clip_norm, config.warmup_rounds,
+                                             staleness_decay=config.staleness_decay)
         self.grace = GraceEstimator(config.initial_grace, max_grace=config.max_grace)
         self.wake: Callable[[], None] = lambda: None  # set by the RPC service: wakes WaitPush sleepers
 

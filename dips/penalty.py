@@ -6,6 +6,12 @@ E = (G - mu) / sigma exceeds beta * max(E) is an outlier and is left out of the 
 Accepted pseudo-gradients are averaged with weights proportional to consumed tokens, and the
 average is clipped to norm ``clip_norm``.
 
+Stale pushes are penalized (the paper's section 3 asks the PS to; section 4.2 does not say how):
+the clipped average is scaled by the token-weighted mean of (1 + s_j) ** -staleness_decay over
+its pushes, s_j the versions decided since push j's base. With decay 1 this is the
+staleness-aware learning rate of asynchronous SGD (Zhang et al., IJCAI 2016: lr / s); it comes
+after the clip because a clip that binds would undo any scaling made before it.
+
 Two choices the paper leaves open, made here so the rule never misfires:
 - the threshold is beta * max(max(E), 1): in a healthy run the norms shrink, mu lags above them,
   every score is negative and a bare beta * max(E) would be negative and reject normal pushes;
@@ -31,13 +37,13 @@ class PenaltyDecision:
 
 class PseudoGradientPenalty:
     def __init__(self, alpha: float = 0.02, beta: float = 3.0, clip_norm: float | None = 1.0,
-                 warmup: int = 3, stack_size: int = 32, score_floor: float = 1.0):
-        if not 0 < alpha < 1 or beta <= 0 or warmup < 1 or stack_size < 1:
+                 warmup: int = 3, stack_size: int = 32, score_floor: float = 1.0, staleness_decay: float = 0.0):
+        if not 0 < alpha < 1 or beta <= 0 or warmup < 1 or stack_size < 1 or not staleness_decay >= 0:
             raise ValueError(f"need 0 < alpha ({alpha}) < 1, beta ({beta}) > 0, warmup ({warmup}) >= 1, "
-                             f"stack_size ({stack_size}) >= 1")
+                             f"stack_size ({stack_size}) >= 1, staleness_decay ({staleness_decay}) >= 0")
         if clip_norm is not None and clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive or None, got {clip_norm}")
-        self.alpha, self.beta, self.clip_norm = alpha, beta, clip_norm
+        self.alpha, self.beta, self.clip_norm, self.staleness_decay = alpha, beta, clip_norm, staleness_decay
         self.warmup, self.score_floor = warmup, score_floor
         self.mu: float | None = None
         self.sigma: float = 0.0
@@ -87,6 +93,13 @@ class PseudoGradientPenalty:
         if self.clip_norm is None or global_norm <= self.clip_norm:
             return 1.0
         return self.clip_norm / global_norm
+
+    def staleness_scale(self, weights: Mapping[str, float], staleness: Mapping[str, int]) -> float:
+        """Token-weighted mean of (1 + s) ** -staleness_decay over a round's accepted pushes."""
+        bad = {p: s for p, s in staleness.items() if not (isinstance(s, int) and s >= 0)}
+        if bad or set(staleness) != set(weights):
+            raise ValueError(f"staleness {dict(staleness)}: expected a count >= 0 for each of the pushes {list(weights)}")
+        return sum(w * (1 + staleness[p]) ** -self.staleness_decay for p, w in weights.items())
 
     def state(self) -> dict:
         return {"mu": self.mu, "sigma": self.sigma, "seen": self.seen, "stack": list(self.stack)}

@@ -64,7 +64,7 @@ class RoundRunner:
             accepted, rejected, weights = decision.accepted, decision.rejected, decision.weights
         else:
             accepted, rejected, weights = [p.id for p in pushes], [], token_weights(tokens)
-        scale = 1.0
+        scale = stale_scale = 1.0
         if accepted and not seed and self.cfg.mode == "dips" and self.cfg.clip_norm is not None:
             try:
                 sq = list(self.pool.map(lambda f: f.client.call("Prepare", timeout=30, weights=weights),
@@ -73,8 +73,11 @@ class RoundRunner:
                 st.penalty.load_state(penalty_before)  # the round is retried: count its norms once
                 raise
             scale = st.penalty.clip_scale(sum(r["sqnorm"] for r in sq) ** 0.5)
+        if accepted and not seed and self.cfg.mode == "dips":
+            stale_scale = st.penalty.staleness_scale(weights, {p.id: st.version - p.base for p in pushes
+                                                                if p.id in weights})
         with st.cond:
-            version = st.record_decision(weights, scale, rejected, seed) if accepted else st.version
+            version = st.record_decision(weights, scale * stale_scale, rejected, seed) if accepted else st.version
             for p in pushes:
                 p.state, p.version = ("applied" if p.id in accepted else "rejected"), version
                 if p.cluster in st.clusters:
@@ -96,7 +99,7 @@ class RoundRunner:
         st.rounds_log.append({"version": version, "t": time.time(), "accepted": len(accepted),
                               "rejected": len(rejected), "clusters": [p.cluster for p in pushes],
                               "staleness": [version - 1 - p.base for p in pushes if p.id in accepted],
-                              "grace": st.grace.grace(), "scale": scale})
+                              "grace": st.grace.grace(), "scale": scale, "stale_scale": stale_scale})
 
     def sync_followers(self, deadline_s: float | None) -> None:
         """Bring every follower to the decided version by applying logged decisions in order.

@@ -10,9 +10,9 @@ cross_cluster = load("cross_cluster")
 
 
 def _result(mode: str, momentum: float, throughput: float, loss: float) -> dict:
-    return {"mode": mode, "label": cross_cluster.MODES[mode][3], "momentum": momentum, "tokens": 1000,
+    return {"mode": mode, "label": cross_cluster.MODES[mode][-1], "momentum": momentum, "tokens": 1000,
             "throughput": throughput, "final_loss": loss, "rounds": 3, "rejected": 0, "mean_scale": 0.5,
-            "min_scale": 0.25, "staleness": 1.5, "max_staleness": 3}
+            "min_scale": 0.25, "mean_stale_scale": 0.7, "staleness": 1.5, "max_staleness": 3}
 
 
 def test_a_sweep_compares_each_mode_with_sync_at_its_own_momentum():

@@ -1,5 +1,6 @@
 """Pseudo-gradient penalty against the paper's formulas computed here by hand."""
 import math
+import random
 
 import pytest
 
@@ -70,6 +71,28 @@ def test_token_weights_and_clip():
     pen = PseudoGradientPenalty(clip_norm=1.0)
     assert pen.clip_scale(4.0) == 0.25 and pen.clip_scale(0.5) == 1.0
     assert PseudoGradientPenalty(clip_norm=None).clip_scale(100.0) == 1.0
+
+
+def test_staleness_scale_is_token_weighted_mean_of_decayed_factors():
+    rng = random.Random(0)
+    for _ in range(200):
+        decay = rng.choice([0.0, 0.5, 1.0, rng.uniform(0, 3)])
+        pushes = [f"p{i}" for i in range(rng.randint(1, 9))]
+        weights = token_weights({p: rng.randint(0, 5000) for p in pushes})
+        staleness = {p: rng.choice([0, 1, rng.randint(0, 200)]) for p in pushes}
+        expected = 0.0
+        for p in pushes:  # a push s stale counts 1 / (1 + s) ** decay of its weight
+            expected += weights[p] / (1 + staleness[p]) ** decay
+        got = PseudoGradientPenalty(staleness_decay=decay).staleness_scale(weights, staleness)
+        assert math.isclose(got, expected, rel_tol=1e-12), (decay, weights, staleness)
+        assert 0 < got <= 1 + 1e-12
+    assert PseudoGradientPenalty(staleness_decay=1).staleness_scale({"a": 1.0}, {"a": 3}) == 0.25
+    with pytest.raises(ValueError, match="staleness_decay"):
+        PseudoGradientPenalty(staleness_decay=-1)
+    with pytest.raises(ValueError, match="staleness"):
+        PseudoGradientPenalty().staleness_scale({"a": 1.0}, {"a": -1})
+    with pytest.raises(ValueError, match="staleness"):
+        PseudoGradientPenalty().staleness_scale({"a": 1.0}, {})
 
 
 def test_bad_values_named():

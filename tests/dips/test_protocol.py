@@ -49,6 +49,41 @@ def test_outer_steps_match_reference(tmp_path):
         client.close()
 
 
+def test_stale_push_is_scaled_by_its_staleness(tmp_path):
+    """Cluster a pushes twice, then b pushes from version 0: b's clipped pseudo-gradient lands on
+    version 2, two versions stale, and with --staleness-decay 1 counts a third (hand computed)."""
+    theta0 = {n: p.detach().clone() for n, p in build_model(MODEL, 0).named_parameters()}
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in theta0.items()}
+    sgd = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.8, nesterov=True)
+
+    def reference_step(base: dict, local: dict, staleness: int) -> None:
+        delta = {n: base[n] - local[n].bfloat16().float() for n in base}
+        norm = torch.sqrt(sum((d.double() ** 2).sum() for d in delta.values())).item()
+        for n, r in ref.items():
+            r.grad = delta[n] * min(1.0, 1.0 / norm) / (1 + staleness)
+        sgd.step()
+
+    with in_process_ps(tmp_path, staleness_decay=1.0) as (leader, _, token):
+        a, b = build_model(MODEL, 1), build_model(MODEL, 2)
+        ca = OuterClient(a, leader.address, inner_steps=1, token=token, name="a")
+        cb = OuterClient(b, leader.address, inner_steps=1, token=token, name="b")
+        for rnd in range(2):
+            base = {n: r.detach().bfloat16().float() for n, r in ref.items()}
+            perturb(a, rnd)
+            reference_step(base, {n: p.detach().clone() for n, p in a.named_parameters()}, staleness=0)
+            assert ca.step(tokens=100)
+        perturb(b, 7)
+        reference_step({n: t.bfloat16().float() for n, t in theta0.items()},
+                       {n: p.detach().clone() for n, p in b.named_parameters()}, staleness=2)
+        assert cb.step(tokens=100)
+        assert leader.status()["version"] == 3
+        assert [r["staleness"] for r in leader.rounds_log] == [[0], [0], [2]]
+        for n, p in global_params(leader, token).items():
+            torch.testing.assert_close(p, ref[n].detach().bfloat16().float(), rtol=0, atol=1e-6)
+        ca.close()
+        cb.close()
+
+
 def test_new_cluster_starts_from_latest_global(tmp_path):
     with in_process_ps(tmp_path) as (leader, _, token):
         a = build_model(MODEL, 1)
