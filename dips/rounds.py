@@ -65,7 +65,8 @@ class RoundRunner:
         else:
             accepted, rejected, weights = [p.id for p in pushes], [], token_weights(tokens)
         scale = stale_scale = 1.0
-        if accepted and not seed and self.cfg.mode == "dips" and self.cfg.clip_norm is not None:
+        penalized = bool(accepted) and not seed and self.cfg.mode == "dips"
+        if penalized and self.cfg.clip_norm is not None:
             try:
                 sq = list(self.pool.map(lambda f: f.client.call("Prepare", timeout=30, weights=weights),
                                         [st.followers[i] for i in range(self.cfg.n_followers)]))
@@ -73,7 +74,7 @@ class RoundRunner:
                 st.penalty.load_state(penalty_before)  # the round is retried: count its norms once
                 raise
             scale = st.penalty.clip_scale(sum(r["sqnorm"] for r in sq) ** 0.5)
-        if accepted and not seed and self.cfg.mode == "dips":
+        if penalized:
             stale_scale = st.penalty.staleness_scale(weights, {p.id: st.version - p.base for p in pushes
                                                                 if p.id in weights})
         with st.cond:
