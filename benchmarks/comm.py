@@ -219,8 +219,10 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
         raw.close()
 
     ar_groups = {"gloo": dist.new_group(backend="gloo"), "dicomm": dicomm_group(None)}
-    if ar_groups["dicomm"]._get_backend(torch.device("cpu")).allreduce_algorithm != "ring":
-        ar_groups["dicomm-ring"] = dicomm_group(None, "ring")  # what the hierarchy buys
+    algorithm = ar_groups["dicomm"]._get_backend(torch.device("cpu")).allreduce_algorithm
+    if algorithm != "ring":
+        ar_groups["dicomm-ring"] = dicomm_group(None, "ring")  # what the segment or hierarchy buys
+    if algorithm not in ("ring", "shared"):
         ar_groups["dicomm-hier"] = dicomm_group(None, "hierarchical")
     for nbytes in ar_sizes:
         log(f"allreduce {fmt_size(nbytes)}")
@@ -454,12 +456,19 @@ def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:
         print(f"{fmt_size(s):>9} | " + " | ".join(cells))
     both = [w for w in worlds if f"dicomm-ring/{w}" in A]
     if both:
-        print("\nThe same ranks' allreduce forced to two levels (DICOMM_ALLREDUCE=hierarchical) and to one flat")
-        print("ring (=ring), measured in turn with the above (dicomm = auto); ratio = two levels / flat ring busbw")
+        # Against the flat ring: two levels (forced) across hosts, the shared segment (auto) on one.
+        two_levels = f"dicomm-hier/{both[0]}" in A
+        name, label = ("two levels (DICOMM_ALLREDUCE=hierarchical)", "hier") if two_levels else \
+            ("the host's shared segment (auto)", "shared")
+        print(f"\nThe same ranks' allreduce through {name} and one flat ring (=ring),")
+        print(f"measured in turn with the above; ratio = {label} / flat ring busbw")
         for s in sizes:
-            print(f"{fmt_size(s):>9} | " + " | ".join(
-                f"{'hier/' + str(w)} {cell(A[f'dicomm-hier/{w}'][s])} {'ring/' + str(w)} {cell(A[f'dicomm-ring/{w}'][s])} "
-                f"{A[f'dicomm-hier/{w}'][s]['busbw_GBs'] / A[f'dicomm-ring/{w}'][s]['busbw_GBs']:6.2f}" for w in both))
+            cells = []
+            for w in both:
+                mine = A[f"dicomm-hier/{w}" if two_levels else f"dicomm/{w}"][s]
+                ring = A[f"dicomm-ring/{w}"][s]
+                cells.append(f"{label}/{w} {cell(mine)} ring/{w} {cell(ring)} {mine['busbw_GBs'] / ring['busbw_GBs']:6.2f}")
+            print(f"{fmt_size(s):>9} | " + " | ".join(cells))
 
 
 @dataclasses.dataclass

@@ -232,6 +232,8 @@ def test_every_op_every_dtype(world, transport):
     expected = {"auto": ["shm"], "tcp": ["tcp"]}[transport]
     for r, out in results.items():
         assert out["transports"] == expected, (r, out)
+        # one host over shm: the shared segment (its own tests: test_shared_segment.py)
+        assert out["allreduce"] == {"auto": "shared", "tcp": "ring"}[transport], (r, out)
         assert out["checks"] > 300
 
 

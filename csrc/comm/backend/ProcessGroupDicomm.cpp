@@ -61,8 +61,9 @@ AllreduceAlgorithm allreduceFromEnv() {
   if (s.empty() || s == "auto") return AllreduceAlgorithm::kAuto;
   if (s == "ring") return AllreduceAlgorithm::kRing;
   if (s == "hierarchical") return AllreduceAlgorithm::kHierarchical;
+  if (s == "shared") return AllreduceAlgorithm::kShared;
   throw std::invalid_argument("dicomm: DICOMM_ALLREDUCE='" + s +
-                              "': expected auto, ring or hierarchical");
+                              "': expected auto, ring, hierarchical or shared");
 }
 
 }  // namespace
@@ -87,8 +88,9 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
     logLine(LogLevel::kInfo,
             std::string("group of ") + std::to_string(size) + " (" + describeHosts(*comm_) +
                 "): allreduce " + allreduceAlgorithm() +
-                " (hierarchical: a ring per host, then one ring per local index across hosts); "
-                "DICOMM_ALLREDUCE=ring|hierarchical forces one");
+                " (hierarchical: a ring per host, then one ring per local index across hosts; "
+                "shared: one shared-memory segment on this host); "
+                "DICOMM_ALLREDUCE=ring|hierarchical|shared forces one");
   }
   comm_->setFailureHandler([this](int peer, const std::string& cause) {
     // Runs on a transport thread, which close() would join: hand the abort to the watchdog.
@@ -153,6 +155,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::enqueue(OpType type, std::str
 }
 
 void ProcessGroupDicomm::collectiveLoop() {
+  reduceOnThisThreadOnly();
   while (true) {
     Queued q;
     {
@@ -174,6 +177,15 @@ void ProcessGroupDicomm::collectiveLoop() {
     ctx.op = q.work->description();
     ctx.chunkBytes = options_.chunkBytes;
     ctx.abort = [this](const std::string& cause) { abortWith(cause); };
+    if (allreduceAlgorithm_ == AllreduceAlgorithm::kShared) {
+      ctx.hostSegment = [this](CollectiveContext& c) {
+        if (!segmentTried_) {
+          segmentTried_ = true;
+          segment_ = SharedSegment::connect(c);
+        }
+        return segment_.get();
+      };
+    }
     comm_->unpark(-1);  // collectives are read by the transports' threads, not by pollers
     try {
       q.task(ctx);
@@ -199,7 +211,7 @@ void ProcessGroupDicomm::watchdogLoop() {
       for (auto& w : inflight_) {
         auto work = w.lock();
         if (!work || work->isCompleted()) continue;
-        if (cause.empty() && work->deadline() <= now) {
+        if (cause.empty() && work->deadline() + kTimeoutGrace <= now) {
           cause = "dicomm " + work->description() + " timed out after " +
                   std::to_string(work->timeout().count()) + " ms";
         }

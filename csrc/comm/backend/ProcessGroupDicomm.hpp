@@ -21,6 +21,7 @@
 #include "comm/backend/WorkDicomm.hpp"
 #include "comm/core/Collectives.h"
 #include "comm/core/Communicator.h"
+#include "comm/core/SharedSegment.h"
 
 namespace dicomm {
 
@@ -115,6 +116,7 @@ class ProcessGroupDicomm : public c10d::Backend {
     switch (allreduceAlgorithm_) {
       case AllreduceAlgorithm::kHierarchical: return "hierarchical";
       case AllreduceAlgorithm::kAuto: return "hierarchical below 4 MiB, ring above";
+      case AllreduceAlgorithm::kShared: return "shared";
       default: return "ring";
     }
   }
@@ -159,6 +161,9 @@ class ProcessGroupDicomm : public c10d::Backend {
   std::deque<Queued> queue_;
   bool stopping_ = false;
   uint64_t collectiveSeq_ = 0;  // collective thread only
+  // kShared: the host's segment, connected by the first allreduce (collective thread only).
+  std::unique_ptr<SharedSegment> segment_;
+  bool segmentTried_ = false;
   std::atomic<uint64_t> issuedCollectives_{0};
   std::thread collectiveThread_;
 

@@ -129,7 +129,7 @@ bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
     }
   }
   if (comm_ && !done_.load(std::memory_order_acquire)) comm_->unpark(peer_);  // it reads for us
-  auto until = deadline_;
+  auto until = deadline_ + kTimeoutGrace;
   if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);
   {
     std::unique_lock<std::mutex> lock(mutex_);

@@ -13,6 +13,11 @@
 
 namespace dicomm {
 
+// How long after an op's deadline a waiter or the group's watchdog aborts the group itself. The
+// collective's own thread reports the timeout at the deadline, naming the rank it waits for;
+// the others step in a moment later, for an op whose thread cannot (p2p ops have none).
+constexpr auto kTimeoutGrace = std::chrono::milliseconds(500);
+
 class Communicator;
 class ProcessGroupDicomm;
 

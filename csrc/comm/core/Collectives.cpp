@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "comm/core/SharedSegment.h"
 #include "comm/core/Tags.h"
 #include "comm/transport/Log.h"
 
@@ -17,8 +18,9 @@ using CompletionPtr = std::shared_ptr<Completion>;
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
-// Wait for one transfer; on timeout or error close the communicator first, then throw.
-void await(CollectiveContext& ctx, const CompletionPtr& c, int peer, const char* what) {
+}  // namespace
+
+void awaitTransfer(CollectiveContext& ctx, const CompletionPtr& c, int peer, const char* what) {
   if (!c->waitUntil(ctx.deadline)) {
     std::string cause = "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) +
                         ") timed out after " + std::to_string(ctx.timeout.count()) +
@@ -40,9 +42,11 @@ void await(CollectiveContext& ctx, const CompletionPtr& c, int peer, const char*
   }
 }
 
+namespace {
+
 // Declared first in every collective: if an exception leaves the collective after this thread
 // posted transfers for it, the communicator is closed while the caller's buffers still exist
-// (they are freed as the exception unwinds further). await() closes it itself, with the
+// (they are freed as the exception unwinds further). awaitTransfer() closes it itself, with the
 // transfer's own cause; this catches everything else (an allocation that fails, say).
 class CloseOnUnwind {
  public:
@@ -73,7 +77,7 @@ struct Pending {
 };
 
 void awaitAll(CollectiveContext& ctx, std::vector<Pending>& ps) {
-  for (auto& p : ps) await(ctx, p.c, p.peer, p.what);
+  for (auto& p : ps) awaitTransfer(ctx, p.c, p.peer, p.what);
   ps.clear();
 }
 
@@ -182,7 +186,7 @@ void ringReduceScatter(CollectiveContext& ctx, const Ring& ring, void* buf,
     const Segment& s = segs[mod(r - k - 2, n)];
     unsigned j = 0;
     for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
-      await(ctx, recvs[k][j], left, "receive from");
+      awaitTransfer(ctx, recvs[k][j], left, "receive from");
       reduceInto(base + s.offset * elem + off, temp[k % 2] + off, len / elem, dtype, op);
       if (k + 1 < n - 1) postSend(k + 1, j, off, len);  // forward as soon as it is reduced
       ++j;
@@ -230,7 +234,7 @@ void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
     const Segment& s = segs[mod(r - k - 1, n)];
     unsigned j = 0;
     for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
-      await(ctx, recvs[k][j], left, "receive from");
+      awaitTransfer(ctx, recvs[k][j], left, "receive from");
       if (k + 1 < n - 1) {
         sends.push_back({comm.isend(right, collectiveTag(ctx.seq, phase, k + 1, j),
                                     base + s.offset * elem + off, len, dt(dtype)),
@@ -247,8 +251,20 @@ AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm 
   bool uniform = hosts.size() >= 2;
   for (auto& h : hosts) uniform = uniform && h.size() == hosts[0].size();
   const bool hierarchy = uniform && hosts[0].size() >= 2;
+  bool shared = hosts.size() == 1 && comm.size() >= 2 && comm.size() <= kSharedMaxRanks;
+  for (int p = 0; shared && p < comm.size(); ++p) {
+    shared = p == comm.rank() || comm.transportOf(p) == "shm";
+  }
   if (wanted == AllreduceAlgorithm::kAuto) {
+    if (shared) return AllreduceAlgorithm::kShared;
     return hierarchy ? AllreduceAlgorithm::kAuto : AllreduceAlgorithm::kRing;
+  }
+  if (wanted == AllreduceAlgorithm::kShared && !shared) {
+    logLine(LogLevel::kWarn,
+            "DICOMM_ALLREDUCE=shared needs a group of 2 to " + std::to_string(kSharedMaxRanks) +
+                " ranks on one host, all reached over shm; a group of " + describeHosts(comm) +
+                " uses one flat ring");
+    return AllreduceAlgorithm::kRing;
   }
   if (wanted == AllreduceAlgorithm::kHierarchical && !hierarchy) {
     // The variable applies to every group, subgroups within one host included: fall back.
@@ -321,6 +337,13 @@ void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType 
                ReduceKind op, AllreduceAlgorithm algorithm) {
   CloseOnUnwind guard(ctx);
   if (ctx.comm->size() == 1) return;
+  if (algorithm == AllreduceAlgorithm::kShared) {
+    if (SharedSegment* segment = ctx.hostSegment ? ctx.hostSegment(ctx) : nullptr) {
+      segment->allreduce(ctx, buf, numel, dtype, op);
+      return;
+    }
+    algorithm = AllreduceAlgorithm::kRing;  // the group could not map one (logged)
+  }
   const bool small = numel * c10::elementSize(dtype) < kHierarchyMaxBytes;
   if (algorithm == AllreduceAlgorithm::kHierarchical ||
       (algorithm == AllreduceAlgorithm::kAuto && small)) {
@@ -375,7 +398,7 @@ void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType 
   }
   std::vector<Pending> sends;
   for (unsigned j = 0; j < chunks.size(); ++j) {
-    if (parent >= 0) await(ctx, recvs[j], parent, "receive from");
+    if (parent >= 0) awaitTransfer(ctx, recvs[j], parent, "receive from");
     for (int kid : kids) {
       sends.push_back({comm.isend(kid, collectiveTag(ctx.seq, 0, 0, j), base + chunks[j].first,
                                   chunks[j].second, dt(dtype)),
@@ -419,7 +442,7 @@ void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dty
   for (unsigned j = 0; j < chunks.size(); ++j) {
     auto [off, len] = chunks[j];
     for (size_t i = 0; i < kids.size(); ++i) {
-      await(ctx, recvs[i][j], kids[i], "receive from");
+      awaitTransfer(ctx, recvs[i][j], kids[i], "receive from");
       reduceInto(acc + off, temps[i].get() + off, len / elem, dtype, op);
     }
     if (parent >= 0) {

@@ -22,6 +22,8 @@
 
 namespace dicomm {
 
+class SharedSegment;
+
 struct CollectiveContext {
   Communicator* comm = nullptr;
   uint64_t seq = 0;  // the group's collective sequence number: tags messages
@@ -31,7 +33,15 @@ struct CollectiveContext {
   size_t chunkBytes = 4 << 20;
   // Closes the communicator with `cause` (must be synchronous, see above).
   std::function<void(const std::string& cause)> abort;
+  // The group's shared-memory segment (SharedSegment.h), connected by the first call; null
+  // when the group has none. Set only for groups whose allreduce is kShared.
+  std::function<SharedSegment*(CollectiveContext&)> hostSegment;
 };
+
+// Wait for one transfer of a collective; on timeout or error close the communicator first
+// (ctx.abort), then throw naming the op, `what` ("receive from", ...) and `peer`.
+void awaitTransfer(CollectiveContext& ctx, const std::shared_ptr<Completion>& c, int peer,
+                   const char* what);
 
 struct Segment {
   size_t offset = 0;  // elements
@@ -46,16 +56,21 @@ struct Ring {
   static Ring all(const Communicator& comm);  // 0 .. n-1
 };
 
-// How an allreduce is built (DICOMM_ALLREDUCE): one flat ring over all ranks, or two levels
+// How an allreduce is built (DICOMM_ALLREDUCE): one flat ring over all ranks; two levels
 // (a ring per host over shm, then one ring per local index across hosts, then the host ring
-// again: fewer steps, and fewer bytes across hosts). kAuto takes the two levels for payloads
-// below kHierarchyMaxBytes when the group spans two or more hosts holding the same number (two
-// or more) of its ranks each, and the flat ring otherwise: small payloads gain from fewer
-// steps, large ones are bound by the CPUs or the link either way (docs/dicomm.md, Measured).
-enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical };
+// again: fewer steps, and fewer bytes across hosts); or, for a group on one host whose peers
+// are all reached over shm, one shared-memory segment every rank reduces into
+// (SharedSegment.h). kAuto takes the two levels for payloads below kHierarchyMaxBytes when the
+// group spans two or more hosts holding the same number (two or more) of its ranks each, and
+// the flat ring otherwise: small payloads gain from fewer steps, large ones are bound by the
+// CPUs or the link either way (docs/dicomm.md, Measured). A group on one host resolves kAuto
+// to kShared.
+enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical, kShared };
+constexpr int kSharedMaxRanks = 64;  // a segment holds two chunks per rank
 constexpr size_t kHierarchyMaxBytes = size_t(4) << 20;
 // What `wanted` resolves to for this group: kAuto stays kAuto only where the hierarchy is
-// possible; a forced hierarchy the group cannot have becomes the ring, with a warning.
+// possible; a forced hierarchy or shared segment the group cannot have becomes the ring, with
+// a warning.
 AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm wanted);
 // "2 host(s) of 2 + 2 rank(s)".
 std::string describeHosts(const Communicator& comm);

@@ -352,10 +352,22 @@ std::shared_ptr<Completion> Communicator::irecv(int peer, uint64_t tag, void* da
 void Communicator::close(const std::exception_ptr& error) {
   std::lock_guard<std::mutex> lock(closeMu_);
   if (closed_.exchange(true)) return;
+  try {
+    if (error) std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    closeCause_ = e.what();
+  } catch (...) {
+    closeCause_ = "closed";
+  }
   for (auto& p : pairs_) {
     if (p) p->close();
   }
   mailbox_.failAll(error);
+}
+
+std::string Communicator::closeCause() const {
+  std::lock_guard<std::mutex> lock(closeMu_);
+  return closeCause_;
 }
 
 void Communicator::abort(const std::string& cause) {

@@ -78,6 +78,8 @@ class Communicator {
   // close(), after telling every peer why (best effort), so their errors name the root cause.
   void abort(const std::string& cause);
   bool closed() const { return closed_.load(); }
+  // Why close() was called (its error's text); empty while open.
+  std::string closeCause() const;
 
  private:
   // Throws when `listen` is a loopback address while a tcp peer is on another host.
@@ -93,8 +95,9 @@ class Communicator {
   std::vector<std::vector<int>> hosts_;
   std::vector<int> hostIndex_;
   std::function<void(int, const std::string&)> onFailure_;
-  std::mutex closeMu_;
+  mutable std::mutex closeMu_;
   std::atomic<bool> closed_{false};
+  std::string closeCause_;  // guarded by closeMu_
 };
 
 }  // namespace dicomm

@@ -6,7 +6,16 @@
 #include <stdexcept>
 #include <string>
 
+// Weak: resolved from libgomp where ATen uses OpenMP, null where it does not.
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
+
 namespace dicomm {
+
+void reduceOnThisThreadOnly() {
+  // ATen sizes a kernel's OpenMP team by omp_get_max_threads(), a per-thread setting: this
+  // thread's kernels then run alone, the user's threads keep theirs.
+  if (omp_set_num_threads) omp_set_num_threads(1);
+}
 
 namespace {
 at::Tensor view(const void* p, size_t numel, c10::ScalarType dtype) {

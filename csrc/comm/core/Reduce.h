@@ -18,5 +18,9 @@ void finishAvg(void* dst, size_t numel, c10::ScalarType dtype, int divisor);
 // before a collective posts anything, so a refused op leaves the group as it was.
 void checkReducible(c10::ScalarType dtype, ReduceKind op);
 const char* reduceName(ReduceKind op);
+// Makes the reductions the calling thread runs single-threaded. Called by each group's
+// collective thread: every rank reduces its own share already, and a team of ATen's OpenMP
+// workers per rank would compete with the ranks for the cores (and poll after each kernel).
+void reduceOnThisThreadOnly();
 
 }  // namespace dicomm

@@ -1,0 +1,288 @@
+#include "comm/core/SharedSegment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+
+#include "comm/core/Tags.h"
+#include "comm/transport/Log.h"
+#include "comm/transport/Spin.h"
+
+namespace dicomm {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x64696d6d5345474dULL;  // "dimmSEGM"
+constexpr size_t kLine = 64;
+constexpr size_t kNameBytes = 64;
+// A sleeping waiter looks at the op's deadline and the communicator at least this often.
+constexpr auto kWakeEvery = std::chrono::milliseconds(20);
+
+bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+size_t segmentBytes(int size) { return kLine * (1 + size) + 2 * size * SharedSegment::kChunkBytes; }
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string randomName() {
+  std::random_device rd;  // /dev/urandom
+  char out[40];
+  std::snprintf(out, sizeof(out), "/dicomm-%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  return out;
+}
+
+std::string errnoText(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// Maps `name` (created with `create`, else opened and checked to be ours and of `bytes`).
+void* mapSegment(const std::string& name, size_t bytes, bool create, std::string& why) {
+  const int fd = create ? ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600)
+                        : ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    why = errnoText("shm_open " + name);
+    return nullptr;
+  }
+  void* base = nullptr;
+  struct stat st {};
+  if (create) {
+    // Reserve the pages now: a full /dev/shm is then an error here, not a SIGBUS mid-allreduce.
+    const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (rc != 0) {
+      errno = rc;
+      why = errnoText("posix_fallocate " + std::to_string(bytes) + " bytes in /dev/shm");
+    }
+  } else if (::fstat(fd, &st) != 0) {
+    why = errnoText("fstat " + name);
+  } else if (st.st_uid != ::geteuid() || static_cast<size_t>(st.st_size) != bytes) {
+    why = name + " is owned by uid " + std::to_string(st.st_uid) + " and holds " +
+          std::to_string(st.st_size) + " bytes; expected ours (" + std::to_string(::geteuid()) +
+          ") and " + std::to_string(bytes);
+  }
+  if (why.empty()) {
+    base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+      base = nullptr;
+      why = errnoText("mmap " + name);
+    }
+  }
+  ::close(fd);
+  return base;
+}
+
+}  // namespace
+
+struct SharedSegment::Request {
+  uint64_t seq;
+  uint64_t numel;
+  int32_t dtype;
+  int32_t op;
+};
+
+struct alignas(64) SharedSegment::Line {
+  std::atomic<uint32_t> stage;
+  std::atomic<uint32_t> sleepers;  // waiters asleep on `stage`: its owner wakes them
+  Request request;                 // written before stage 2t+1 of a collective's first round
+};
+static_assert(sizeof(std::atomic<uint32_t>) == 4 && std::atomic<uint32_t>::is_always_lock_free,
+              "a futex word must be a lock-free 32-bit atomic");
+
+std::unique_ptr<SharedSegment> SharedSegment::connect(CollectiveContext& ctx) {
+  Communicator& comm = *ctx.comm;
+  const int n = comm.size(), r = comm.rank();
+  const size_t bytes = segmentBytes(n);
+  auto tag = [&](unsigned step) { return collectiveTag(ctx.seq, 0, step, 0); };
+  char name[kNameBytes] = {};
+  std::string why;
+  void* base = nullptr;
+  uint8_t ok = 0;
+  if (r == 0) {
+    const std::string chosen = randomName();
+    base = mapSegment(chosen, bytes, /*create=*/true, why);
+    if (base) {
+      std::memcpy(name, chosen.data(), chosen.size());
+      auto* header = static_cast<uint64_t*>(base);
+      header[0] = kMagic;
+      header[1] = static_cast<uint64_t>(n);
+    } else {
+      ::shm_unlink(chosen.c_str());
+    }
+    std::vector<std::shared_ptr<Completion>> sent, acks(n);
+    for (int p = 1; p < n; ++p) sent.push_back(comm.isend(p, tag(0), name, kNameBytes, -1));
+    std::vector<uint8_t> replies(n, 0);
+    for (int p = 1; p < n; ++p) acks[p] = comm.irecv(p, tag(1), &replies[p], 1, -1);
+    for (int p = 1; p < n; ++p) awaitTransfer(ctx, sent[p - 1], p, "send the segment's name to");
+    ok = base != nullptr;
+    for (int p = 1; p < n; ++p) {
+      awaitTransfer(ctx, acks[p], p, "hear whether it mapped the segment from");
+      ok = ok && replies[p];
+    }
+    if (name[0]) ::shm_unlink(name);  // every rank has it mapped, or gave up
+    sent.clear();
+    for (int p = 1; p < n; ++p) sent.push_back(comm.isend(p, tag(2), &ok, 1, -1));
+    for (int p = 1; p < n; ++p) awaitTransfer(ctx, sent[p - 1], p, "send the verdict to");
+  } else {
+    awaitTransfer(ctx, comm.irecv(0, tag(0), name, kNameBytes, -1), 0, "hear the segment's name from");
+    name[kNameBytes - 1] = '\0';
+    if (name[0]) {
+      base = mapSegment(name, bytes, /*create=*/false, why);
+      if (base) {
+        auto* header = static_cast<uint64_t*>(base);
+        if (header[0] != kMagic || header[1] != static_cast<uint64_t>(n)) {
+          why = std::string(name) + " is not this group's segment";
+          ::munmap(base, bytes);
+          base = nullptr;
+        }
+      }
+    } else {
+      why = "rank 0 could not create it";
+    }
+    uint8_t mine = base != nullptr;
+    awaitTransfer(ctx, comm.isend(0, tag(1), &mine, 1, -1), 0, "tell whether it mapped the segment to");
+    awaitTransfer(ctx, comm.irecv(0, tag(2), &ok, 1, -1), 0, "hear the verdict from");
+  }
+  if (!ok) {
+    if (base) ::munmap(base, bytes);
+    logLine(LogLevel::kWarn, "allreduce within a host: no shared segment (" +
+                                 (why.empty() ? std::string("another rank could not map it") : why) +
+                                 "); a ring of shm copies instead");
+    return nullptr;
+  }
+  return std::unique_ptr<SharedSegment>(new SharedSegment(base, bytes, r, n));
+}
+
+SharedSegment::SharedSegment(void* base, size_t bytes, int rank, int size)
+    : base_(base), bytes_(bytes), rank_(rank), size_(size) {}
+
+SharedSegment::~SharedSegment() { ::munmap(base_, bytes_); }
+
+SharedSegment::Line& SharedSegment::line(int rank) const {
+  return *reinterpret_cast<Line*>(static_cast<char*>(base_) + kLine * (1 + rank));
+}
+
+char* SharedSegment::slot(unsigned set, int rank) const {
+  return static_cast<char*>(base_) + kLine * (1 + size_) + (set * size_ + rank) * kChunkBytes;
+}
+
+void SharedSegment::advance(uint32_t stage) {
+  Line& mine = line(rank_);
+  // seq_cst on both sides (here: stage then sleepers; a waiter: sleepers then stage), so either
+  // the waiter sees the new stage or this sees the waiter and wakes it.
+  mine.stage.store(stage, std::memory_order_seq_cst);
+  stage_ = stage;
+  if (mine.sleepers.load(std::memory_order_seq_cst) > 0) futex(&mine.stage, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+void SharedSegment::awaitAll(CollectiveContext& ctx, uint32_t stage, const char* what) {
+  auto failure = [&](int peer, const std::string& cause) {
+    return "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) + ") failed waiting for rank " +
+           std::to_string(peer) + " to " + what + " in the host's shared segment: " + cause;
+  };
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    std::atomic<uint32_t>& word = line(j).stage;
+    if (reached(word.load(std::memory_order_acquire), stage)) continue;
+    {
+      PollPhase poll;
+      const auto until = std::chrono::steady_clock::now() + poll.budget();
+      for (unsigned i = 1; poll.budget().count() > 0; ++i) {
+        if (reached(word.load(std::memory_order_acquire), stage)) break;
+        cpuRelax();
+        if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) break;
+      }
+    }
+    std::atomic<uint32_t>& sleepers = line(j).sleepers;
+    while (!reached(word.load(std::memory_order_acquire), stage)) {
+      // The deadline first: the group's watchdog closes it at the same moment, with a cause
+      // that cannot name the rank this one waits for.
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= ctx.deadline) {
+        const std::string cause = failure(j, "timed out after " + std::to_string(ctx.timeout.count()) + " ms");
+        ctx.abort(cause);
+        throw std::runtime_error(cause);
+      }
+      if (ctx.comm->closed()) throw std::runtime_error(failure(j, ctx.comm->closeCause()));
+      const auto wait = std::min<std::chrono::nanoseconds>(kWakeEvery, ctx.deadline - now);
+      timespec ts{static_cast<time_t>(wait.count() / 1'000'000'000), static_cast<long>(wait.count() % 1'000'000'000)};
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t seen = word.load(std::memory_order_seq_cst);
+      if (!reached(seen, stage)) futex(&word, FUTEX_WAIT, seen, &ts);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+}
+
+void SharedSegment::checkRequests(CollectiveContext& ctx, const Request& mine) {
+  auto describe = [](const Request& q) {
+    return std::to_string(q.numel) + " x " + std::string(c10::toString(static_cast<c10::ScalarType>(q.dtype))) +
+           " (" + reduceName(static_cast<ReduceKind>(q.op)) + ", collective #" + std::to_string(q.seq) + ")";
+  };
+  for (int j = 0; j < size_; ++j) {
+    const Request theirs = line(j).request;
+    if (j == rank_ || std::memcmp(&theirs, &mine, sizeof(Request)) == 0) continue;
+    const bool readable = theirs.dtype >= 0 && theirs.dtype < static_cast<int32_t>(c10::ScalarType::NumOptions) &&
+                          theirs.op >= 0 && theirs.op <= static_cast<int32_t>(ReduceKind::kBxor);
+    const std::string cause = "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) +
+                              "): allreduce mismatch: rank " + std::to_string(j) + " reduces " +
+                              (readable ? describe(theirs) : std::string("an unreadable request")) +
+                              ", this rank " + describe(mine) +
+                              "; every rank must make the same call";
+    ctx.abort(cause);
+    throw std::runtime_error(cause);
+  }
+}
+
+void SharedSegment::allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
+                              ReduceKind op) {
+  if (ctx.comm->closed()) throw std::runtime_error("dicomm " + ctx.op + ": " + ctx.comm->closeCause());
+  const size_t elem = c10::elementSize(dtype);
+  const size_t per = kChunkBytes / elem;
+  // At least one round, so that a rank with nothing to reduce still checks its peers' requests.
+  const size_t rounds = std::max<size_t>(1, (numel + per - 1) / per);
+  const Request mine{ctx.seq, numel, static_cast<int32_t>(dtype), static_cast<int32_t>(op)};
+  line(rank_).request = mine;
+  char* data = static_cast<char*>(buf);
+  for (size_t t = 0; t < rounds; ++t) {
+    const size_t first = t * per, count = std::min(per, numel - std::min(numel, first));
+    const unsigned set = (stage_ / 2) & 1;
+    char* chunk = data + first * elem;
+    std::memcpy(slot(set, rank_), chunk, count * elem);
+    advance(stage_ + 1);
+    awaitAll(ctx, stage_, "copy its input in");  // S1
+    if (t == 0) checkRequests(ctx, mine);
+    const auto parts = splitEven(count, size_);
+    const size_t at = parts[rank_].offset * elem;
+    char* part = slot(set, rank_) + at;
+    for (int j = 0; j < size_; ++j) {
+      if (j != rank_) reduceInto(part, slot(set, j) + at, parts[rank_].count, dtype, op);
+    }
+    if (op == ReduceKind::kAvg) finishAvg(part, parts[rank_].count, dtype, size_);
+    advance(stage_ + 1);
+    awaitAll(ctx, stage_, "reduce its part");  // S2
+    for (int j = 0; j < size_; ++j) {
+      const size_t off = parts[j].offset * elem;
+      std::memcpy(chunk + off, slot(set, j) + off, parts[j].count * elem);
+    }
+  }
+}
+
+}  // namespace dicomm
