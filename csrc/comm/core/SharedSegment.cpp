@@ -13,6 +13,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "comm/core/Tags.h"
 #include "comm/transport/Log.h"
@@ -206,8 +207,14 @@ void SharedSegment::awaitAll(CollectiveContext& ctx, uint32_t stage, const char*
       const auto until = std::chrono::steady_clock::now() + poll.budget();
       for (unsigned i = 1; poll.budget().count() > 0; ++i) {
         if (reached(word.load(std::memory_order_acquire), stage)) break;
-        cpuRelax();
-        if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) break;
+        // A few pauses, then yields: the rank this one waits for may be ready to run on this
+        // very core (our ranks and their threads outnumber the cores).
+        if (i < 64) {
+          cpuRelax();
+        } else {
+          std::this_thread::yield();
+          if (std::chrono::steady_clock::now() >= until) break;
+        }
       }
     }
     std::atomic<uint32_t>& sleepers = line(j).sleepers;
@@ -265,22 +272,27 @@ void SharedSegment::allreduce(CollectiveContext& ctx, void* buf, size_t numel, c
     const size_t first = t * per, count = std::min(per, numel - std::min(numel, first));
     const unsigned set = (stage_ / 2) & 1;
     char* chunk = data + first * elem;
-    std::memcpy(slot(set, rank_), chunk, count * elem);
+    char* mySlot = slot(set, rank_);
+    const auto parts = splitEven(count, size_);
+    auto bytes = [&](int j) { return parts[j].count * elem; };
+    auto at = [&](int j) { return parts[j].offset * elem; };
+    // Only the parts others reduce: this rank reduces its own in place, in its buffer.
+    for (int j = 0; j < size_; ++j) {
+      if (j != rank_) std::memcpy(mySlot + at(j), chunk + at(j), bytes(j));
+    }
     advance(stage_ + 1);
     awaitAll(ctx, stage_, "copy its input in");  // S1
     if (t == 0) checkRequests(ctx, mine);
-    const auto parts = splitEven(count, size_);
-    const size_t at = parts[rank_].offset * elem;
-    char* part = slot(set, rank_) + at;
+    char* part = chunk + at(rank_);
     for (int j = 0; j < size_; ++j) {
-      if (j != rank_) reduceInto(part, slot(set, j) + at, parts[rank_].count, dtype, op);
+      if (j != rank_) reduceInto(part, slot(set, j) + at(rank_), parts[rank_].count, dtype, op);
     }
     if (op == ReduceKind::kAvg) finishAvg(part, parts[rank_].count, dtype, size_);
+    std::memcpy(mySlot + at(rank_), part, bytes(rank_));  // for the others to copy out
     advance(stage_ + 1);
     awaitAll(ctx, stage_, "reduce its part");  // S2
     for (int j = 0; j < size_; ++j) {
-      const size_t off = parts[j].offset * elem;
-      std::memcpy(chunk + off, slot(set, j) + off, parts[j].count * elem);
+      if (j != rank_) std::memcpy(chunk + at(j), slot(set, j) + at(j), bytes(j));
     }
   }
 }
