@@ -72,6 +72,9 @@ def too_many_chunks(rank: int, world: int, _port: int) -> dict:
     # could post the receives of the smaller segment before meeting the larger one; both ranks
     # must refuse before posting anything, and the group stays usable.
     out = {"error": error_of(dist.all_reduce, torch.ones(131073))}
+    # the trees cut the whole tensor: 65537 chunks of 4 bytes
+    out["broadcast"] = error_of(dist.broadcast, torch.ones(65537), src=0)
+    out["reduce"] = error_of(dist.reduce, torch.ones(65537), dst=1)
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
     out["after"] = t.tolist()
@@ -86,4 +89,6 @@ def test_a_collective_with_more_chunks_than_tags_is_refused_before_posting():
     for r in out.values():
         assert "262148-byte segment in chunks of 4 bytes makes 65537 chunks" in r["error"], r
         assert "raise DICOMM_CHUNK_BYTES (now 4)" in r["error"], r
+        for op in ("broadcast", "reduce"):
+            assert "262148-byte segment in chunks of 4 bytes makes 65537 chunks" in r[op], (op, r)
         assert r["after"] == [3.0] * 4 and r["aborted"] is False, r

@@ -102,13 +102,13 @@ void checkChunkCount(const std::vector<Segment>& segs, size_t elem, size_t chunk
   }
 }
 
-// Byte ranges of the chunks of one segment; identical on sender and receiver.
-std::vector<std::pair<size_t, size_t>> chunksOf(const Segment& s, size_t elem, size_t chunkBytes) {
-  checkChunkCount({s}, elem, chunkBytes);
-  std::vector<std::pair<size_t, size_t>> out;
+// Calls f(j, offset, bytes) for chunk j of segment `s`, in order; sender and receiver cut a
+// segment alike. The count was checked (checkChunkCount) before anything was posted.
+template <typename F>
+void forEachChunk(const Segment& s, size_t elem, size_t chunkBytes, F&& f) {
   const size_t bytes = s.count * elem, per = chunkStride(elem, chunkBytes);
-  for (size_t off = 0; off < bytes; off += per) out.emplace_back(off, std::min(per, bytes - off));
-  return out;
+  unsigned j = 0;
+  for (size_t off = 0; off < bytes; off += per) f(j++, off, std::min(per, bytes - off));
 }
 
 int32_t dt(c10::ScalarType t) { return static_cast<int32_t>(t); }
@@ -162,12 +162,10 @@ void ringReduceScatter(CollectiveContext& ctx, const Ring& ring, void* buf,
 
   // Step k: send segment r-k-1 to the right, receive segment r-k-2 from the left and reduce it.
   auto postRecvs = [&](int k) {
-    const Segment& s = segs[mod(r - k - 2, n)];
-    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
-      unsigned j = static_cast<unsigned>(recvs[k].size());
+    forEachChunk(segs[mod(r - k - 2, n)], elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
       recvs[k].push_back(comm.irecv(left, collectiveTag(ctx.seq, phase, k, j),
                                     temp[k % 2] + off, len, dt(dtype)));
-    }
+    });
   };
   auto postSend = [&](int k, unsigned j, size_t off, size_t len) {
     const Segment& s = segs[mod(r - k - 1, n)];
@@ -177,20 +175,16 @@ void ringReduceScatter(CollectiveContext& ctx, const Ring& ring, void* buf,
   };
   // Receives first: a message whose receive is already posted lands in place.
   postRecvs(0);
-  {
-    unsigned j = 0;
-    for (auto& [off, len] : chunksOf(segs[mod(r - 1, n)], elem, ctx.chunkBytes)) postSend(0, j++, off, len);
-  }
+  forEachChunk(segs[mod(r - 1, n)], elem, ctx.chunkBytes,
+               [&](unsigned j, size_t off, size_t len) { postSend(0, j, off, len); });
   for (int k = 0; k < n - 1; ++k) {
     if (k + 1 < n - 1) postRecvs(k + 1);
     const Segment& s = segs[mod(r - k - 2, n)];
-    unsigned j = 0;
-    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
+    forEachChunk(s, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
       awaitTransfer(ctx, recvs[k][j], left, "receive from");
       reduceInto(base + s.offset * elem + off, temp[k % 2] + off, len / elem, dtype, op);
       if (k + 1 < n - 1) postSend(k + 1, j, off, len);  // forward as soon as it is reduced
-      ++j;
-    }
+    });
   }
   awaitAll(ctx, sends);
 }
@@ -213,35 +207,26 @@ void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
   std::vector<Pending> sends;
   // Step k: send segment r-k to the right, receive segment r-k-1 from the left (into place).
   std::vector<std::vector<CompletionPtr>> recvs(n);
+  auto postSend = [&](int k, const Segment& s, unsigned j, size_t off, size_t len) {
+    sends.push_back({comm.isend(right, collectiveTag(ctx.seq, phase, k, j),
+                                base + s.offset * elem + off, len, dt(dtype)),
+                     right, "send to"});
+  };
   for (int k = 0; k < n - 1; ++k) {
     const Segment& s = segs[mod(r - k - 1, n)];
-    unsigned j = 0;
-    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
-      recvs[k].push_back(comm.irecv(left, collectiveTag(ctx.seq, phase, k, j++),
+    forEachChunk(s, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
+      recvs[k].push_back(comm.irecv(left, collectiveTag(ctx.seq, phase, k, j),
                                     base + s.offset * elem + off, len, dt(dtype)));
-    }
+    });
   }
-  {
-    const Segment& s = segs[r];
-    unsigned j = 0;
-    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
-      sends.push_back({comm.isend(right, collectiveTag(ctx.seq, phase, 0, j++),
-                                  base + s.offset * elem + off, len, dt(dtype)),
-                       right, "send to"});
-    }
-  }
+  forEachChunk(segs[r], elem, ctx.chunkBytes,
+               [&](unsigned j, size_t off, size_t len) { postSend(0, segs[r], j, off, len); });
   for (int k = 0; k < n - 1; ++k) {
     const Segment& s = segs[mod(r - k - 1, n)];
-    unsigned j = 0;
-    for (auto& [off, len] : chunksOf(s, elem, ctx.chunkBytes)) {
+    forEachChunk(s, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
       awaitTransfer(ctx, recvs[k][j], left, "receive from");
-      if (k + 1 < n - 1) {
-        sends.push_back({comm.isend(right, collectiveTag(ctx.seq, phase, k + 1, j),
-                                    base + s.offset * elem + off, len, dt(dtype)),
-                         right, "send to"});
-      }
-      ++j;
-    }
+      if (k + 1 < n - 1) postSend(k + 1, s, j, off, len);  // forward as soon as it arrived
+    });
   }
   awaitAll(ctx, sends);
 }
@@ -388,23 +373,22 @@ void broadcast(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType 
   std::vector<int> kids;
   for (int v : treeChildren(vr, n)) kids.push_back(mod(v + root, n));
   char* base = static_cast<char*>(buf);
-  auto chunks = chunksOf(Segment{0, numel}, elem, ctx.chunkBytes);
+  const Segment all{0, numel};
+  checkChunkCount({all}, elem, ctx.chunkBytes);
   std::vector<CompletionPtr> recvs;
   if (parent >= 0) {
-    for (unsigned j = 0; j < chunks.size(); ++j) {
-      recvs.push_back(comm.irecv(parent, collectiveTag(ctx.seq, 0, 0, j), base + chunks[j].first,
-                                 chunks[j].second, dt(dtype)));
-    }
+    forEachChunk(all, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
+      recvs.push_back(comm.irecv(parent, collectiveTag(ctx.seq, 0, 0, j), base + off, len, dt(dtype)));
+    });
   }
   std::vector<Pending> sends;
-  for (unsigned j = 0; j < chunks.size(); ++j) {
+  forEachChunk(all, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
     if (parent >= 0) awaitTransfer(ctx, recvs[j], parent, "receive from");
     for (int kid : kids) {
-      sends.push_back({comm.isend(kid, collectiveTag(ctx.seq, 0, 0, j), base + chunks[j].first,
-                                  chunks[j].second, dt(dtype)),
+      sends.push_back({comm.isend(kid, collectiveTag(ctx.seq, 0, 0, j), base + off, len, dt(dtype)),
                        kid, "send to"});
     }
-  }
+  });
   awaitAll(ctx, sends);
 }
 
@@ -428,29 +412,28 @@ void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dty
     std::memcpy(copy.get(), buf, bytes);
     acc = copy.get();
   }
-  auto chunks = chunksOf(Segment{0, numel}, elem, ctx.chunkBytes);
+  const Segment all{0, numel};
+  checkChunkCount({all}, elem, ctx.chunkBytes);
   std::vector<std::unique_ptr<char[]>> temps;
   std::vector<std::vector<CompletionPtr>> recvs(kids.size());
   for (size_t i = 0; i < kids.size(); ++i) {
     temps.emplace_back(new char[bytes + 1]);
-    for (unsigned j = 0; j < chunks.size(); ++j) {
-      recvs[i].push_back(comm.irecv(kids[i], collectiveTag(ctx.seq, 0, 0, j),
-                                    temps[i].get() + chunks[j].first, chunks[j].second, dt(dtype)));
-    }
+    forEachChunk(all, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
+      recvs[i].push_back(comm.irecv(kids[i], collectiveTag(ctx.seq, 0, 0, j), temps[i].get() + off,
+                                    len, dt(dtype)));
+    });
   }
   std::vector<Pending> sends;
-  for (unsigned j = 0; j < chunks.size(); ++j) {
-    auto [off, len] = chunks[j];
+  forEachChunk(all, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
     for (size_t i = 0; i < kids.size(); ++i) {
       awaitTransfer(ctx, recvs[i][j], kids[i], "receive from");
       reduceInto(acc + off, temps[i].get() + off, len / elem, dtype, op);
     }
     if (parent >= 0) {
-      sends.push_back({comm.isend(parent, collectiveTag(ctx.seq, 0, 0, j), acc + off, len,
-                                  dt(dtype)),
+      sends.push_back({comm.isend(parent, collectiveTag(ctx.seq, 0, 0, j), acc + off, len, dt(dtype)),
                        parent, "send to"});
     }
-  }
+  });
   awaitAll(ctx, sends);
   if (parent < 0 && op == ReduceKind::kAvg) finishAvg(buf, numel, dtype, n);
 }
