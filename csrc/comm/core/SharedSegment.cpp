@@ -53,6 +53,11 @@ std::string randomName() {
   return out;
 }
 
+// memcpy, but an empty tensor's buffer may be null, which memcpy may not be given even for 0 bytes.
+void copyBytes(void* dst, const void* src, size_t n) {
+  if (n) std::memcpy(dst, src, n);
+}
+
 std::string errnoText(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 // Maps `name` (created with `create`, else opened and checked to be ours and of `bytes`).
@@ -278,7 +283,7 @@ void SharedSegment::allreduce(CollectiveContext& ctx, void* buf, size_t numel, c
     auto at = [&](int j) { return parts[j].offset * elem; };
     // Only the parts others reduce: this rank reduces its own in place, in its buffer.
     for (int j = 0; j < size_; ++j) {
-      if (j != rank_) std::memcpy(mySlot + at(j), chunk + at(j), bytes(j));
+      if (j != rank_) copyBytes(mySlot + at(j), chunk + at(j), bytes(j));
     }
     advance(stage_ + 1);
     awaitAll(ctx, stage_, "copy its input in");  // S1
@@ -288,11 +293,11 @@ void SharedSegment::allreduce(CollectiveContext& ctx, void* buf, size_t numel, c
       if (j != rank_) reduceInto(part, slot(set, j) + at(rank_), parts[rank_].count, dtype, op);
     }
     if (op == ReduceKind::kAvg) finishAvg(part, parts[rank_].count, dtype, size_);
-    std::memcpy(mySlot + at(rank_), part, bytes(rank_));  // for the others to copy out
+    copyBytes(mySlot + at(rank_), part, bytes(rank_));  // for the others to copy out
     advance(stage_ + 1);
     awaitAll(ctx, stage_, "reduce its part");  // S2
     for (int j = 0; j < size_; ++j) {
-      if (j != rank_) std::memcpy(chunk + at(j), slot(set, j) + at(j), bytes(j));
+      if (j != rank_) copyBytes(chunk + at(j), slot(set, j) + at(j), bytes(j));
     }
   }
 }
