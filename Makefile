@@ -19,7 +19,7 @@ demo-single: setup
 test: setup
 	GLOO_SOCKET_IFNAME=lo $(PY) -m pytest -q tests $(TEST_ARGS)
 
-# tests/comm against a sanitized (ASan + UBSan) dicomm, then the frame fuzzer: scripts/test_asan.sh.
+# tests/comm and tests/device against sanitized (ASan + UBSan) builds, then the frame fuzzer: scripts/test_asan.sh.
 test-asan: setup
 	bash scripts/test_asan.sh $(TEST_ARGS)
 
