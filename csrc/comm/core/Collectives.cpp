@@ -236,10 +236,11 @@ AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm 
   bool uniform = hosts.size() >= 2;
   for (auto& h : hosts) uniform = uniform && h.size() == hosts[0].size();
   const bool hierarchy = uniform && hosts[0].size() >= 2;
-  bool shared = hosts.size() == 1 && comm.size() >= 2 && comm.size() <= kSharedMaxRanks;
-  for (int p = 0; shared && p < comm.size(); ++p) {
-    shared = p == comm.rank() || comm.transportOf(p) == "shm";
-  }
+  // One host, and no transport but shared memory forced (a forced tcp or rdma is what the user
+  // wants measured); with rdma usable, auto reaches same-host peers over rdma, yet the segment
+  // is still the faster way for host buffers.
+  const bool shared = hosts.size() == 1 && comm.size() >= 2 && comm.size() <= kSharedMaxRanks &&
+                      (comm.transportAsked() == "auto" || comm.transportAsked() == "shm");
   if (wanted == AllreduceAlgorithm::kAuto) {
     if (shared) return AllreduceAlgorithm::kShared;
     return hierarchy ? AllreduceAlgorithm::kAuto : AllreduceAlgorithm::kRing;
@@ -247,7 +248,7 @@ AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm 
   if (wanted == AllreduceAlgorithm::kShared && !shared) {
     logLine(LogLevel::kWarn,
             "DICOMM_ALLREDUCE=shared needs a group of 2 to " + std::to_string(kSharedMaxRanks) +
-                " ranks on one host, all reached over shm; a group of " + describeHosts(comm) +
+                " ranks on one host and DICOMM_TRANSPORT auto or shm; a group of " + describeHosts(comm) +
                 " uses one flat ring");
     return AllreduceAlgorithm::kRing;
   }

@@ -58,8 +58,8 @@ struct Ring {
 
 // How an allreduce is built (DICOMM_ALLREDUCE): one flat ring over all ranks; two levels
 // (a ring per host over shm, then one ring per local index across hosts, then the host ring
-// again: fewer steps, and fewer bytes across hosts); or, for a group on one host whose peers
-// are all reached over shm, one shared-memory segment every rank reduces into
+// again: fewer steps, and fewer bytes across hosts); or, for a group on one host (transport
+// auto or shm), one shared-memory segment every rank reduces into
 // (SharedSegment.h). kAuto takes the two levels for payloads below kHierarchyMaxBytes when the
 // group spans two or more hosts holding the same number (two or more) of its ranks each, and
 // the flat ring otherwise: small payloads gain from fewer steps, large ones are bound by the

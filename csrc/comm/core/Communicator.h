@@ -42,6 +42,8 @@ class Communicator {
   std::chrono::milliseconds timeout() const { return options_.timeout; }
   // The transport serving `peer` ("tcp", "shm", "rdma"; "self" for this rank).
   std::string transportOf(int peer) const;
+  // The transport asked for (DICOMM_TRANSPORT): "auto", or the one forced.
+  const std::string& transportAsked() const { return options_.transport; }
   // Connections the pair to `peer` uses (tcp stripes large messages over several; 0 for self).
   int connectionsOf(int peer) const;
   // The TCP congestion control of the pair to `peer` ("" when it is not TCP, or for self).
