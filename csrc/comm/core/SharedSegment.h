@@ -2,12 +2,13 @@
 // instead of a ring of copies from rank to rank.
 //
 // The payload goes through the segment in rounds of one chunk (kChunkBytes, small enough that
-// the segment stays in the cores' caches): every rank copies its chunk into its own slot; once
-// all have, rank i reduces the i-th n-th of every slot into its own slot; once all have, every
-// rank copies the n reduced parts into its buffer. Memory traffic per rank is one read of its
-// input and one write of its output, as a memcpy; the slots in between stay in cache, where a
-// ring moves each byte through memory once per hop and hands every chunk between threads.
-// Each part is reduced by one rank in a fixed order, so every rank gets the same bits.
+// the segment stays in the cores' caches): every rank copies into its own slot the parts of its
+// chunk that the others reduce; once all have, rank i reduces the i-th n-th in place in its own
+// buffer (its input, then every other slot's part i) and publishes it in its slot; once all
+// have, every rank copies the other parts out into its buffer. Memory traffic per rank is one
+// read of its input and one write of its output, as a memcpy; the slots in between stay in
+// cache, where a ring moves each byte through memory once per hop and hands every chunk between
+// threads. Each part is reduced by one rank in a fixed order, so every rank gets the same bits.
 //
 // Synchronisation is one 32-bit counter per rank ("stage"), advanced twice per round: after its
 // copy-in (2t+1 in round t) and after its reduction (2t+2). Invariants:
