@@ -92,6 +92,7 @@ void* mapSegment(const std::string& name, size_t bytes, bool create, std::string
     }
   }
   ::close(fd);
+  if (!base && create) ::shm_unlink(name.c_str());  // ours: nobody else will map it now
   return base;
 }
 
@@ -129,8 +130,6 @@ std::unique_ptr<SharedSegment> SharedSegment::connect(CollectiveContext& ctx) {
       auto* header = static_cast<uint64_t*>(base);
       header[0] = kMagic;
       header[1] = static_cast<uint64_t>(n);
-    } else {
-      ::shm_unlink(chosen.c_str());
     }
     std::vector<std::shared_ptr<Completion>> sent, acks(n);
     for (int p = 1; p < n; ++p) sent.push_back(comm.isend(p, tag(0), name, kNameBytes, -1));
