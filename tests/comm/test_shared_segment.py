@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from emulated_hosts import can_make_hosts, emulated_hosts
 from launcher import error_of, run_ranks
 
 CHUNK = 1 << 20  # SharedSegment::kChunkBytes
@@ -84,8 +85,8 @@ def reduce_cases(rank: int, world: int, _port: int) -> dict:
         if not torch.equal(mine, theirs):
             wrong.append(f"{op} {numel} x {dtype}: differs from rank 0's bits")
         checked += 1
-    return {"algorithm": backend.allreduce_algorithm, "wrong": wrong, "checked": checked,
-            "left": glob.glob("/dev/shm/dicomm-*")}
+    return {"algorithm": backend.allreduce_algorithm, "members": backend.host_segment_members, "wrong": wrong,
+            "checked": checked, "left": glob.glob("/dev/shm/dicomm-*")}
 
 
 @pytest.mark.timeout(240)
@@ -94,6 +95,22 @@ def test_shared_allreduce_matches_a_cpu_reduction(world):
     results = run_ranks(reduce_cases, world)
     for r, out in results.items():
         assert out["algorithm"] == "shared", (r, out)
+        assert out["members"] == list(range(world)), (r, out["members"])
+        assert out["checked"] == 40 and out["wrong"] == [], (r, out["wrong"])
+        assert out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
+def test_two_level_allreduce_reduces_within_each_host_through_its_segment():
+    """Two emulated hosts x two ranks, two levels forced: each host's ranks reduce-scatter and
+    allgather through their own segment, the rails cross over tcp; the same random cases
+    against the CPU reduction, the same bits everywhere."""
+    with emulated_hosts(2) as hosts:
+        results = run_ranks(reduce_cases, 4, env={"DICOMM_ALLREDUCE": "hierarchical"}, hosts=hosts)
+    for r, out in results.items():
+        assert out["algorithm"] == "hierarchical", (r, out)
+        assert out["members"] == ([0, 1] if r < 2 else [2, 3]), (r, out["members"])
         assert out["checked"] == 40 and out["wrong"] == [], (r, out["wrong"])
         assert out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
 

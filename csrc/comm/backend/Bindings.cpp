@@ -43,7 +43,10 @@ PYBIND11_MODULE(_C, m) {
            "TCP congestion control of the connections to `peer` ('' when not TCP).")
       .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
       .def_property_readonly("allreduce_algorithm", &dicomm::ProcessGroupDicomm::allreduceAlgorithm,
-                             "How allreduces run: 'ring', 'hierarchical', or by size (DICOMM_ALLREDUCE, the hosts).")
+                             "How allreduces run: 'ring', 'hierarchical', 'shared', or by size (DICOMM_ALLREDUCE, the hosts).")
+      .def_property_readonly("host_segment_members", &dicomm::ProcessGroupDicomm::hostSegmentMembers,
+                             "Ranks this rank reduces with through its host's shared segment (empty "
+                             "before the first allreduce that connects it, or when there is none).")
       .def_property_readonly("timeout_seconds",
                              [](const dicomm::ProcessGroupDicomm& pg) {
                                return pg.options().timeout.count() / 1000.0;

@@ -177,11 +177,11 @@ void ProcessGroupDicomm::collectiveLoop() {
     ctx.op = q.work->description();
     ctx.chunkBytes = options_.chunkBytes;
     ctx.abort = [this](const std::string& cause) { abortWith(cause); };
-    if (allreduceAlgorithm_ == AllreduceAlgorithm::kShared) {
+    if (allreduceAlgorithm_ != AllreduceAlgorithm::kRing && hostSegmentUsable(*comm_)) {
       ctx.hostSegment = [this](CollectiveContext& c) {
         if (!segmentTried_) {
           segmentTried_ = true;
-          segment_ = SharedSegment::connect(c);
+          segment_ = SharedSegment::connect(c, comm_->hosts()[comm_->hostOf(comm_->rank())]);
         }
         return segment_.get();
       };

@@ -120,6 +120,9 @@ class ProcessGroupDicomm : public c10d::Backend {
       default: return "ring";
     }
   }
+  // The ranks this rank reduces with through its host's shared segment: empty before the
+  // first allreduce that connects it (read after that allreduce completed), or when none.
+  std::vector<int> hostSegmentMembers() const { return segment_ ? segment_->members() : std::vector<int>{}; }
   std::string abortCause() const;
   std::string transportOf(int peer) const { return comm_->transportOf(peer); }
   int connectionsOf(int peer) const { return comm_->connectionsOf(peer); }

@@ -236,11 +236,7 @@ AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm 
   bool uniform = hosts.size() >= 2;
   for (auto& h : hosts) uniform = uniform && h.size() == hosts[0].size();
   const bool hierarchy = uniform && hosts[0].size() >= 2;
-  // One host, and no transport but shared memory forced (a forced tcp or rdma is what the user
-  // wants measured); with rdma usable, auto reaches same-host peers over rdma, yet the segment
-  // is still the faster way for host buffers.
-  const bool shared = hosts.size() == 1 && comm.size() >= 2 && comm.size() <= kSharedMaxRanks &&
-                      (comm.transportAsked() == "auto" || comm.transportAsked() == "shm");
+  const bool shared = hosts.size() == 1 && hostSegmentUsable(comm);
   if (wanted == AllreduceAlgorithm::kAuto) {
     if (shared) return AllreduceAlgorithm::kShared;
     return hierarchy ? AllreduceAlgorithm::kAuto : AllreduceAlgorithm::kRing;
@@ -260,6 +256,16 @@ AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm 
     return AllreduceAlgorithm::kRing;
   }
   return wanted;
+}
+
+bool hostSegmentUsable(const Communicator& comm) {
+  // With rdma usable, auto reaches same-host peers over rdma, yet the segment is still the
+  // faster way for host buffers.
+  if (comm.transportAsked() != "auto" && comm.transportAsked() != "shm") return false;
+  for (auto& h : comm.hosts()) {
+    if (h.size() < 2 || h.size() > static_cast<size_t>(kSharedMaxRanks)) return false;
+  }
+  return true;
 }
 
 std::string describeHosts(const Communicator& comm) {
@@ -282,10 +288,11 @@ void flatAllreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarT
   ringAllgather(ctx, buf, segs, dtype, 1);
 }
 
-// Two levels: a ring inside each host (shm), then one ring per local index across the hosts
-// ("rails": local rank i of every host), each carrying 1/L of the data, then the local ring
-// again. Inter-host bytes: 2 (H-1) S in all, against 2 (n-1)/n S per ring hop of which H cross
-// hosts in a flat ring; and (L-1) + (H-1) steps per phase instead of n-1.
+// Two levels: a reduce-scatter inside each host (through the host's shared segment, else a ring
+// over shm), then one ring per local index across the hosts ("rails": local rank i of every
+// host), each carrying 1/L of the data, then an allgather inside the host. Inter-host bytes:
+// 2 (H-1) S in all, against 2 (n-1)/n S per ring hop of which H cross hosts in a flat ring; and
+// (L-1) + (H-1) steps per phase instead of n-1.
 void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
                            c10::ScalarType dtype, ReduceKind op) {
   const Communicator& comm = *ctx.comm;
@@ -304,7 +311,12 @@ void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
   const size_t elem = c10::elementSize(dtype);
 
   auto localSegs = splitEven(numel, local.size());
-  ringReduceScatter(ctx, local, buf, localSegs, dtype, sumOp, 0);
+  SharedSegment* segment = ctx.hostSegment ? ctx.hostSegment(ctx) : nullptr;
+  if (segment) {
+    segment->reduceScatter(ctx, buf, localSegs, dtype, sumOp);
+  } else {
+    ringReduceScatter(ctx, local, buf, localSegs, dtype, sumOp, 0);
+  }
   const Segment mine = localSegs[local.position];
   auto railSegs = splitEven(mine.count, rail.size());
   for (auto& s : railSegs) s.offset += mine.offset;
@@ -314,7 +326,11 @@ void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
     finishAvg(static_cast<char*>(buf) + done.offset * elem, done.count, dtype, comm.size());
   }
   ringAllgather(ctx, rail, buf, railSegs, dtype, 3);
-  ringAllgather(ctx, local, buf, localSegs, dtype, 1);
+  if (segment) {
+    segment->allgather(ctx, buf, localSegs, dtype);
+  } else {
+    ringAllgather(ctx, local, buf, localSegs, dtype, 1);
+  }
 }
 
 }  // namespace

@@ -33,8 +33,8 @@ struct CollectiveContext {
   size_t chunkBytes = 4 << 20;
   // Closes the communicator with `cause` (must be synchronous, see above).
   std::function<void(const std::string& cause)> abort;
-  // The group's shared-memory segment (SharedSegment.h), connected by the first call; null
-  // when the group has none. Set only for groups whose allreduce is kShared.
+  // The shared-memory segment of this rank's host within the group (SharedSegment.h),
+  // connected by the first call; null when there is none. Set only where hostSegmentUsable().
   std::function<SharedSegment*(CollectiveContext&)> hostSegment;
 };
 
@@ -57,10 +57,11 @@ struct Ring {
 };
 
 // How an allreduce is built (DICOMM_ALLREDUCE): one flat ring over all ranks; two levels
-// (a ring per host over shm, then one ring per local index across hosts, then the host ring
-// again: fewer steps, and fewer bytes across hosts); or, for a group on one host (transport
-// auto or shm), one shared-memory segment every rank reduces into
-// (SharedSegment.h). kAuto takes the two levels for payloads below kHierarchyMaxBytes when the
+// (a reduce-scatter within each host, then one ring per local index across hosts, then an
+// allgather within each host: fewer steps, and fewer bytes across hosts); or, for a group on
+// one host, one shared-memory segment every rank reduces into (SharedSegment.h). The host
+// level of the two levels goes through the host's segment too where hostSegmentUsable(), and
+// is a ring over shm otherwise. kAuto takes the two levels for payloads below kHierarchyMaxBytes when the
 // group spans two or more hosts holding the same number (two or more) of its ranks each, and
 // the flat ring otherwise: small payloads gain from fewer steps, large ones are bound by the
 // CPUs or the link either way (docs/dicomm.md, Measured). A group on one host resolves kAuto
@@ -72,6 +73,10 @@ constexpr size_t kHierarchyMaxBytes = size_t(4) << 20;
 // possible; a forced hierarchy or shared segment the group cannot have becomes the ring, with
 // a warning.
 AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm wanted);
+// Whether each host's ranks of the group can reduce through one shared segment: 2 to
+// kSharedMaxRanks ranks on every host, and no transport but shared memory forced (a forced tcp
+// or rdma is what the user wants measured).
+bool hostSegmentUsable(const Communicator& comm);
 // "2 host(s) of 2 + 2 rank(s)".
 std::string describeHosts(const Communicator& comm);
 

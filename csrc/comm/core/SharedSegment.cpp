@@ -102,27 +102,31 @@ struct SharedSegment::Request {
   uint64_t seq;
   uint64_t numel;
   int32_t dtype;
-  int32_t op;
+  int16_t op;
+  int16_t steps;
 };
 
 struct alignas(64) SharedSegment::Line {
   std::atomic<uint32_t> stage;
   std::atomic<uint32_t> sleepers;  // waiters asleep on `stage`: its owner wakes them
-  Request request;                 // written before stage 2t+1 of a collective's first round
+  Request request[2];              // by operation parity, written before its first advance
 };
 static_assert(sizeof(std::atomic<uint32_t>) == 4 && std::atomic<uint32_t>::is_always_lock_free,
               "a futex word must be a lock-free 32-bit atomic");
 
-std::unique_ptr<SharedSegment> SharedSegment::connect(CollectiveContext& ctx) {
+std::unique_ptr<SharedSegment> SharedSegment::connect(CollectiveContext& ctx, std::vector<int> members) {
   Communicator& comm = *ctx.comm;
-  const int n = comm.size(), r = comm.rank();
+  const int n = static_cast<int>(members.size());
+  const int position = static_cast<int>(std::find(members.begin(), members.end(), comm.rank()) - members.begin());
+  if (position == n) throw std::logic_error("dicomm: SharedSegment::connect on a rank outside its members");
+  const int leader = members[0];
   const size_t bytes = segmentBytes(n);
   auto tag = [&](unsigned step) { return collectiveTag(ctx.seq, 0, step, 0); };
   char name[kNameBytes] = {};
   std::string why;
   void* base = nullptr;
   uint8_t ok = 0;
-  if (r == 0) {
+  if (position == 0) {
     const std::string chosen = randomName();
     base = mapSegment(chosen, bytes, /*create=*/true, why);
     if (base) {
@@ -132,21 +136,21 @@ std::unique_ptr<SharedSegment> SharedSegment::connect(CollectiveContext& ctx) {
       header[1] = static_cast<uint64_t>(n);
     }
     std::vector<std::shared_ptr<Completion>> sent, acks(n);
-    for (int p = 1; p < n; ++p) sent.push_back(comm.isend(p, tag(0), name, kNameBytes, -1));
+    for (int p = 1; p < n; ++p) sent.push_back(comm.isend(members[p], tag(0), name, kNameBytes, -1));
     std::vector<uint8_t> replies(n, 0);
-    for (int p = 1; p < n; ++p) acks[p] = comm.irecv(p, tag(1), &replies[p], 1, -1);
-    for (int p = 1; p < n; ++p) awaitTransfer(ctx, sent[p - 1], p, "send the segment's name to");
+    for (int p = 1; p < n; ++p) acks[p] = comm.irecv(members[p], tag(1), &replies[p], 1, -1);
+    for (int p = 1; p < n; ++p) awaitTransfer(ctx, sent[p - 1], members[p], "send the segment's name to");
     ok = base != nullptr;
     for (int p = 1; p < n; ++p) {
-      awaitTransfer(ctx, acks[p], p, "hear whether it mapped the segment from");
+      awaitTransfer(ctx, acks[p], members[p], "hear whether it mapped the segment from");
       ok = ok && replies[p];
     }
-    if (name[0]) ::shm_unlink(name);  // every rank has it mapped, or gave up
+    if (name[0]) ::shm_unlink(name);  // every member has it mapped, or gave up
     sent.clear();
-    for (int p = 1; p < n; ++p) sent.push_back(comm.isend(p, tag(2), &ok, 1, -1));
-    for (int p = 1; p < n; ++p) awaitTransfer(ctx, sent[p - 1], p, "send the verdict to");
+    for (int p = 1; p < n; ++p) sent.push_back(comm.isend(members[p], tag(2), &ok, 1, -1));
+    for (int p = 1; p < n; ++p) awaitTransfer(ctx, sent[p - 1], members[p], "send the verdict to");
   } else {
-    awaitTransfer(ctx, comm.irecv(0, tag(0), name, kNameBytes, -1), 0, "hear the segment's name from");
+    awaitTransfer(ctx, comm.irecv(leader, tag(0), name, kNameBytes, -1), leader, "hear the segment's name from");
     name[kNameBytes - 1] = '\0';
     if (name[0]) {
       base = mapSegment(name, bytes, /*create=*/false, why);
@@ -159,51 +163,53 @@ std::unique_ptr<SharedSegment> SharedSegment::connect(CollectiveContext& ctx) {
         }
       }
     } else {
-      why = "rank 0 could not create it";
+      why = "rank " + std::to_string(leader) + " could not create it";
     }
     uint8_t mine = base != nullptr;
-    awaitTransfer(ctx, comm.isend(0, tag(1), &mine, 1, -1), 0, "tell whether it mapped the segment to");
-    awaitTransfer(ctx, comm.irecv(0, tag(2), &ok, 1, -1), 0, "hear the verdict from");
+    awaitTransfer(ctx, comm.isend(leader, tag(1), &mine, 1, -1), leader, "tell whether it mapped the segment to");
+    awaitTransfer(ctx, comm.irecv(leader, tag(2), &ok, 1, -1), leader, "hear the verdict from");
   }
   if (!ok) {
     if (base) ::munmap(base, bytes);
-    logLine(LogLevel::kWarn, "allreduce within a host: no shared segment (" +
+    logLine(LogLevel::kWarn, "reductions within a host: no shared segment (" +
                                  (why.empty() ? std::string("another rank could not map it") : why) +
-                                 "); a ring of shm copies instead");
+                                 "); rings of shm copies instead");
     return nullptr;
   }
-  return std::unique_ptr<SharedSegment>(new SharedSegment(base, bytes, r, n));
+  return std::unique_ptr<SharedSegment>(new SharedSegment(base, bytes, std::move(members), position));
 }
 
-SharedSegment::SharedSegment(void* base, size_t bytes, int rank, int size)
-    : base_(base), bytes_(bytes), rank_(rank), size_(size) {}
+SharedSegment::SharedSegment(void* base, size_t bytes, std::vector<int> members, int position)
+    : base_(base), bytes_(bytes), members_(std::move(members)), position_(position),
+      size_(static_cast<int>(members_.size())) {}
 
 SharedSegment::~SharedSegment() { ::munmap(base_, bytes_); }
 
-SharedSegment::Line& SharedSegment::line(int rank) const {
-  return *reinterpret_cast<Line*>(static_cast<char*>(base_) + kLine * (1 + rank));
+SharedSegment::Line& SharedSegment::line(int member) const {
+  static_assert(sizeof(Line) == kLine, "a member's line is one cache line");
+  return *reinterpret_cast<Line*>(static_cast<char*>(base_) + kLine * (1 + member));
 }
 
-char* SharedSegment::slot(unsigned set, int rank) const {
-  return static_cast<char*>(base_) + kLine * (1 + size_) + (set * size_ + rank) * kChunkBytes;
+char* SharedSegment::slot(unsigned set, int member) const {
+  return static_cast<char*>(base_) + kLine * (1 + size_) + (set * size_ + member) * kChunkBytes;
 }
 
-void SharedSegment::advance(uint32_t stage) {
-  Line& mine = line(rank_);
+void SharedSegment::advance() {
+  Line& mine = line(position_);
   // seq_cst on both sides (here: stage then sleepers; a waiter: sleepers then stage), so either
   // the waiter sees the new stage or this sees the waiter and wakes it.
-  mine.stage.store(stage, std::memory_order_seq_cst);
-  stage_ = stage;
+  mine.stage.store(++stage_, std::memory_order_seq_cst);
   if (mine.sleepers.load(std::memory_order_seq_cst) > 0) futex(&mine.stage, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-void SharedSegment::awaitAll(CollectiveContext& ctx, uint32_t stage, const char* what) {
+void SharedSegment::awaitAll(CollectiveContext& ctx, const char* what) {
   auto failure = [&](int peer, const std::string& cause) {
     return "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) + ") failed waiting for rank " +
-           std::to_string(peer) + " to " + what + " in the host's shared segment: " + cause;
+           std::to_string(members_[peer]) + " to " + what + " in the host's shared segment: " + cause;
   };
+  const uint32_t stage = stage_;
   for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
+    if (j == position_) continue;
     std::atomic<uint32_t>& word = line(j).stage;
     if (reached(word.load(std::memory_order_acquire), stage)) continue;
     {
@@ -242,63 +248,99 @@ void SharedSegment::awaitAll(CollectiveContext& ctx, uint32_t stage, const char*
   }
 }
 
-void SharedSegment::checkRequests(CollectiveContext& ctx, const Request& mine) {
+void SharedSegment::checkRequests(CollectiveContext& ctx, const Request& mine, unsigned place) {
   auto describe = [](const Request& q) {
-    return std::to_string(q.numel) + " x " + std::string(c10::toString(static_cast<c10::ScalarType>(q.dtype))) +
-           " (" + reduceName(static_cast<ReduceKind>(q.op)) + ", collective #" + std::to_string(q.seq) + ")";
+    static const char* kSteps[] = {"?", "reduce-scatter", "allgather", "allreduce"};
+    const bool stepsKnown = q.steps >= 1 && q.steps <= 3;
+    return std::string(stepsKnown ? kSteps[q.steps] : "an unknown step") + " of " + std::to_string(q.numel) +
+           " x " + std::string(c10::toString(static_cast<c10::ScalarType>(q.dtype))) + " (" +
+           reduceName(static_cast<ReduceKind>(q.op)) + ", collective #" + std::to_string(q.seq) + ")";
   };
   for (int j = 0; j < size_; ++j) {
-    const Request theirs = line(j).request;
-    if (j == rank_ || std::memcmp(&theirs, &mine, sizeof(Request)) == 0) continue;
+    const Request theirs = line(j).request[place];
+    if (j == position_ || std::memcmp(&theirs, &mine, sizeof(Request)) == 0) continue;
     const bool readable = theirs.dtype >= 0 && theirs.dtype < static_cast<int32_t>(c10::ScalarType::NumOptions) &&
-                          theirs.op >= 0 && theirs.op <= static_cast<int32_t>(ReduceKind::kBxor);
+                          theirs.op >= 0 && theirs.op <= static_cast<int16_t>(ReduceKind::kBxor);
     const std::string cause = "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) +
-                              "): allreduce mismatch: rank " + std::to_string(j) + " reduces " +
-                              (readable ? describe(theirs) : std::string("an unreadable request")) +
-                              ", this rank " + describe(mine) +
+                              "): mismatch in the host's shared segment: rank " + std::to_string(members_[j]) +
+                              " runs " + (readable ? describe(theirs) : std::string("an unreadable request")) +
+                              ", rank " + std::to_string(members_[position_]) + " " + describe(mine) +
                               "; every rank must make the same call";
     ctx.abort(cause);
     throw std::runtime_error(cause);
   }
 }
 
-void SharedSegment::allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
-                              ReduceKind op) {
+void SharedSegment::run(CollectiveContext& ctx, char* buf, const std::vector<Segment>& parts,
+                        c10::ScalarType dtype, ReduceKind op, uint32_t steps) {
   if (ctx.comm->closed()) throw std::runtime_error("dicomm " + ctx.op + ": " + ctx.comm->closeCause());
+  if (static_cast<int>(parts.size()) != size_) {
+    throw std::logic_error("dicomm: " + std::to_string(parts.size()) + " parts for a segment of " +
+                           std::to_string(size_) + " members");
+  }
   const size_t elem = c10::elementSize(dtype);
-  const size_t per = kChunkBytes / elem;
-  // At least one round, so that a rank with nothing to reduce still checks its peers' requests.
-  const size_t rounds = std::max<size_t>(1, (numel + per - 1) / per);
-  const Request mine{ctx.seq, numel, static_cast<int32_t>(dtype), static_cast<int32_t>(op)};
-  line(rank_).request = mine;
-  char* data = static_cast<char*>(buf);
+  const size_t slice = std::max<size_t>(1, kChunkBytes / elem / size_);  // elements of a part per round
+  size_t numel = 0, longest = 0;
+  for (auto& p : parts) {
+    numel += p.count;
+    longest = std::max(longest, p.count);
+  }
+  // At least one round, so that a member with nothing to reduce still checks the others' requests.
+  const size_t rounds = std::max<size_t>(1, (longest + slice - 1) / slice);
+  const unsigned place = operations_++ & 1;
+  const Request mine{ctx.seq, numel, static_cast<int32_t>(dtype), static_cast<int16_t>(op),
+                     static_cast<int16_t>(steps)};
+  line(position_).request[place] = mine;
+  bool checked = false;
+  auto checkOnce = [&] {
+    if (!checked) checkRequests(ctx, mine, place);
+    checked = true;
+  };
   for (size_t t = 0; t < rounds; ++t) {
-    const size_t first = t * per, count = std::min(per, numel - std::min(numel, first));
-    const unsigned set = (stage_ / 2) & 1;
-    char* chunk = data + first * elem;
-    char* mySlot = slot(set, rank_);
-    const auto parts = splitEven(count, size_);
-    auto bytes = [&](int j) { return parts[j].count * elem; };
-    auto at = [&](int j) { return parts[j].offset * elem; };
-    // Only the parts others reduce: this rank reduces its own in place, in its buffer.
-    for (int j = 0; j < size_; ++j) {
-      if (j != rank_) copyBytes(mySlot + at(j), chunk + at(j), bytes(j));
+    const unsigned set = rounds_++ & 1;
+    char* mySlot = slot(set, position_);
+    // Round t's slice of part j: its place in `buf`, its length, and its place in a slot.
+    auto at = [&](int j) { return buf + (parts[j].offset + std::min(parts[j].count, t * slice)) * elem; };
+    auto count = [&](int j) { return std::min(slice, parts[j].count - std::min(parts[j].count, t * slice)); };
+    auto inSlot = [&](int j) { return j * slice * elem; };
+    if (steps & kReduce) {
+      for (int j = 0; j < size_; ++j) {
+        if (j != position_) copyBytes(mySlot + inSlot(j), at(j), count(j) * elem);
+      }
+      advance();
+      awaitAll(ctx, "copy its input in");  // S1
+      checkOnce();
+      char* own = at(position_);
+      for (int j = 0; j < size_; ++j) {
+        if (j != position_) reduceInto(own, slot(set, j) + inSlot(position_), count(position_), dtype, op);
+      }
+      if (op == ReduceKind::kAvg) finishAvg(own, count(position_), dtype, size_);
     }
-    advance(stage_ + 1);
-    awaitAll(ctx, stage_, "copy its input in");  // S1
-    if (t == 0) checkRequests(ctx, mine);
-    char* part = chunk + at(rank_);
-    for (int j = 0; j < size_; ++j) {
-      if (j != rank_) reduceInto(part, slot(set, j) + at(rank_), parts[rank_].count, dtype, op);
-    }
-    if (op == ReduceKind::kAvg) finishAvg(part, parts[rank_].count, dtype, size_);
-    copyBytes(mySlot + at(rank_), part, bytes(rank_));  // for the others to copy out
-    advance(stage_ + 1);
-    awaitAll(ctx, stage_, "reduce its part");  // S2
-    for (int j = 0; j < size_; ++j) {
-      if (j != rank_) copyBytes(chunk + at(j), slot(set, j) + at(j), bytes(j));
+    if (steps & kGather) {
+      copyBytes(mySlot + inSlot(position_), at(position_), count(position_) * elem);
+      advance();
+      awaitAll(ctx, "publish its part");  // S2
+      checkOnce();
+      for (int j = 0; j < size_; ++j) {
+        if (j != position_) copyBytes(at(j), slot(set, j) + inSlot(j), count(j) * elem);
+      }
     }
   }
+}
+
+void SharedSegment::allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
+                              ReduceKind op) {
+  run(ctx, static_cast<char*>(buf), splitEven(numel, size_), dtype, op, kReduce | kGather);
+}
+
+void SharedSegment::reduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segment>& parts,
+                                  c10::ScalarType dtype, ReduceKind op) {
+  run(ctx, static_cast<char*>(buf), parts, dtype, op, kReduce);
+}
+
+void SharedSegment::allgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& parts,
+                              c10::ScalarType dtype) {
+  run(ctx, static_cast<char*>(buf), parts, dtype, ReduceKind::kSum, kGather);
 }
 
 }  // namespace dicomm
