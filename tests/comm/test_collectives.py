@@ -243,13 +243,14 @@ def test_every_op_every_dtype(world, transport):
 def test_every_op_across_two_hosts(algorithm):
     """Two emulated hosts x two ranks, nothing configured: shm inside a host, tcp between them,
     each rank listening on the address that routes to the store; allreduce in two levels
-    (forced, and auto for these sizes) or one flat ring."""
+    (forced, and auto) or one flat ring."""
     env = {"DICOMM_CHUNK_BYTES": "65536", "DICOMM_ALLREDUCE": algorithm}
     with emulated_hosts(2) as hosts:
         results = run_ranks(check_all, 4, env=env, hosts=hosts)
     for r, out in results.items():
         assert out["transports"] == ["shm", "tcp"], (r, out)
-        assert out["allreduce"] == {"auto": "hierarchical below 4 MiB, ring above", "hierarchical": "hierarchical",
+        # auto: two levels at every size, each host's level in its shared segment
+        assert out["allreduce"] == {"auto": "hierarchical", "hierarchical": "hierarchical",
                                     "ring": "ring"}[algorithm], (r, out)
         assert out["checks"] > 300
 

@@ -239,6 +239,10 @@ AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm 
   const bool shared = hosts.size() == 1 && hostSegmentUsable(comm);
   if (wanted == AllreduceAlgorithm::kAuto) {
     if (shared) return AllreduceAlgorithm::kShared;
+    // With each host's level in its segment, two levels are faster at every size (they move
+    // fewer bytes across hosts and none through a ring inside one); without, only below
+    // kHierarchyMaxBytes.
+    if (hierarchy && hostSegmentUsable(comm)) return AllreduceAlgorithm::kHierarchical;
     return hierarchy ? AllreduceAlgorithm::kAuto : AllreduceAlgorithm::kRing;
   }
   if (wanted == AllreduceAlgorithm::kShared && !shared) {

@@ -61,11 +61,12 @@ struct Ring {
 // allgather within each host: fewer steps, and fewer bytes across hosts); or, for a group on
 // one host, one shared-memory segment every rank reduces into (SharedSegment.h). The host
 // level of the two levels goes through the host's segment too where hostSegmentUsable(), and
-// is a ring over shm otherwise. kAuto takes the two levels for payloads below kHierarchyMaxBytes when the
-// group spans two or more hosts holding the same number (two or more) of its ranks each, and
-// the flat ring otherwise: small payloads gain from fewer steps, large ones are bound by the
-// CPUs or the link either way (docs/dicomm.md, Measured). A group on one host resolves kAuto
-// to kShared.
+// is a ring over shm otherwise. A group on one host resolves kAuto to kShared. A group over
+// two or more hosts holding the same number (two or more) of its ranks each resolves it to
+// kHierarchical where hostSegmentUsable(): fewer bytes cross hosts and none goes round a ring
+// inside one, which was faster at every size measured (docs/dicomm.md, Measured); otherwise
+// kAuto stays, and takes the two levels for payloads below kHierarchyMaxBytes (fewer steps)
+// and the flat ring above (rings inside the hosts cost as much as the steps they save).
 enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical, kShared };
 constexpr int kSharedMaxRanks = 64;  // a segment holds two chunks per rank
 constexpr size_t kHierarchyMaxBytes = size_t(4) << 20;
