@@ -1,5 +1,5 @@
 """DiComm against gloo on two local ranks (rank 1 is a helper process; rank 0 times): a
-ping-pong round trip per size, and an allreduce per size. Each group holds gloo and dicomm
+ping-pong round trip per size, and an allreduce, a reduce-scatter and an allgather per size. Each group holds gloo and dicomm
 over tcp and over shm for one size, so the table's ratios are dicomm against gloo measured in
 the same run. `extra_info` carries rank 0's CPU time per op beside the wall time, and the
 bandwidth. The full sweep (more sizes, 4 ranks, two emulated hosts, a loaded machine) is
@@ -45,3 +45,18 @@ def test_all_reduce(benchmark, ranks, group, nbytes):
     if not benchmark.disabled:
         # nccl-tests' bus bandwidth: algbw * 2 (n - 1) / n, which is algbw for 2 ranks
         benchmark.extra_info["busbw_GBs"] = max(4, nbytes) / benchmark.stats.stats.median / 1e9
+
+
+@pytest.mark.parametrize("nbytes", [1 * MiB, 64 * MiB], ids=_label)
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("group", GROUPS)
+def test_reduce_scatter_and_all_gather(benchmark, ranks, group, op, nbytes):
+    """`nbytes` is the larger side: a reduce-scatter's input, an allgather's output."""
+    name = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}[op]
+    benchmark.group = f"{name} float32, 2 ranks, {_label(nbytes)}"
+    benchmark.extra_info["peer"] = group == "gloo"
+    cpu_s = ranks.timed(benchmark, op, group, nbytes, _estimate_s(nbytes))
+    benchmark.extra_info["cpu_us_per_op"] = cpu_s * 1e6
+    if not benchmark.disabled:
+        # nccl-tests' bus bandwidth: the larger side * (n - 1) / n per op
+        benchmark.extra_info["busbw_GBs"] = nbytes / 2 / benchmark.stats.stats.median / 1e9

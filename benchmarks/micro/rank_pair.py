@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 GROUPS = ("gloo", "dicomm-tcp", "dicomm-shm")
-OPS = ("round_trip", "all_reduce")
+OPS = ("round_trip", "all_reduce", "reduce_scatter", "all_gather")
 _TIMEOUT = datetime.timedelta(seconds=120)
 
 
@@ -28,17 +28,28 @@ def _groups(dist) -> dict:
 
 
 def _buffer(op: str, nbytes: int):
+    """What `op` of `nbytes` works on: a tensor, or (input, output) for a reduce-scatter or
+    allgather, whose larger side holds `nbytes` and the smaller each rank's half."""
     import torch
 
     if op == "round_trip":
         return torch.zeros(nbytes, dtype=torch.uint8)
+    whole = max(2, nbytes // 4) // 2 * 2
+    if op == "reduce_scatter":
+        return torch.ones(whole), torch.empty(whole // 2)
+    if op == "all_gather":
+        return torch.ones(whole // 2), torch.empty(whole)
     return torch.ones(max(1, nbytes // 4), dtype=torch.float32)
 
 
 def _op(dist, rank: int, op: str, group, buf) -> Callable[[], None]:
-    """One call of `op` on `rank`: a ping-pong round trip (rank 0 sends first) or an allreduce."""
+    """One call of `op` on `rank`: a ping-pong round trip (rank 0 sends first) or a collective."""
     if op == "all_reduce":
         return lambda: dist.all_reduce(buf, group=group)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(buf[1], buf[0], group=group)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(buf[1], buf[0], group=group)
     if rank == 0:
         def round_trip() -> None:
             dist.send(buf, 1, group=group)

@@ -100,6 +100,70 @@ def test_shared_allreduce_matches_a_cpu_reduction(world):
         assert out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
 
 
+def scatter_gather_cases(rank: int, world: int, _port: int) -> dict:
+    """reduce_scatter_tensor / reduce_scatter and all_gather_into_tensor / all_gather on random
+    cases, against the CPU reduction of every rank's input and the concatenation of every
+    rank's piece."""
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    ops = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "min": ReduceOp.MIN,
+           "band": ReduceOp.BAND, "bxor": ReduceOp.BXOR}
+    tols = {torch.bfloat16: 3e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-12}
+    wrong = []
+    for i, (numel, dtype, op) in enumerate(cases(world + 100, 30)):
+        m = numel // world  # each rank's piece
+        inputs = [rank_input(i, r, m * world, dtype) for r in range(world)]
+        want = reference(inputs, op)[rank * m:(rank + 1) * m]
+        tol = tols.get(dtype, 0)
+        got = torch.empty(m, dtype=dtype)
+        dist.reduce_scatter_tensor(got, inputs[rank].clone(), op=ops[op])
+        if not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol * world):
+            wrong.append(f"reduce_scatter_tensor {op} {m} x {dtype}")
+        listed = torch.empty(m, dtype=dtype)
+        dist.reduce_scatter(listed, list(inputs[rank].clone().split(m) if m else [inputs[rank]] * world), op=ops[op])
+        if not torch.allclose(listed.double(), want.double(), rtol=tol, atol=tol * world):
+            wrong.append(f"reduce_scatter {op} {m} x {dtype}")
+        pieces = [rank_input(i + 1000, r, m, dtype) for r in range(world)]
+        gathered = torch.empty(m * world, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, pieces[rank])
+        if not torch.equal(gathered, torch.cat(pieces)):
+            wrong.append(f"all_gather_into_tensor {m} x {dtype}")
+        outs = [torch.empty(m, dtype=dtype) for _ in range(world)]
+        dist.all_gather(outs, pieces[rank])
+        if not all(torch.equal(o, p) for o, p in zip(outs, pieces)):
+            wrong.append(f"all_gather {m} x {dtype}")
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return {"members": backend.host_segment_members, "wrong": wrong, "left": glob.glob("/dev/shm/dicomm-*")}
+
+
+@pytest.mark.timeout(240)
+def test_reduce_scatter_and_allgather_on_one_host_go_through_the_segment():
+    results = run_ranks(scatter_gather_cases, 3)
+    for r, out in results.items():
+        assert out["members"] == [0, 1, 2], (r, out["members"])
+        assert out["wrong"] == [], (r, out["wrong"])
+        assert out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
+
+
+def cut_differently(rank: int, world: int, _port: int) -> dict:
+    """An all_gather whose ranks give the same total cut differently (rank 0 expects 2 + 3
+    elements, rank 1 3 + 2): refused on both, naming the other rank's request."""
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(8))  # the segment is connected
+    sizes = [[2, 3], [3, 2]][rank]
+    outs = [torch.empty(k) for k in sizes]
+    return {"error": error_of(dist.all_gather, outs, torch.ones(sizes[rank]))}
+
+
+@pytest.mark.timeout(90)
+def test_an_allgather_cut_differently_on_two_ranks_is_refused():
+    results = run_ranks(cut_differently, 2, op_timeout_s=10)
+    for r, out in results.items():
+        assert out["error"] and "mismatch" in out["error"] and f"rank {1 - r}" in out["error"], (r, out)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
 def test_two_level_allreduce_reduces_within_each_host_through_its_segment():

@@ -490,7 +490,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allgather(
                    const size_t es = buf.element_size();
                    std::memcpy(static_cast<char*>(buf.data_ptr()) + segs[ctx.comm->rank()].offset * es,
                                v.data(), v.nbytes());
-                   ringAllgather(ctx, buf.data_ptr(), segs, in.scalar_type());
+                   dicomm::allgather(ctx, buf.data_ptr(), segs, in.scalar_type());
                    for (int p = 0; p < n; ++p) {
                      outs[p].copy_(buf.narrow(0, segs[p].offset, segs[p].count).view(outs[p].sizes()));
                    }
@@ -512,7 +512,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_allgather_base(
                    std::memcpy(static_cast<char*>(o.data()) + ctx.comm->rank() * n * es, i.data(), n * es);
                    std::vector<Segment> segs(ctx.comm->size());
                    for (int p = 0; p < ctx.comm->size(); ++p) segs[p] = Segment{p * n, n};
-                   ringAllgather(ctx, o.data(), segs, i.dtype());
+                   dicomm::allgather(ctx, o.data(), segs, i.dtype());
                    o.store();
                  });
 }
@@ -638,9 +638,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce_scatter(
                    at::Tensor buf = at::cat(flat);
                    const int r = ctx.comm->rank(), n = ctx.comm->size();
                    auto segs = splitEven(buf.numel(), n);
-                   ringReduceScatter(ctx, buf.data_ptr(), segs, buf.scalar_type(), op);
                    at::Tensor mine = buf.narrow(0, segs[r].offset, segs[r].count);
-                   if (op == ReduceKind::kAvg) finishAvg(mine.data_ptr(), mine.numel(), mine.scalar_type(), n);
+                   dicomm::reduceScatter(ctx, buf.data_ptr(), segs, mine.data_ptr(), buf.scalar_type(), op);
                    out.copy_(mine.view(out.sizes()));
                  });
 }
@@ -655,18 +654,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_reduce_scatter_base(
   auto policy = options_.staging;
   return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor (" + shapeOf(out) + ")",
                  {out}, timeoutOf(opts.timeout), [in, out, op, policy](CollectiveContext& ctx) {
-                   // Work on a copy: the caller's input stays intact.
-                   at::Tensor buf = in.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
-                                        .contiguous().reshape({-1});
-                   const int r = ctx.comm->rank(), n = ctx.comm->size();
+                   HostView i(in, policy, true);  // only read: the caller's input stays intact
+                   HostView o(out, policy, false);
+                   const int n = ctx.comm->size();
                    std::vector<Segment> segs(n);
                    const size_t m = out.numel();
                    for (int p = 0; p < n; ++p) segs[p] = Segment{p * m, m};
-                   ringReduceScatter(ctx, buf.data_ptr(), segs, buf.scalar_type(), op);
-                   at::Tensor mine = buf.narrow(0, r * m, m);
-                   if (op == ReduceKind::kAvg) finishAvg(mine.data_ptr(), m, mine.scalar_type(), n);
-                   HostView o(out, policy, false);
-                   std::memcpy(o.data(), mine.data_ptr(), o.nbytes());
+                   dicomm::reduceScatter(ctx, i.data(), segs, o.data(), i.dtype(), op);
                    o.store();
                  });
 }

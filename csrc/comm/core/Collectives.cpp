@@ -280,16 +280,28 @@ std::string describeHosts(const Communicator& comm) {
 
 namespace {
 
-void flatAllreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
-                   ReduceKind op) {
+// A ring reduce-scatter over the whole group, an AVG finished on this rank's segment.
+void ringReduceScatterFinished(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
+                               c10::ScalarType dtype, ReduceKind op) {
   const int n = ctx.comm->size(), r = ctx.comm->rank();
-  auto segs = splitEven(numel, n);
   ringReduceScatter(ctx, buf, segs, dtype, op, 0);
   if (op == ReduceKind::kAvg) {
     finishAvg(static_cast<char*>(buf) + segs[r].offset * c10::elementSize(dtype), segs[r].count,
               dtype, n);
   }
+}
+
+void flatAllreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
+                   ReduceKind op) {
+  auto segs = splitEven(numel, ctx.comm->size());
+  ringReduceScatterFinished(ctx, buf, segs, dtype, op);
   ringAllgather(ctx, buf, segs, dtype, 1);
+}
+
+// The segment of a group whose ranks are all on this host, if it has one.
+SharedSegment* wholeGroupSegment(CollectiveContext& ctx) {
+  if (!ctx.hostSegment || ctx.comm->hosts().size() != 1) return nullptr;
+  return ctx.hostSegment(ctx);
 }
 
 // Two levels: a reduce-scatter inside each host (through the host's shared segment, else a ring
@@ -317,7 +329,8 @@ void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
   auto localSegs = splitEven(numel, local.size());
   SharedSegment* segment = ctx.hostSegment ? ctx.hostSegment(ctx) : nullptr;
   if (segment) {
-    segment->reduceScatter(ctx, buf, localSegs, dtype, sumOp);
+    char* mine = static_cast<char*>(buf) + localSegs[local.position].offset * elem;
+    segment->reduceScatter(ctx, buf, localSegs, mine, dtype, sumOp);
   } else {
     ringReduceScatter(ctx, local, buf, localSegs, dtype, sumOp, 0);
   }
@@ -338,6 +351,45 @@ void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
 }
 
 }  // namespace
+
+void reduceScatter(CollectiveContext& ctx, const void* in, const std::vector<Segment>& segs,
+                   void* out, c10::ScalarType dtype, ReduceKind op) {
+  CloseOnUnwind guard(ctx);
+  const int r = ctx.comm->rank();
+  const size_t elem = c10::elementSize(dtype);
+  auto copyMine = [&](const char* from) {
+    if (segs[r].count && out != from + segs[r].offset * elem) std::memmove(out, from + segs[r].offset * elem, segs[r].count * elem);
+  };
+  if (ctx.comm->size() == 1) {
+    copyMine(static_cast<const char*>(in));
+    return;
+  }
+  if (SharedSegment* segment = wholeGroupSegment(ctx)) {
+    segment->reduceScatter(ctx, in, segs, out, dtype, op);
+    return;
+  }
+  // The ring leaves partial sums in every segment: it works on a copy, in a buffer kept across
+  // collectives of this (collective) thread, as the ring's own scratch is: a fresh one is a
+  // fresh mmap whose first-touch page faults cost more than the reduce-scatter itself.
+  size_t end = 0;
+  for (auto& s : segs) end = std::max(end, s.offset + s.count);
+  thread_local std::vector<char> work;
+  if (work.size() < end * elem) work.resize(end * elem);
+  if (end) std::memcpy(work.data(), in, end * elem);
+  ringReduceScatterFinished(ctx, work.data(), segs, dtype, op);
+  copyMine(work.data());
+}
+
+void allgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
+               c10::ScalarType dtype) {
+  CloseOnUnwind guard(ctx);
+  if (ctx.comm->size() == 1) return;
+  if (SharedSegment* segment = wholeGroupSegment(ctx)) {
+    segment->allgather(ctx, buf, segs, dtype);
+  } else {
+    ringAllgather(ctx, buf, segs, dtype);
+  }
+}
 
 void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
                ReduceKind op, AllreduceAlgorithm algorithm) {

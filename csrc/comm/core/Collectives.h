@@ -96,6 +96,15 @@ void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>
                    c10::ScalarType dtype, unsigned phase = 1);
 void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
                    const std::vector<Segment>& segs, c10::ScalarType dtype, unsigned phase);
+// The reduce-scatter and allgather of the process group's ops: through the host's shared
+// segment for a group on one host that has one (ctx.hostSegment), else one ring. After
+// reduceScatter, `out` holds the reduction of segment `rank` of `in` (an AVG divided by the
+// group's size); `in` is only read, and `out` may be that segment of it. allgather as
+// ringAllgather.
+void reduceScatter(CollectiveContext& ctx, const void* in, const std::vector<Segment>& segs,
+                   void* out, c10::ScalarType dtype, ReduceKind op);
+void allgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
+               c10::ScalarType dtype);
 // `algorithm` as resolved by chooseAllreduce.
 void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
                ReduceKind op, AllreduceAlgorithm algorithm = AllreduceAlgorithm::kRing);

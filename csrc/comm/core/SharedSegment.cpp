@@ -24,7 +24,7 @@ namespace dicomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x64696d6d5345474dULL;  // "dimmSEGM"
-constexpr size_t kLine = 64;
+constexpr size_t kLine = 128;  // a member's line: its counter and two requests (two cache lines)
 constexpr size_t kNameBytes = 64;
 // A sleeping waiter looks at the op's deadline and the communicator at least this often.
 constexpr auto kWakeEvery = std::chrono::milliseconds(20);
@@ -101,6 +101,7 @@ void* mapSegment(const std::string& name, size_t bytes, bool create, std::string
 struct SharedSegment::Request {
   uint64_t seq;
   uint64_t numel;
+  uint64_t layout;  // a hash of the parts (offsets and counts): the same total cut differently differs
   int32_t dtype;
   int16_t op;
   int16_t steps;
@@ -186,7 +187,7 @@ SharedSegment::SharedSegment(void* base, size_t bytes, std::vector<int> members,
 SharedSegment::~SharedSegment() { ::munmap(base_, bytes_); }
 
 SharedSegment::Line& SharedSegment::line(int member) const {
-  static_assert(sizeof(Line) == kLine, "a member's line is one cache line");
+  static_assert(sizeof(Line) == kLine, "a member's line is kLine bytes");
   return *reinterpret_cast<Line*>(static_cast<char*>(base_) + kLine * (1 + member));
 }
 
@@ -252,9 +253,12 @@ void SharedSegment::checkRequests(CollectiveContext& ctx, const Request& mine, u
   auto describe = [](const Request& q) {
     static const char* kSteps[] = {"?", "reduce-scatter", "allgather", "allreduce"};
     const bool stepsKnown = q.steps >= 1 && q.steps <= 3;
+    char layout[24];
+    std::snprintf(layout, sizeof(layout), "%016llx", static_cast<unsigned long long>(q.layout));
     return std::string(stepsKnown ? kSteps[q.steps] : "an unknown step") + " of " + std::to_string(q.numel) +
            " x " + std::string(c10::toString(static_cast<c10::ScalarType>(q.dtype))) + " (" +
-           reduceName(static_cast<ReduceKind>(q.op)) + ", collective #" + std::to_string(q.seq) + ")";
+           reduceName(static_cast<ReduceKind>(q.op)) + ", collective #" + std::to_string(q.seq) +
+           ", parts " + layout + ")";
   };
   for (int j = 0; j < size_; ++j) {
     const Request theirs = line(j).request[place];
@@ -272,7 +276,7 @@ void SharedSegment::checkRequests(CollectiveContext& ctx, const Request& mine, u
 }
 
 void SharedSegment::run(CollectiveContext& ctx, char* buf, const std::vector<Segment>& parts,
-                        c10::ScalarType dtype, ReduceKind op, uint32_t steps) {
+                        c10::ScalarType dtype, ReduceKind op, uint32_t steps, char* own) {
   if (ctx.comm->closed()) throw std::runtime_error("dicomm " + ctx.op + ": " + ctx.comm->closeCause());
   if (static_cast<int>(parts.size()) != size_) {
     throw std::logic_error("dicomm: " + std::to_string(parts.size()) + " parts for a segment of " +
@@ -281,14 +285,20 @@ void SharedSegment::run(CollectiveContext& ctx, char* buf, const std::vector<Seg
   const size_t elem = c10::elementSize(dtype);
   const size_t slice = std::max<size_t>(1, kChunkBytes / elem / size_);  // elements of a part per round
   size_t numel = 0, longest = 0;
+  uint64_t layout = 1469598103934665603ULL;  // FNV-1a over the parts
+  auto mix = [&](uint64_t v) {
+    for (int b = 0; b < 8; ++b) layout = (layout ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ULL;
+  };
   for (auto& p : parts) {
     numel += p.count;
     longest = std::max(longest, p.count);
+    mix(p.offset);
+    mix(p.count);
   }
   // At least one round, so that a member with nothing to reduce still checks the others' requests.
   const size_t rounds = std::max<size_t>(1, (longest + slice - 1) / slice);
   const unsigned place = operations_++ & 1;
-  const Request mine{ctx.seq, numel, static_cast<int32_t>(dtype), static_cast<int16_t>(op),
+  const Request mine{ctx.seq, numel, layout, static_cast<int32_t>(dtype), static_cast<int16_t>(op),
                      static_cast<int16_t>(steps)};
   line(position_).request[place] = mine;
   bool checked = false;
@@ -310,11 +320,15 @@ void SharedSegment::run(CollectiveContext& ctx, char* buf, const std::vector<Seg
       advance();
       awaitAll(ctx, "copy its input in");  // S1
       checkOnce();
-      char* own = at(position_);
-      for (int j = 0; j < size_; ++j) {
-        if (j != position_) reduceInto(own, slot(set, j) + inSlot(position_), count(position_), dtype, op);
+      char* into = at(position_);
+      if (own) {
+        into = own + std::min(parts[position_].count, t * slice) * elem;
+        if (into != at(position_)) copyBytes(into, at(position_), count(position_) * elem);
       }
-      if (op == ReduceKind::kAvg) finishAvg(own, count(position_), dtype, size_);
+      for (int j = 0; j < size_; ++j) {
+        if (j != position_) reduceInto(into, slot(set, j) + inSlot(position_), count(position_), dtype, op);
+      }
+      if (op == ReduceKind::kAvg) finishAvg(into, count(position_), dtype, size_);
     }
     if (steps & kGather) {
       copyBytes(mySlot + inSlot(position_), at(position_), count(position_) * elem);
@@ -333,9 +347,10 @@ void SharedSegment::allreduce(CollectiveContext& ctx, void* buf, size_t numel, c
   run(ctx, static_cast<char*>(buf), splitEven(numel, size_), dtype, op, kReduce | kGather);
 }
 
-void SharedSegment::reduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segment>& parts,
-                                  c10::ScalarType dtype, ReduceKind op) {
-  run(ctx, static_cast<char*>(buf), parts, dtype, op, kReduce);
+void SharedSegment::reduceScatter(CollectiveContext& ctx, const void* in, const std::vector<Segment>& parts,
+                                  void* out, c10::ScalarType dtype, ReduceKind op) {
+  // The reduce step alone writes nothing of `buf` but its own part, and that goes to `out`.
+  run(ctx, const_cast<char*>(static_cast<const char*>(in)), parts, dtype, op, kReduce, static_cast<char*>(out));
 }
 
 void SharedSegment::allgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& parts,

@@ -1,9 +1,10 @@
 // Reductions among the ranks of one host through one shared-memory segment they all map,
-// instead of a ring of copies from rank to rank: the allreduce of a group on one host, and the
-// host level (reduce-scatter, then allgather) of the two-level allreduce across hosts.
+// instead of a ring of copies from rank to rank: the allreduce, reduce-scatter and allgather of
+// a group on one host, and the host level (reduce-scatter, then allgather) of the two-level
+// allreduce across hosts.
 //
-// The members split the payload into parts (allreduce: n even parts; the two-level allreduce:
-// its host segments), and every part goes through the segment in rounds of one slice per part
+// The members split the payload into parts (allreduce: n even parts; a reduce-scatter or
+// allgather: the group's or the two-level allreduce's segments), and every part goes through the segment in rounds of one slice per part
 // (n slices fill one slot of kChunkBytes, small enough to stay in the cores' caches). A round
 // has up to two steps:
 //   reduce  every member copies into its own slot the slices the others reduce; once all have,
@@ -34,10 +35,11 @@
 // or aborted), with the cause.
 //
 // Each operation's first round also publishes what the member was asked to do (sequence
-// number, element count, dtype, op, steps); a member that finds another's request different
-// fails the op naming both, as a ring would on a size mismatch. Requests alternate between two
-// places by operation: a member writes operation k+2's request only after all have advanced in
-// operation k+1, hence finished checking operation k's.
+// number, element count, a hash of how the parts cut it, dtype, op, steps); a member that
+// finds another's request different fails the op naming both, as a ring would on a size
+// mismatch. Requests alternate between two places by operation: a member writes operation
+// k+2's request only after all have advanced in operation k+1, hence finished checking
+// operation k's.
 //
 // The segment is POSIX shared memory of mode 0600 with a random name: the first member creates
 // it, sends the name over the group's (authenticated) pairs, and unlinks it once every member
@@ -78,10 +80,11 @@ class SharedSegment {
   // refused up front).
   void allreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
                  ReduceKind op);
-  // `parts` has one entry per member. After return, parts[position()] of `buf` holds the
-  // reduction over the members; the rest of `buf` is only read.
-  void reduceScatter(CollectiveContext& ctx, void* buf, const std::vector<Segment>& parts,
-                     c10::ScalarType dtype, ReduceKind op);
+  // `parts` of `in` has one entry per member; `in` is only read. After return, `out` holds the
+  // reduction of parts[position()] over the members (an AVG divided by their number); it may
+  // be that part of `in` itself.
+  void reduceScatter(CollectiveContext& ctx, const void* in, const std::vector<Segment>& parts,
+                     void* out, c10::ScalarType dtype, ReduceKind op);
   // Before: parts[position()] of `buf` is this member's; after: every part is every member's.
   void allgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& parts,
                  c10::ScalarType dtype);
@@ -98,9 +101,10 @@ class SharedSegment {
   // waits for.
   void awaitAll(CollectiveContext& ctx, const char* what);
   void checkRequests(CollectiveContext& ctx, const Request& mine, unsigned place);
-  // The rounds of one operation: `steps` of each, over `parts` of `buf`.
+  // The rounds of one operation: `steps` of each, over `parts` of `buf`; the reduce step puts
+  // this member's part into `own` (null: in place).
   void run(CollectiveContext& ctx, char* buf, const std::vector<Segment>& parts,
-           c10::ScalarType dtype, ReduceKind op, uint32_t steps);
+           c10::ScalarType dtype, ReduceKind op, uint32_t steps, char* own = nullptr);
 
   void* base_;
   size_t bytes_;
