@@ -509,7 +509,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_allgather_base(
                    HostView o(out, policy, false);
                    HostView i(in, policy, true);
                    const size_t n = i.numel(), es = c10::elementSize(i.dtype());
-                   std::memcpy(static_cast<char*>(o.data()) + ctx.comm->rank() * n * es, i.data(), n * es);
+                   // An empty tensor's buffer may be null, which memcpy may not be given even for 0 bytes.
+                   if (n) std::memcpy(static_cast<char*>(o.data()) + ctx.comm->rank() * n * es, i.data(), n * es);
                    std::vector<Segment> segs(ctx.comm->size());
                    for (int p = 0; p < ctx.comm->size(); ++p) segs[p] = Segment{p * n, n};
                    dicomm::allgather(ctx, o.data(), segs, i.dtype());
