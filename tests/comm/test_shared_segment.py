@@ -120,6 +120,16 @@ def scatter_gather_cases(rank: int, world: int, _port: int) -> dict:
         dist.reduce_scatter_tensor(got, inputs[rank].clone(), op=ops[op])
         if not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol * world):
             wrong.append(f"reduce_scatter_tensor {op} {m} x {dtype}")
+        # In place (the output is the rank's own part of the input, as NCCL defines it), and on
+        # rank 1 an output one element past its part, overlapping input not yet read: torch
+        # allows both.
+        shift = 1 if rank == 1 and m else 0
+        for name, start in (("in place", rank * m), ("one element past its part", rank * m + shift)):
+            buf = inputs[rank].clone()
+            aliased = buf[start:start + m]
+            dist.reduce_scatter_tensor(aliased, buf, op=ops[op])
+            if not torch.allclose(aliased.double(), want.double(), rtol=tol, atol=tol * world):
+                wrong.append(f"reduce_scatter_tensor {name} {op} {m} x {dtype}")
         listed = torch.empty(m, dtype=dtype)
         dist.reduce_scatter(listed, list(inputs[rank].clone().split(m) if m else [inputs[rank]] * world), op=ops[op])
         if not torch.allclose(listed.double(), want.double(), rtol=tol, atol=tol * world):

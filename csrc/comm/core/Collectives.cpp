@@ -364,20 +364,33 @@ void reduceScatter(CollectiveContext& ctx, const void* in, const std::vector<Seg
     copyMine(static_cast<const char*>(in));
     return;
   }
-  if (SharedSegment* segment = wholeGroupSegment(ctx)) {
-    segment->reduceScatter(ctx, in, segs, out, dtype, op);
-    return;
-  }
-  // The ring leaves partial sums in every segment: it works on a copy, in a buffer kept across
-  // collectives of this (collective) thread, as the ring's own scratch is: a fresh one is a
-  // fresh mmap whose first-touch page faults cost more than the reduce-scatter itself.
   size_t end = 0;
   for (auto& s : segs) end = std::max(end, s.offset + s.count);
+  // A private copy of the input, in a buffer kept across collectives of this (collective)
+  // thread, as the ring's own scratch is: a fresh one is a fresh mmap whose first-touch page
+  // faults cost more than the reduce-scatter itself.
   thread_local std::vector<char> work;
-  if (work.size() < end * elem) work.resize(end * elem);
-  if (end) std::memcpy(work.data(), in, end * elem);
-  ringReduceScatterFinished(ctx, work.data(), segs, dtype, op);
-  copyMine(work.data());
+  auto privateCopy = [&] {
+    if (work.size() < end * elem) work.resize(end * elem);
+    if (end) std::memcpy(work.data(), in, end * elem);
+    return work.data();
+  };
+  if (SharedSegment* segment = wholeGroupSegment(ctx)) {
+    // The segment writes the output round by round while it still reads the input's later
+    // rounds: an output overlapping the input anywhere but at its own part (torch allows it)
+    // would read back half-reduced values, so that rank reads a copy. The choice is local: every
+    // rank still takes the segment.
+    const char* inBytes = static_cast<const char*>(in);
+    const char* outBytes = static_cast<const char*>(out);
+    const bool ownPart = outBytes == inBytes + segs[r].offset * elem;
+    const bool overlaps = outBytes < inBytes + end * elem && inBytes < outBytes + segs[r].count * elem;
+    segment->reduceScatter(ctx, overlaps && !ownPart ? privateCopy() : in, segs, out, dtype, op);
+    return;
+  }
+  // The ring leaves partial sums in every segment: it works on the copy.
+  char* copy = privateCopy();
+  ringReduceScatterFinished(ctx, copy, segs, dtype, op);
+  copyMine(copy);
 }
 
 void allgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>& segs,
