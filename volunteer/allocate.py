@@ -7,15 +7,18 @@ split into frontal and backward, unreliable devices and layers given to stages.
     FS / BS                   each server on the side (previous or next stage) it is closer to;
                               each side keeps at least one
     unreliable partition      each device to the stage of smallest mean alpha + t / beta
-    layer partition sigma*    layers in proportion to each stage's total compute
+    layer partition sigma*    layers in proportion to each stage's total compute, within what
+                              its smallest device holds
 
-A level whose stages would not fit their smallest device's memory (the reason to pipeline at
-all) is never chosen.
+A stage never gets more layers than its smallest device holds (the reason to pipeline at all):
+the others take the rest, and a level whose stages cannot hold the model together is never
+chosen.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -98,16 +101,48 @@ def assign_unreliable(fleet: Fleet, work: Workload, ordered: list[list[int]]) ->
     return out
 
 
-def split_layers(layers: int, compute: list[float]) -> list[int]:
-    """``layers`` in proportion to ``compute``, each stage at least one (largest remainder)."""
+class DoesNotFit(ValueError):
+    """The stages of a level cannot hold the model's layers."""
+
+
+def split_layers(layers: int, compute: Sequence[float], capacity: Sequence[float] | None = None) -> list[int]:
+    """``layers`` in proportion to ``compute``, each stage at least one (largest remainder), and
+    none above its ``capacity`` (the layers its smallest device holds): a stage the proportion
+    would take past its capacity keeps its capacity, and the others share the rest the same way."""
     k = len(compute)
     if layers < k:
         raise ValueError(f"{layers} layers cannot fill {k} stages")
-    exact = np.array(compute) / sum(compute) * (layers - k)
+    capacity = [math.inf] * k if capacity is None else list(capacity)
+    if len(capacity) != k:
+        raise ValueError(f"{len(capacity)} capacities for {k} stages")
+    if min(capacity) < 1 or sum(min(c, layers) for c in capacity) < layers:
+        raise DoesNotFit(f"{layers} layers do not fit stages that hold {[c if math.isfinite(c) else 'any' for c in capacity]}")
+    fixed: dict[int, int] = {}  # stages held at their capacity
+    while True:
+        rest = [i for i in range(k) if i not in fixed]
+        share = _proportional(layers - sum(fixed.values()), [compute[i] for i in rest])
+        over = [i for i, n in zip(rest, share) if n > capacity[i]]
+        if not over:
+            out = {**fixed, **dict(zip(rest, share))}
+            return [out[i] for i in range(k)]
+        fixed.update({i: int(capacity[i]) for i in over})
+
+
+def _proportional(layers: int, compute: Sequence[float]) -> list[int]:
+    """One layer each, the rest in proportion to ``compute`` by largest remainder."""
+    exact = np.array(compute) / sum(compute) * (layers - len(compute))
     counts = np.floor(exact).astype(int) + 1
     for i in np.argsort(-(exact - np.floor(exact)), kind="stable")[: layers - counts.sum()]:
         counts[i] += 1
     return [int(c) for c in counts]
+
+
+def stage_capacity(fleet: Fleet, work: Workload, reliable: Sequence[int], clients: Sequence[int]) -> float:
+    """The layers a stage's smallest device holds (unbounded without memory figures)."""
+    if work.layer_state_bytes <= 0:
+        return math.inf
+    smallest = min([fleet.reliable[j].memory for j in reliable] + [fleet.unreliable[i].memory for i in clients])
+    return math.floor(smallest / work.layer_state_bytes) if math.isfinite(smallest) else math.inf
 
 
 def build_stages(fleet: Fleet, work: Workload, ordered: list[list[int]]) -> tuple[StageMembers, ...]:
@@ -115,21 +150,13 @@ def build_stages(fleet: Fleet, work: Workload, ordered: list[list[int]]) -> tupl
     clients = assign_unreliable(fleet, work, ordered)
     compute = [sum(fleet.reliable[j].flops for j in c) + sum(fleet.unreliable[i].flops for i in u)
                for c, u in zip(ordered, clients)]
-    layers = split_layers(work.layers, compute)
+    layers = split_layers(work.layers, compute,
+                          [stage_capacity(fleet, work, c, u) for c, u in zip(ordered, clients)])
     stages = []
     for k in range(len(ordered)):
         frontal, backward = split_servers(fleet, ordered, k)
         stages.append(StageMembers(frontal, backward, tuple(clients[k]), layers[k]))
     return tuple(stages)
-
-
-def fits(fleet: Fleet, work: Workload, stages: tuple[StageMembers, ...]) -> bool:
-    """Every device of every stage holds its stage's layer state."""
-    for s in stages:
-        smallest = min([fleet.reliable[j].memory for j in s.reliable] + [fleet.unreliable[i].memory for i in s.clients])
-        if s.layers * work.layer_state_bytes > smallest:
-            return False
-    return True
 
 
 def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") -> Allocation:
@@ -150,8 +177,9 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
     best: tuple[float, tuple[StageMembers, ...]] | None = None
     for clusters in levels:
         ordered = order_clusters(fleet, work, clusters, seed)
-        stages = build_stages(fleet, work, ordered)
-        if not fits(fleet, work, stages):
+        try:
+            stages = build_stages(fleet, work, ordered)
+        except DoesNotFit:
             times.append(float("inf"))
             continue
         if rule == "paper":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import subprocess
 import sys
@@ -148,6 +149,56 @@ def test_layers_follow_compute_and_every_stage_gets_one():
     assert split_layers(3, [100, 1, 1]) == [1, 1, 1]
     with pytest.raises(ValueError, match="2 layers cannot fill 3 stages"):
         split_layers(2, [1, 1, 1])
+
+
+def test_a_stage_at_its_capacity_keeps_it_and_the_others_share_the_rest():
+    # uncapped 24 over compute 2:1 is [16, 8]; a stage holding 14 keeps 14 and the other takes 10
+    assert split_layers(24, [2, 1]) == [16, 8]
+    assert split_layers(24, [2, 1], [14, 14]) == [14, 10]
+    # two capped in turn: [12, 6, 6] over 4:1:1 -> the first at 9; 15 over 1:1 -> 8, 7 -> the second at 7
+    assert split_layers(24, [4, 1, 1], [9, 7, 99]) == [9, 7, 8]
+    with pytest.raises(ValueError, match="24 layers do not fit stages that hold \\[14, 9\\]"):
+        split_layers(24, [1, 1], [14, 9])
+
+
+def test_a_level_whose_stages_hold_the_model_together_is_chosen():
+    # two sites of two devices each, one site 10x faster; every device holds 5 of the 8 layers:
+    # by compute the fast stage would take 7, so only a split within capacity fits
+    reliable = tuple(Device(name, flops, memory=5.5 * 2**30) for name, flops in
+                     (("f0", 100e12), ("f1", 100e12), ("s0", 10e12), ("s1", 10e12)))
+    delay = np.array([[0, 1, 50, 50], [1, 0, 50, 50], [50, 50, 0, 1], [50, 50, 1, 0]]) * 1e-3
+    fleet = Fleet(reliable, (), delay, np.full((4, 4), 1e9), np.zeros((0, 4)), np.ones((0, 4)))
+    work = Workload(batch=8, microbatches=2, layers=8, flops_per_sample_layer=1e12, boundary_bytes_per_sample=1e6,
+                    layer_state_bytes=2**30)
+    alloc = allocate(fleet, work)
+    assert sorted((sorted(s.reliable), s.layers) for s in alloc.stages) == [([0, 1], 5), ([2, 3], 3)]
+
+
+def test_capped_layer_splits_against_every_split_that_fits():
+    """Against an exhaustive search: the split fits, and no split that fits is closer to the
+    proportional shares where no capacity binds (each stage's layers over its compute as even
+    as the capacities allow: the largest layers-per-compute among the stages not at capacity
+    is the least any fitting split achieves)."""
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        k = int(rng.integers(1, 5))
+        layers = int(rng.integers(k, 13))
+        compute = [float(10 ** rng.uniform(0, 2)) for _ in range(k)]
+        capacity = [int(rng.integers(1, layers + 1)) if rng.random() < 0.6 else math.inf for _ in range(k)]
+        fitting = [c for c in itertools.product(*[range(1, int(min(cap, layers)) + 1) for cap in capacity])
+                   if sum(c) == layers]
+        if not fitting:
+            with pytest.raises(ValueError, match="do not fit"):
+                split_layers(layers, compute, capacity)
+            continue
+        got = split_layers(layers, compute, capacity)
+        assert tuple(got) in fitting, (layers, compute, capacity, got)
+        # a stage below its capacity never carries more per unit of compute than the best
+        # fitting split's worst stage, beyond one layer of rounding
+        best = min(max(n / c for n, c in zip(split, compute)) for split in fitting)
+        for n, c, cap in zip(got, compute, capacity):
+            if n < cap:
+                assert (n - 1) / c <= best + 1e-12, (layers, compute, capacity, got, best)
 
 
 def test_bad_fleets_are_refused_with_the_value_named():
