@@ -10,6 +10,7 @@ import torch
 
 from emulated_hosts import can_make_hosts, emulated_hosts
 from launcher import run_ranks
+from test_shared_segment import reduce_cases
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
           torch.int8, torch.uint8]
@@ -235,6 +236,18 @@ def test_every_op_every_dtype(world, transport):
         # one host over shm: the shared segment (its own tests: test_shared_segment.py)
         assert out["allreduce"] == {"auto": "shared", "tcp": "ring"}[transport], (r, out)
         assert out["checks"] > 300
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [3, 6])
+def test_rings_of_any_size_over_tcp_match_a_cpu_reduction(world):
+    """Over tcp (no shared segment): short payloads by recursive doubling, with the ranks beyond
+    the largest power of two paired in (3 ranks: one; 6: two), longer ones by the ring; random
+    cases against the CPU reduction, the same bits on every rank."""
+    results = run_ranks(reduce_cases, world, env={"DICOMM_TRANSPORT": "tcp"})
+    for r, out in results.items():
+        assert out["algorithm"] == "ring", (r, out)
+        assert out["checked"] == 40 and out["wrong"] == [], (r, out["wrong"])
 
 
 @pytest.mark.timeout(240)

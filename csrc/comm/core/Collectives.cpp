@@ -231,6 +231,67 @@ void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
   awaitAll(ctx, sends);
 }
 
+void doublingAllreduce(CollectiveContext& ctx, const Ring& ring, void* buf, size_t numel,
+                       c10::ScalarType dtype, ReduceKind op, unsigned phase) {
+  CloseOnUnwind guard(ctx);
+  Communicator& comm = *ctx.comm;
+  const int n = ring.size(), r = ring.position;
+  if (n == 1 || numel == 0) return;
+  const size_t elem = c10::elementSize(dtype);
+  const Segment whole{0, numel};
+  checkChunkCount({whole}, elem, ctx.chunkBytes);
+  char* base = static_cast<char*>(buf);
+  thread_local std::vector<char> scratch;
+  if (scratch.size() < numel * elem) scratch.resize(numel * elem);
+  int core = 1;  // the largest power of two <= n
+  while (core * 2 <= n) core *= 2;
+  const int extra = n - core;
+  int rounds = 0;
+  while ((1 << rounds) < core) ++rounds;
+  // Step 0 pairs the first 2 * extra ranks, steps 1..rounds are the exchanges, the last step
+  // hands the result back to the ranks that sat out.
+  const unsigned last = static_cast<unsigned>(rounds) + 1;
+  auto send = [&](int peer, unsigned step, std::vector<Pending>& into) {
+    forEachChunk(whole, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
+      into.push_back({comm.isend(peer, collectiveTag(ctx.seq, phase, step, j), base + off, len, dt(dtype)),
+                      peer, "send to"});
+    });
+  };
+  auto receive = [&](int peer, unsigned step, char* to, std::vector<Pending>& into) {
+    forEachChunk(whole, elem, ctx.chunkBytes, [&](unsigned j, size_t off, size_t len) {
+      into.push_back({comm.irecv(peer, collectiveTag(ctx.seq, phase, step, j), to + off, len, dt(dtype)),
+                      peer, "receive from"});
+    });
+  };
+  std::vector<Pending> pending;
+  if (r < 2 * extra && r % 2 == 0) {  // sits out: its value goes in through its odd neighbour
+    const int partner = ring.ranks[r + 1];
+    send(partner, 0, pending);
+    awaitAll(ctx, pending);
+    receive(partner, last, base, pending);
+    awaitAll(ctx, pending);
+    return;
+  }
+  if (r < 2 * extra) {
+    receive(ring.ranks[r - 1], 0, scratch.data(), pending);
+    awaitAll(ctx, pending);
+    reduceInto(base, scratch.data(), numel, dtype, op);
+  }
+  const int vr = r < 2 * extra ? r / 2 : r - extra;
+  auto ringIndex = [&](int v) { return v < extra ? 2 * v + 1 : v + extra; };
+  for (int i = 0; i < rounds; ++i) {
+    const int peer = ring.ranks[ringIndex(vr ^ (1 << i))];
+    receive(peer, static_cast<unsigned>(i) + 1, scratch.data(), pending);
+    send(peer, static_cast<unsigned>(i) + 1, pending);
+    awaitAll(ctx, pending);  // the send reads `buf`: it completes before the reduction writes it
+    reduceInto(base, scratch.data(), numel, dtype, op);
+  }
+  if (r < 2 * extra) {
+    send(ring.ranks[r - 1], last, pending);
+    awaitAll(ctx, pending);
+  }
+}
+
 AllreduceAlgorithm chooseAllreduce(const Communicator& comm, AllreduceAlgorithm wanted) {
   const auto& hosts = comm.hosts();
   bool uniform = hosts.size() >= 2;
@@ -293,6 +354,12 @@ void ringReduceScatterFinished(CollectiveContext& ctx, void* buf, const std::vec
 
 void flatAllreduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dtype,
                    ReduceKind op) {
+  if (numel * c10::elementSize(dtype) <= kDoublingMaxBytes) {
+    doublingAllreduce(ctx, Ring::all(*ctx.comm), buf, numel, dtype,
+                      op == ReduceKind::kAvg ? ReduceKind::kSum : op, 0);
+    if (op == ReduceKind::kAvg) finishAvg(buf, numel, dtype, ctx.comm->size());
+    return;
+  }
   auto segs = splitEven(numel, ctx.comm->size());
   ringReduceScatterFinished(ctx, buf, segs, dtype, op);
   ringAllgather(ctx, buf, segs, dtype, 1);
@@ -335,14 +402,20 @@ void hierarchicalAllreduce(CollectiveContext& ctx, void* buf, size_t numel,
     ringReduceScatter(ctx, local, buf, localSegs, dtype, sumOp, 0);
   }
   const Segment mine = localSegs[local.position];
-  auto railSegs = splitEven(mine.count, rail.size());
-  for (auto& s : railSegs) s.offset += mine.offset;
-  ringReduceScatter(ctx, rail, buf, railSegs, dtype, sumOp, 2);
-  if (op == ReduceKind::kAvg) {
-    const Segment& done = railSegs[rail.position];
-    finishAvg(static_cast<char*>(buf) + done.offset * elem, done.count, dtype, comm.size());
+  char* mineAt = static_cast<char*>(buf) + mine.offset * elem;
+  if (mine.count * elem <= kDoublingMaxBytes) {
+    doublingAllreduce(ctx, rail, mineAt, mine.count, dtype, sumOp, 2);
+    if (op == ReduceKind::kAvg) finishAvg(mineAt, mine.count, dtype, comm.size());
+  } else {
+    auto railSegs = splitEven(mine.count, rail.size());
+    for (auto& s : railSegs) s.offset += mine.offset;
+    ringReduceScatter(ctx, rail, buf, railSegs, dtype, sumOp, 2);
+    if (op == ReduceKind::kAvg) {
+      const Segment& done = railSegs[rail.position];
+      finishAvg(static_cast<char*>(buf) + done.offset * elem, done.count, dtype, comm.size());
+    }
+    ringAllgather(ctx, rail, buf, railSegs, dtype, 3);
   }
-  ringAllgather(ctx, rail, buf, railSegs, dtype, 3);
   if (segment) {
     segment->allgather(ctx, buf, localSegs, dtype);
   } else {

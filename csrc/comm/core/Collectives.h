@@ -70,6 +70,10 @@ struct Ring {
 enum class AllreduceAlgorithm { kAuto, kRing, kHierarchical, kShared };
 constexpr int kSharedMaxRanks = 64;  // a segment holds two chunks per rank
 constexpr size_t kHierarchyMaxBytes = size_t(4) << 20;
+// At most this many bytes, a ring's allreduce (the flat one, and each rail of the two levels)
+// is recursive doubling instead: latency-bound, it takes log2(n) exchanges of the whole buffer
+// rather than the ring's 2 (n - 1) steps (as MPICH does for short messages).
+constexpr size_t kDoublingMaxBytes = size_t(16) << 10;
 // What `wanted` resolves to for this group: kAuto stays kAuto only where the hierarchy is
 // possible; a forced hierarchy or shared segment the group cannot have becomes the ring, with
 // a warning.
@@ -96,6 +100,11 @@ void ringAllgather(CollectiveContext& ctx, void* buf, const std::vector<Segment>
                    c10::ScalarType dtype, unsigned phase = 1);
 void ringAllgather(CollectiveContext& ctx, const Ring& ring, void* buf,
                    const std::vector<Segment>& segs, c10::ScalarType dtype, unsigned phase);
+// An allreduce of `numel` elements of `buf` over `ring` by recursive doubling, with `op`
+// (kAvg is the caller's: pass kSum and divide). Every rank ends with the same bits: the two
+// partners of a round reduce the same two values, with commutative ops.
+void doublingAllreduce(CollectiveContext& ctx, const Ring& ring, void* buf, size_t numel,
+                       c10::ScalarType dtype, ReduceKind op, unsigned phase);
 // The reduce-scatter and allgather of the process group's ops: through the host's shared
 // segment for a group on one host that has one (ctx.hostSegment), else one ring. After
 // reduceScatter, `out` holds the reduction of segment `rank` of `in` (an AVG divided by the
