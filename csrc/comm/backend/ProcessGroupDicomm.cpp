@@ -488,8 +488,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allgather(
                                               at::TensorOptions().dtype(in.scalar_type()));
                    HostView v(in, policy, true);
                    const size_t es = buf.element_size();
-                   std::memcpy(static_cast<char*>(buf.data_ptr()) + segs[ctx.comm->rank()].offset * es,
-                               v.data(), v.nbytes());
+                   // An empty tensor's buffer may be null, which memcpy may not be given even for 0 bytes.
+                   if (v.nbytes()) {
+                     std::memcpy(static_cast<char*>(buf.data_ptr()) + segs[ctx.comm->rank()].offset * es,
+                                 v.data(), v.nbytes());
+                   }
                    dicomm::allgather(ctx, buf.data_ptr(), segs, in.scalar_type());
                    for (int p = 0; p < n; ++p) {
                      outs[p].copy_(buf.narrow(0, segs[p].offset, segs[p].count).view(outs[p].sizes()));

@@ -568,7 +568,7 @@ void reduce(CollectiveContext& ctx, void* buf, size_t numel, c10::ScalarType dty
   char* acc = static_cast<char*>(buf);
   if (parent >= 0 && !kids.empty()) {
     copy.reset(new char[bytes + 1]);
-    std::memcpy(copy.get(), buf, bytes);
+    if (bytes) std::memcpy(copy.get(), buf, bytes);  // an empty tensor's buffer may be null
     acc = copy.get();
   }
   const Segment all{0, numel};
