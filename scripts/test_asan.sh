@@ -52,7 +52,9 @@ sanitized() {
   for f in "$reports"/*; do [ -f "$f" ] && { echo "--- $f"; head -60 "$f"; }; done
   [ "$rc" = 0 ] && [ "$found" = 0 ]
 }
-sanitized tests/comm "$PY" -m pytest -q tests/comm -p no:cacheprovider "$@" || exit 1
+# tests/comm waits on its rank processes much of the time: two xdist workers, as in `make test`
+# (TEST_WORKERS), take 4m46s where one takes 5m53s. tests/device is compute-bound: one worker.
+sanitized tests/comm "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" tests/comm -p no:cacheprovider "$@" || exit 1
 # handle_segv=0: the protected-memory tests expect a SIGSEGV of their own (a host read of a
 # protected dipu block), which ASan would otherwise report as a crash.
 # PYTHONSAFEPATH: no current directory ahead of the overlay; the source tree follows it (a

@@ -4,6 +4,7 @@ against a run made deliberately slower (conftest's --slow-down-us) and an unchan
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,9 @@ def _make(target: str, storage: Path, *bench_args: str) -> subprocess.CompletedP
     # -o setup: the test run already set the environment up; do not reinstall mid-run.
     cmd = ["make", "-s", "-o", "setup", target, f"BENCH={BENCH}", f"BENCH_STORAGE={storage}",
            f"BENCH_REPORT={storage / 'report.md'}", "BENCH_DOCS=", f"BENCH_ARGS={' '.join(bench_args)}"]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # Not an xdist worker's environment: pytest-benchmark disables itself when it sees one.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):

@@ -250,6 +250,40 @@ def test_rings_of_any_size_over_tcp_match_a_cpu_reduction(world):
         assert out["checked"] == 40 and out["wrong"] == [], (r, out["wrong"])
 
 
+def _choice_in_the_debug_log(rank, world, port):
+    """Creates the group with this process's stderr (fd 2, where the C++ log writes) in a file."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            dist.init_process_group("dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            dist.destroy_process_group()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport,said", [("tcp", "allreduce ring, payloads of up to 16384 bytes by recursive doubling"),
+                                            ("auto", "allreduce shared (")])
+def test_the_allreduce_choice_is_in_the_debug_log(transport, said):
+    """DICOMM_DEBUG=INFO: rank 0 says which allreduce the group uses, and over a ring that short
+    payloads go by recursive doubling (the 16 KiB of the docs); the shared segment has no ring."""
+    logs = run_ranks(_choice_in_the_debug_log, 2, init=False,
+                     env={"DICOMM_TRANSPORT": transport, "DICOMM_DEBUG": "INFO"})
+    lines = [line for line in logs[0].splitlines() if "group of 2" in line]
+    assert len(lines) == 1 and said in lines[0], logs[0]
+    assert "doubling" not in lines[0] or transport == "tcp", lines[0]
+    assert not any("group of 2" in line for line in logs[1].splitlines()), logs[1]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
 @pytest.mark.parametrize("algorithm", ["auto", "hierarchical", "ring"])

@@ -3,6 +3,7 @@ implementation on pyverbs (Debian's python3-pyverbs), and `ditorch info` on a re
 Runs inside the rdma guest (scripts/rdma_vm/run_tests.sh)."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from .conftest import ROOT, check_binary, rdma_usable  # noqa: E402
 ORACLE = Path(__file__).resolve().with_name("verbs_oracle.py")
 
 
+@functools.lru_cache(maxsize=None)  # one probe per session: each is a Python start in the slow guest
 def _pyverbs_missing() -> str | None:
     run = subprocess.run([sys.executable, str(ORACLE), "--probe"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

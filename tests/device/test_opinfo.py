@@ -19,7 +19,8 @@ import pytest
 import opinfo_sweep
 from opinfo_expectations import COMBINATION_FAILURES, FORWARD_FAILURES, GRAD_FAILURES
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# One xdist worker takes the whole module, so its sweep (the module fixture) runs once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("opinfo")]
 
 REPORT = Path(__file__).resolve().parents[2] / "build" / "opinfo.json"
 SAMPLES_PER_OP = 3

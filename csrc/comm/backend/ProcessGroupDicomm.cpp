@@ -88,6 +88,10 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
     logLine(LogLevel::kInfo,
             std::string("group of ") + std::to_string(size) + " (" + describeHosts(*comm_) +
                 "): allreduce " + allreduceAlgorithm() +
+                (allreduceAlgorithm_ == AllreduceAlgorithm::kShared
+                     ? std::string()
+                     : ", payloads of up to " + std::to_string(kDoublingMaxBytes) +
+                           " bytes by recursive doubling over each ring") +
                 " (hierarchical: a ring per host, then one ring per local index across hosts; "
                 "shared: one shared-memory segment on this host); "
                 "DICOMM_ALLREDUCE=ring|hierarchical|shared forces one");
