@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # `make test-asan`: dicomm and the device layer under AddressSanitizer and UndefinedBehaviorSanitizer.
 #  1. builds the backend with DITORCH_SANITIZE=address,undefined into build/asan (the regular
-#     build is untouched) and runs tests/comm against it (DICOMM_EXTENSION, runtimes preloaded);
-#     any sanitizer report, in any rank process, fails the run;
-#  2. builds the device layer the same way and runs tests/device against it, the sanitized
-#     ditorch_ext._C put in front of the source package by an overlay on PYTHONPATH; all but the
-#     OpInfo sweep (170 s unsanitized, 8 min or more sanitized; it runs in `make test`);
+#     build is untouched), and the device layer the same way;
+#  2. runs tests/comm against the backend (DICOMM_EXTENSION) and tests/device against the
+#     device layer (the sanitized ditorch_ext._C put in front of the source package by an
+#     overlay on PYTHONPATH; the OpInfo sweep's fixture included), the sanitizer runtimes
+#     preloaded; any sanitizer report, in any process, fails the run;
 #  3. builds and runs the stream-frame fuzzer (tests/comm/fuzz, clang's libFuzzer) for
 #     FUZZ_SECONDS (default 60) under ASan + UBSan, leaks checked, then for TSAN_FUZZ_SECONDS
 #     (default 30) under ThreadSanitizer (races between a pair's threads and its closing).
@@ -52,9 +52,6 @@ sanitized() {
   for f in "$reports"/*; do [ -f "$f" ] && { echo "--- $f"; head -60 "$f"; }; done
   [ "$rc" = 0 ] && [ "$found" = 0 ]
 }
-# tests/comm waits on its rank processes much of the time: two xdist workers, as in `make test`
-# (TEST_WORKERS), take 4m46s where one takes 5m53s. tests/device is compute-bound: one worker.
-sanitized tests/comm "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" tests/comm -p no:cacheprovider "$@" || exit 1
 # handle_segv=0: the protected-memory tests expect a SIGSEGV of their own (a host read of a
 # protected dipu block), which ASan would otherwise report as a crash.
 # PYTHONSAFEPATH: no current directory ahead of the overlay; the source tree follows it (a
@@ -63,6 +60,10 @@ loaded=$(ASAN_EXTRA=handle_segv=0 PYTHONSAFEPATH=1 PYTHONPATH="$overlay:$PWD" sa
   "$PY" -c "import ditorch_ext._C as c; print(c.__file__)")
 [ "${loaded%%$'\n'*}" = "$overlay/ditorch_ext/$(basename "$device_ext")" ] \
   || { echo "test-asan: the overlay did not put the sanitized device layer first: $loaded"; exit 1; }
+# tests/comm waits on its rank processes much of the time: two xdist workers (TEST_WORKERS, as
+# in `make test`) take 4m46s where one takes 5m53s. tests/device computes (the OpInfo sweep's
+# fixture is most of it): one worker; run beside tests/comm in one session, both took longer.
+sanitized tests/comm "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" tests/comm -p no:cacheprovider "$@" || exit 1
 ASAN_EXTRA=handle_segv=0 PYTHONSAFEPATH=1 PYTHONPATH="$overlay:$PWD" sanitized tests/device \
   "$PY" -m pytest -q tests/device -p no:cacheprovider \
   --deselect tests/device/test_opinfo.py::test_most_of_op_db_runs_on_cpu || exit 1

@@ -262,6 +262,7 @@ def _choice_in_the_debug_log(rank, world, port):
         os.dup2(log.fileno(), 2)
         try:
             dist.init_process_group("dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            dist.barrier()  # rank 0 hosts the store: it leaves only once every rank is in the group
             dist.destroy_process_group()
         finally:
             os.dup2(saved, 2)

@@ -3,7 +3,6 @@ results against a CPU reduction of every rank's input, on sizes spanning several
 same bits on every rank; refusals and failures named; nothing left in /dev/shm."""
 from __future__ import annotations
 
-import glob
 import os
 import random
 import time
@@ -62,6 +61,22 @@ def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     return out.to(dtype)
 
 
+def segments_of_this_process() -> dict:
+    """The shared segments this process maps (/proc/self/maps), and those whose file is still in
+    /dev/shm: an unlinked one shows as "(deleted)". Only this process's own: other tests' groups
+    (another xdist worker) may hold a file of theirs in /dev/shm at any moment."""
+    mapped, left = set(), set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/dicomm-"):
+                path = fields[5].strip()
+                mapped.add(path)
+                if not path.endswith("(deleted)"):
+                    left.add(path)
+    return {"mapped": len(mapped), "left": sorted(left)}
+
+
 def reduce_cases(rank: int, world: int, _port: int) -> dict:
     import torch.distributed as dist
     from torch.distributed import ReduceOp
@@ -86,7 +101,7 @@ def reduce_cases(rank: int, world: int, _port: int) -> dict:
             wrong.append(f"{op} {numel} x {dtype}: differs from rank 0's bits")
         checked += 1
     return {"algorithm": backend.allreduce_algorithm, "members": backend.host_segment_members, "wrong": wrong,
-            "checked": checked, "left": glob.glob("/dev/shm/dicomm-*")}
+            "checked": checked, **segments_of_this_process()}
 
 
 @pytest.mark.timeout(240)
@@ -97,7 +112,7 @@ def test_shared_allreduce_matches_a_cpu_reduction(world):
         assert out["algorithm"] == "shared", (r, out)
         assert out["members"] == list(range(world)), (r, out["members"])
         assert out["checked"] == 40 and out["wrong"] == [], (r, out["wrong"])
-        assert out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
+        assert out["mapped"] == 1 and out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
 
 
 def scatter_gather_cases(rank: int, world: int, _port: int) -> dict:
@@ -144,7 +159,7 @@ def scatter_gather_cases(rank: int, world: int, _port: int) -> dict:
         if not all(torch.equal(o, p) for o, p in zip(outs, pieces)):
             wrong.append(f"all_gather {m} x {dtype}")
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    return {"members": backend.host_segment_members, "wrong": wrong, "left": glob.glob("/dev/shm/dicomm-*")}
+    return {"members": backend.host_segment_members, "wrong": wrong, **segments_of_this_process()}
 
 
 @pytest.mark.timeout(240)
@@ -153,7 +168,7 @@ def test_reduce_scatter_and_allgather_on_one_host_go_through_the_segment():
     for r, out in results.items():
         assert out["members"] == [0, 1, 2], (r, out["members"])
         assert out["wrong"] == [], (r, out["wrong"])
-        assert out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
+        assert out["mapped"] == 1 and out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
 
 
 def cut_differently(rank: int, world: int, _port: int) -> dict:
@@ -186,7 +201,7 @@ def test_two_level_allreduce_reduces_within_each_host_through_its_segment():
         assert out["algorithm"] == "hierarchical", (r, out)
         assert out["members"] == ([0, 1] if r < 2 else [2, 3]), (r, out["members"])
         assert out["checked"] == 40 and out["wrong"] == [], (r, out["wrong"])
-        assert out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
+        assert out["mapped"] == 1 and out["left"] == [], f"segment files left in /dev/shm: {out['left']}"
 
 
 def _algorithm(rank: int, world: int, _port: int) -> str:

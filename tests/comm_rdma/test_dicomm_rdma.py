@@ -42,24 +42,26 @@ P2P_SIZES = [1, 7, 4096, 32 << 10, (32 << 10) + 1, 1 << 20, 64 << 20]
 
 
 def p2p_sizes(rank: int, world: int, _port: int) -> dict:
-    """Rank 0 sends each size to rank 1, which checks it and answers with its own pattern."""
+    """In each pair (0, 1), (2, 3), ... at once, the even rank sends each size to the odd one,
+    which checks it and answers with its own pattern."""
     import torch.distributed as dist
 
     bad = []
+    peer = rank ^ 1
     for k, n in enumerate(P2P_SIZES):
-        if rank == 0:
-            dist.send(pattern(n, k), dst=1)
+        if rank % 2 == 0:
+            dist.send(pattern(n, k + rank), dst=peer)
             back = torch.empty(n, dtype=torch.uint8)
-            dist.recv(back, src=1)
-            if not torch.equal(back, pattern(n, 100 + k)):
+            dist.recv(back, src=peer)
+            if not torch.equal(back, pattern(n, 100 + k + peer)):
                 bad.append(("echo", n))
-        elif rank == 1:
+        else:
             got = torch.empty(n, dtype=torch.uint8)
-            dist.recv(got, src=0)
-            want = pattern(n, k)
+            dist.recv(got, src=peer)
+            want = pattern(n, k + peer)
             if not torch.equal(got, want):
                 bad.append(("recv", n, int((got != want).nonzero()[0])))
-            dist.send(pattern(n, 100 + k), dst=0)
+            dist.send(pattern(n, 100 + k + rank), dst=peer)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     return {"bad": bad, "transports": sorted({backend.transport_of(p) for p in range(world) if p != rank})}
 
@@ -128,7 +130,7 @@ def dipu_over_rdma(rank: int) -> dict:
     x = (torch.arange(1 << 18, dtype=torch.float32) + rank).to("dipu")  # 1 MiB: rendezvous path
     dist.all_reduce(x)
     y = torch.empty(1 << 18, device="dipu")
-    peer = 1 - rank
+    peer = rank ^ 1
     reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, (x * (rank + 2)).contiguous(), peer),
                                    dist.P2POp(dist.irecv, y, peer)])
     for r in reqs:
@@ -142,62 +144,55 @@ def progress(rank: int, what: str, t0: float) -> None:
 
 
 def suite(rank: int, world: int, port: int) -> dict:
-    """One job per world size: spawning ranks and importing torch (~45 s each under TCG)
-    dominates, so each job runs every check. 2 ranks: collectives, p2p 1 B..64 MiB, many
-    outstanding, dipu tensors. 4 ranks: collectives, many outstanding, then a peer dies."""
+    """One job: spawning ranks and importing torch (~45 s under TCG) dominates, so one set of
+    ranks runs every check: collectives, many outstanding, p2p 1 B..64 MiB in pairs, dipu
+    tensors, and last a peer that dies."""
     t0 = time.monotonic()
     out = {}
     progress(rank, "collectives", t0)
     out["collectives"] = check_all(rank, world, port)
     progress(rank, "many outstanding", t0)
     out["many"] = many_outstanding(rank, world, port)
-    if world == 2:
-        progress(rank, "p2p sizes", t0)
-        out["p2p"] = p2p_sizes(rank, world, port)
-        progress(rank, "dipu tensors", t0)
-        out["dipu"] = dipu_over_rdma(rank)
-    else:
-        progress(rank, "peer dies", t0)
-        out["dies"] = peer_dies(rank, world)
+    progress(rank, "p2p sizes", t0)
+    out["p2p"] = p2p_sizes(rank, world, port)
+    progress(rank, "dipu tensors", t0)
+    out["dipu"] = dipu_over_rdma(rank)
+    progress(rank, "peer dies", t0)
+    out["dies"] = peer_dies(rank, world)
     progress(rank, "done", t0)
     return out
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("world", [2, 4])
-def test_dicomm_suite_over_rdma(world: int) -> None:
-    """Every op and dtype (the DiComm suite's check_all), 150 outstanding messages per peer;
-    on 2 ranks point-to-point messages from 1 B to 64 MiB and dipu tensors; on 4 ranks, last, a
-    peer that dies. All data checked."""
+def test_dicomm_suite_over_rdma() -> None:
+    """4 ranks: every op and dtype (the DiComm suite's check_all), 150 outstanding messages per
+    peer, point-to-point messages from 1 B to 64 MiB in two pairs at once, dipu tensors, and
+    last a peer that dies. All data checked."""
     import glob
 
     if not glob.glob(str(Path(__file__).resolve().parents[2] / "ditorch_ext" / "_C*.so")):
         pytest.fail("the dipu device layer is not built (scripts/setup_env.sh builds it)")
-    env = {**RDMA, "DICOMM_CHUNK_BYTES": "65536"}
-    if world == 2:
-        env["TEST_IMPORT_DITORCH"] = "1"  # the dipu device, so dicomm serves its tensors too
-    results = run_ranks(suite, world, env=env, op_timeout_s=300, wall_timeout_s=1400,
-                        expect_exit={world - 1} if world == 4 else None)
-    survivors = range(world) if world == 2 else range(world - 1)
+    world = 4
+    # TEST_IMPORT_DITORCH: the dipu device, so dicomm serves its tensors too
+    env = {**RDMA, "DICOMM_CHUNK_BYTES": "65536", "TEST_IMPORT_DITORCH": "1"}
+    results = run_ranks(suite, world, env=env, op_timeout_s=300, wall_timeout_s=1400, expect_exit={world - 1})
+    survivors = range(world - 1)  # the last rank exits in peer_dies, unreported
     assert set(results) >= set(survivors)
+    total = sum(torch.arange(1 << 18, dtype=torch.float32) + r for r in range(world))
     for r in survivors:
         out = results[r]
         assert out["collectives"]["transports"] == ["rdma"], (r, out["collectives"])
         assert out["collectives"]["checks"] > 300, (r, out["collectives"])
         assert out["many"]["bad"] == [] and out["many"]["messages"] == 150 * (world - 1), (r, out["many"])
-    if world == 2:
-        base = [torch.arange(1 << 18, dtype=torch.float32) + r for r in range(2)]
-        total = base[0] + base[1]
-        for r in (0, 1):
-            assert results[r]["p2p"]["bad"] == [], (r, results[r]["p2p"])
-            torch.testing.assert_close(results[r]["dipu"]["allreduce"], total)
-            torch.testing.assert_close(results[r]["dipu"]["p2p"], total * (1 - r + 2))
-    else:
-        dies = {r: results[r]["dies"] for r in survivors}
-        assert dies[0]["error"] and "recv from rank 3" in dies[0]["error"] and "rdma" in dies[0]["error"], dies[0]
-        for r in (1, 2):
-            assert dies[r]["error"] and "allreduce" in dies[r]["error"] and "rank 3" in dies[r]["error"], dies[r]
-        for r, d in dies.items():
-            # detected by the transport (retry exceeded), long before the 300 s op timeout
-            assert d["elapsed"] < 60, (r, d)
-            assert d["later"] and "rank 3" in d["later"], (r, d)
+        assert out["p2p"]["bad"] == [] and out["p2p"]["transports"] == ["rdma"], (r, out["p2p"])
+        torch.testing.assert_close(out["dipu"]["allreduce"], total)
+        torch.testing.assert_close(out["dipu"]["p2p"], total * ((r ^ 1) + 2))
+        assert out["dipu"]["host_addressable"], (r, out["dipu"])
+    dies = {r: results[r]["dies"] for r in survivors}
+    assert dies[0]["error"] and "recv from rank 3" in dies[0]["error"] and "rdma" in dies[0]["error"], dies[0]
+    for r in (1, 2):
+        assert dies[r]["error"] and "allreduce" in dies[r]["error"] and "rank 3" in dies[r]["error"], dies[r]
+    for r, d in dies.items():
+        # detected by the transport (retry exceeded), long before the 300 s op timeout
+        assert d["elapsed"] < 60, (r, d)
+        assert d["later"] and "rank 3" in d["later"], (r, d)
