@@ -16,9 +16,10 @@ demo: setup
 demo-single: setup
 	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
-# Two pytest-xdist workers by default: the suite's tests spend about half their time waiting
-# (rank processes starting, sockets, timeouts), so on 2 cores two workers take 11 minutes where
-# one takes 16. TEST_WORKERS=0 runs it in one process.
+# Two pytest-xdist workers by default: the suite's tests spend part of their time waiting (rank
+# processes starting, sockets, timeouts). On 2 cores two workers took 11m09s where one took
+# 15m54s in a warm checkout, and 15m21s against 16m18s in a fresh-clone CI run.
+# TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 export TEST_WORKERS
 test: setup
