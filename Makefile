@@ -19,11 +19,11 @@ demo-single: setup
 # Two pytest-xdist workers by default: the suite's tests spend part of their time waiting (rank
 # processes starting, sockets, timeouts). On 2 cores two workers took 11m09s where one took
 # 15m54s in a warm checkout, and 15m21s against 16m18s in a fresh-clone CI run.
-# TEST_WORKERS=0 runs it in one process.
+# TEST_WORKERS=0 runs it in one process. The 15 slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 export TEST_WORKERS
 test: setup
-	GLOO_SOCKET_IFNAME=lo $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(TEST_ARGS)
+	GLOO_SOCKET_IFNAME=lo $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests $(TEST_ARGS)
 
 # tests/comm and tests/device against sanitized (ASan + UBSan) builds, then the frame fuzzer: scripts/test_asan.sh.
 test-asan: setup

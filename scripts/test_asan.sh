@@ -8,7 +8,8 @@
 #     preloaded; any sanitizer report, in any process, fails the run;
 #  3. builds and runs the stream-frame fuzzer (tests/comm/fuzz, clang's libFuzzer) for
 #     FUZZ_SECONDS (default 60) under ASan + UBSan, leaks checked, then for TSAN_FUZZ_SECONDS
-#     (default 30) under ThreadSanitizer (races between a pair's threads and its closing).
+#     (default 30) under ThreadSanitizer (races between a pair's threads and its closing), both
+#     beside the device suite of step 2.
 # Installs clang-14 when run as root and missing. Extra arguments go to tests/comm's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,9 +65,19 @@ loaded=$(ASAN_EXTRA=handle_segv=0 PYTHONSAFEPATH=1 PYTHONPATH="$overlay:$PWD" sa
 # in `make test`) take 4m46s where one takes 5m53s. tests/device computes (the OpInfo sweep's
 # fixture is most of it): one worker; run beside tests/comm in one session, both took longer.
 sanitized tests/comm "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" tests/comm -p no:cacheprovider "$@" || exit 1
+# The fuzzers (their clang builds, then one core each, one after the other: they share a corpus)
+# run beside the single-process device suite, on the core it leaves.
+fuzz_log="$PWD/$build/fuzz.log"
+(FUZZ_SANITIZER=address bash tests/comm/fuzz/run.sh \
+  && FUZZ_SANITIZER=thread FUZZ_SECONDS="${TSAN_FUZZ_SECONDS:-30}" bash tests/comm/fuzz/run.sh) >"$fuzz_log" 2>&1 &
+fuzz=$!
+trap 'kill "$fuzz" 2>/dev/null || true' EXIT
+device_rc=0
 ASAN_EXTRA=handle_segv=0 PYTHONSAFEPATH=1 PYTHONPATH="$overlay:$PWD" sanitized tests/device \
   "$PY" -m pytest -q tests/device -p no:cacheprovider \
-  --deselect tests/device/test_opinfo.py::test_most_of_op_db_runs_on_cpu || exit 1
-
-FUZZ_SANITIZER=address bash tests/comm/fuzz/run.sh
-FUZZ_SANITIZER=thread FUZZ_SECONDS="${TSAN_FUZZ_SECONDS:-30}" bash tests/comm/fuzz/run.sh
+  --deselect tests/device/test_opinfo.py::test_most_of_op_db_runs_on_cpu || device_rc=1
+fuzz_rc=0
+wait "$fuzz" || fuzz_rc=$?
+trap - EXIT
+cat "$fuzz_log"
+[ "$device_rc" = 0 ] && [ "$fuzz_rc" = 0 ]

@@ -48,15 +48,16 @@ def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
     assert "test_add_one_element[dipu]" in slower.stdout + slower.stderr
 
     # An unchanged build passes. The VM has slow phases that outlast a repeat: in one CI run the
-    # CPU add's median was 1.5 us in the saved run and 2.8 us in both compares after it. So a
-    # failure takes the baseline again, in the same phase, and compares once more; a real
-    # regression, like the one above, fails against any baseline.
+    # CPU add's median was 1.5 us in the saved run and 2.8 us in both compares after it, and the
+    # other xdist worker's tests load the same two cores. So a failure takes the baseline again,
+    # in the same phase, and compares once more, up to three baselines; a real regression, like
+    # the one above, fails against any baseline.
     same = _make("bench-compare", tmp_path)
     baselines = 1
-    if same.returncode != 0:
+    while same.returncode != 0 and baselines < 3:
         rebased = _make("bench", tmp_path)
         assert rebased.returncode == 0, rebased.stdout + rebased.stderr
-        baselines = 2
+        baselines += 1
         same = _make("bench-compare", tmp_path)
     assert same.returncode == 0, same.stdout + same.stderr
     assert "Comparing against benchmarks from" in same.stdout + same.stderr

@@ -19,7 +19,7 @@ import pytest
 import opinfo_sweep
 from opinfo_expectations import COMBINATION_FAILURES, FORWARD_FAILURES, GRAD_FAILURES
 
-# One xdist worker takes the whole module, so its sweep (the module fixture) runs once.
+# One xdist worker takes the whole module (its group), so the sweep runs once.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("opinfo")]
 
 REPORT = Path(__file__).resolve().parents[2] / "build" / "opinfo.json"
@@ -27,7 +27,9 @@ SAMPLES_PER_OP = 3
 SAMPLES_PER_COMBINATION = None  # every sample under the size cap (the whole variant sweep takes ~45 s)
 
 
-@pytest.fixture(scope="module")
+# Session scope: the worker may run other modules' tests between this module's, which would tear
+# a module-scoped sweep down and run it again.
+@pytest.fixture(scope="session")
 def summary() -> dict:
     results, combos = opinfo_sweep.sweep(max_samples=SAMPLES_PER_OP, variant_samples=SAMPLES_PER_COMBINATION)
     s = opinfo_sweep.write_report(results, combos, REPORT)

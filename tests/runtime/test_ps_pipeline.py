@@ -70,8 +70,10 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
                                  "--ps-name", "pipeline", "--check-replicas", "1"], tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
         status = leader.status()
-        assert status["version"] == STEPS and status["clusters"] == ["pipeline"]
-        assert [r["accepted"] for r in leader.rounds_log] == [1] * STEPS
+        # every round took the cluster's one push (its membership lapses a few heartbeats after it
+        # exits, which a loaded machine can reach before this line)
+        assert status["version"] == STEPS
+        assert [(r["accepted"], r["clusters"]) for r in leader.rounds_log] == [(1, ["pipeline"])] * STEPS
         final = global_parameters(leader, token)
     for step, (a, b) in enumerate(zip(losses(tmp_path / "ps.jsonl"), losses(tmp_path / "plain.jsonl")), 1):
         assert a == pytest.approx(b, rel=5e-4), f"step {step}: through the PS {a}, plain {b}"
