@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .clustering import divisive_levels, edge_weights
-from .cost import StageMembers, Workload, approximate_pipeline_time, pipeline_time
+from .cost import StageMembers, Workload, approximate_pipeline_time, pipeline_makespan, pipeline_time
 from .devices import Fleet
 from .tsp import open_tsp_annealing
 
@@ -31,13 +31,15 @@ from .tsp import open_tsp_annealing
 @dataclasses.dataclass(frozen=True)
 class Allocation:
     """Stages in pipeline order; ``level_times`` are the times the allocator's rule scored for
-    1, 2, ... clusters, ``pipeline_time`` is Equation 2 (with Equation 1) for the chosen stages."""
+    1, 2, ... clusters, ``pipeline_time`` is Equation 2 (with Equation 1) for the chosen stages and
+    ``makespan`` the same with the pipeline's fill (the time a batch is predicted to take)."""
 
     fleet: Fleet
     workload: Workload
     stages: tuple[StageMembers, ...]
     level_times: tuple[float, ...]
     pipeline_time: float
+    makespan: float
 
     def layer_ranges(self) -> list[tuple[int, int]]:
         out, first = [], 0
@@ -52,6 +54,7 @@ class Allocation:
         return {
             "workload": dataclasses.asdict(self.workload),
             "pipeline_time_s": self.pipeline_time,
+            "makespan_s": self.makespan,
             "level_times_s": [t if math.isfinite(t) else None for t in self.level_times],  # None: did not fit
             "stages": [{
                 "layers": list(ranges[k]),
@@ -165,9 +168,10 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
     ``rule="paper"`` walks down the hierarchy and stops at the first level whose approximate
     time (Equation 3's DT_k) is worse than the level above, as the paper does. ``rule="full"``
     (the default) builds the stages of every level, which costs little since there are at most
-    Ns / 2 levels, and keeps the level of least Equation 2 time with Equation 1's DT_k: it sees
-    compute imbalance and intra-stage links that Equation 3 ignores (docs/volunteer.md gives the
-    gap of both rules to an exhaustive search).
+    Ns / 2 levels, and keeps the level of least Equation 2 time with Equation 1's DT_k and the
+    pipeline's fill (pipeline_makespan): it sees compute imbalance and intra-stage links that
+    Equation 3 ignores, and what each stage more costs a batch of few micro-batches
+    (docs/volunteer.md gives the gap of both rules to an exhaustive search).
     """
     if rule not in ("paper", "full"):
         raise ValueError(f"rule={rule!r}; expected 'paper' or 'full'")
@@ -190,7 +194,7 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
             times.append(t)
             best = (t, stages)
         else:
-            t = pipeline_time(fleet, work, stages)
+            t = pipeline_makespan(fleet, work, stages)
             times.append(t)
             if best is None or t < best[0]:
                 best = (t, stages)
@@ -198,4 +202,5 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
         raise ValueError(f"no allocation fits: a layer's state takes {work.layer_state_bytes / 2**30:.2f} GiB and "
                          f"even {len(levels[-1])} stages leave some device short of memory")
     stages = best[1]
-    return Allocation(fleet, work, stages, tuple(times), pipeline_time(fleet, work, stages))
+    return Allocation(fleet, work, stages, tuple(times), pipeline_time(fleet, work, stages),
+                      pipeline_makespan(fleet, work, stages))

@@ -92,7 +92,7 @@ def run_plan(args: argparse.Namespace) -> int:
     out["training"] = {"model": model, "seq": seq, "steps": args.steps, "seed": args.seed, "lr": args.lr,
                        "weight_decay": args.weight_decay, "delayed_updates": args.delayed_updates}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{len(alloc.stages)} stage(s), predicted {alloc.pipeline_time:.3f} s per batch "
+    print(f"{len(alloc.stages)} stage(s), predicted {alloc.makespan:.3f} s per batch "
           f"(levels tried: {', '.join(f'{t:.3f}' for t in alloc.level_times)})")
     for k, (s, layers) in enumerate(zip(out["stages"], alloc.layer_ranges())):
         print(f"stage {k}: layers {layers[0]}-{layers[1] - 1}  frontal {', '.join(s['frontal'])}  "

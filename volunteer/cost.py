@@ -1,5 +1,6 @@
 """The paper's time model (section 3.3): a stage's data-parallel time (Equation 1), the pipeline
-time (Equation 2) and the approximation clustering uses before stages have members (Equation 3).
+time (Equation 2, and with the pipeline's fill) and the approximation clustering uses before
+stages have members (Equation 3).
 
 Units: samples of the batch, FLOP/s, bytes, seconds. A micro-batch of B/d samples is split over a
 stage's participants in proportion to their compute; participant i gets w_i samples.
@@ -120,6 +121,14 @@ def pipeline_time(fleet: Fleet, work: Workload, stages: Sequence[StageMembers]) 
                if k + 1 < len(stages) else 0.0)
         worst = max(worst, fwd + bwd + stage_time(fleet, work, stage))
     return work.microbatches * worst
+
+
+def pipeline_makespan(fleet: Fleet, work: Workload, stages: Sequence[StageMembers]) -> float:
+    """Equation 2 with the pipeline's fill and drain: d + K - 1 slots of the slowest stage's term
+    where Equation 2 counts d. The two agree when d is far above K (the paper's 128
+    micro-batches of 4); with a few micro-batches the K - 1 slots decide between a shallow and a
+    deep pipeline."""
+    return pipeline_time(fleet, work, stages) * (work.microbatches + len(stages) - 1) / work.microbatches
 
 
 def approximate_stage_time(fleet: Fleet, work: Workload, stages: int) -> float:
