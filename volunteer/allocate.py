@@ -170,7 +170,7 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
     (the default) builds the stages of every level, which costs little since there are at most
     Ns / 2 levels, and keeps the level of least Equation 2 time with Equation 1's DT_k and the
     pipeline's fill (pipeline_makespan): it sees compute imbalance and intra-stage links that
-    Equation 3 ignores, and what each stage more costs a batch of few micro-batches
+    Equation 3 ignores, and what one more stage adds to a batch of few micro-batches
     (docs/volunteer.md gives the gap of both rules to an exhaustive search).
     """
     if rule not in ("paper", "full"):
