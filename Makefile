@@ -18,7 +18,7 @@ demo-single: setup
 
 # Two pytest-xdist workers by default: the suite's tests spend part of their time waiting (rank
 # processes starting, sockets, timeouts). On 2 cores two workers took 11m09s where one took
-# 15m54s in a warm checkout; 12m57s and 13m26s in two fresh-clone CI runs.
+# 15m54s in a warm checkout; 11m48s and 12m57s in two fresh-clone CI runs.
 # TEST_WORKERS=0 runs it in one process. The 15 slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 export TEST_WORKERS

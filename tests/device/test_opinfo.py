@@ -27,9 +27,7 @@ SAMPLES_PER_OP = 3
 SAMPLES_PER_COMBINATION = None  # every sample under the size cap (the whole variant sweep takes ~45 s)
 
 
-# Session scope: the worker may run other modules' tests between this module's, which would tear
-# a module-scoped sweep down and run it again.
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def summary() -> dict:
     results, combos = opinfo_sweep.sweep(max_samples=SAMPLES_PER_OP, variant_samples=SAMPLES_PER_COMBINATION)
     s = opinfo_sweep.write_report(results, combos, REPORT)
