@@ -162,7 +162,7 @@ def main() -> int:
                 print(f"{100 * ratio:>9.0f}% {100 * r:>9.0f}% " + " ".join(f"{t:>24.1f}" for t in row)
                       + f" {row[1] / row[0]:>8.2f}x {row[2] / row[0]:>7.2f}x")
     plot(sweeps, OUT / "volunteer_disconnection.png")
-    scale = scaling([16, 32, 48], 0.5, 0.6, max(10, args.batches // 4), args.seed)
+    scale = scaling([16, 32, 48], 0.5, 0.6, args.batches, args.seed)
     print("\nweak scaling of the task pool at 50% disconnection, 60% unreliable, devices vanish (4 samples per device)")
     print(f"{'devices':>8} {'stages':>7} {'s/batch':>8} {'samples/s':>10} {'efficiency':>11}")
     for n, r in scale.items():

@@ -2,7 +2,9 @@
 split into frontal and backward, unreliable devices and layers given to stages.
 
     reliable partition tau*   divisive clustering, stopping where Equation 2 (with Equation 3's
-                              DT_k) stops improving
+                              DT_k) stops improving (rule "paper"); or every level, each refined
+                              by moving clusters of the hierarchy between its stages, keeping
+                              the level of least makespan (rule "full", the default)
     stage order               open TSP over the coarse graph, by simulated annealing
     FS / BS                   each server on the side (previous or next stage) it is closer to;
                               each side keeps at least one
@@ -22,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .clustering import divisive_levels, edge_weights
+from .clustering import MIN_CLUSTER, divisive_levels, edge_weights
 from .cost import StageMembers, Workload, approximate_pipeline_time, pipeline_makespan, pipeline_time
 from .devices import Fleet
 from .tsp import open_tsp_annealing
@@ -162,13 +164,56 @@ def build_stages(fleet: Fleet, work: Workload, ordered: list[list[int]]) -> tupl
     return tuple(stages)
 
 
+def scored_stages(fleet: Fleet, work: Workload, ordered: list[list[int]]) -> tuple[float, tuple[StageMembers, ...] | None]:
+    """(makespan, stages) of a partition in pipeline order; (inf, None) when its stages cannot
+    hold the model."""
+    try:
+        stages = build_stages(fleet, work, ordered)
+    except DoesNotFit:
+        return math.inf, None
+    return pipeline_makespan(fleet, work, stages), stages
+
+
+def refine(fleet: Fleet, work: Workload, ordered: list[list[int]], groups: Sequence[Sequence[int]],
+           max_moves: int | None = None) -> list[list[int]]:
+    """Moves whole ``groups`` (clusters of the hierarchy: devices close to each other, such as a
+    site) from one stage to a neighbouring one, the move that shortens the makespan most first,
+    until none does (at most ``max_moves``, default 2 Ns). Divisive clustering cuts where the
+    links are slowest and not where the compute balances, so a level can put two sites in one
+    stage and four in the other; moving single devices instead would split a site across stages,
+    paying inter-site links inside a stage. Each stage keeps at least MIN_CLUSTER devices and its
+    place in the order."""
+    ordered = [sorted(c) for c in ordered]
+    best = scored_stages(fleet, work, ordered)[0]
+    for _ in range(max_moves if max_moves is not None else 2 * fleet.n_reliable):
+        move = None
+        for a, src in enumerate(ordered):
+            for g in groups:
+                if not set(g) < set(src) or len(src) - len(g) < MIN_CLUSTER:
+                    continue
+                for b in (a - 1, a + 1):
+                    if not 0 <= b < len(ordered):
+                        continue
+                    trial = list(ordered)
+                    trial[a] = [j for j in src if j not in g]
+                    trial[b] = sorted(ordered[b] + list(g))
+                    t = scored_stages(fleet, work, trial)[0]
+                    if t < best and (move is None or t < move[0]):
+                        move = (t, trial)
+        if move is None:
+            break
+        best, ordered = move
+    return ordered
+
+
 def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") -> Allocation:
     """The allocation of ``fleet`` for ``work`` (see the module docstring for the steps).
 
     ``rule="paper"`` walks down the hierarchy and stops at the first level whose approximate
     time (Equation 3's DT_k) is worse than the level above, as the paper does. ``rule="full"``
     (the default) builds the stages of every level, which costs little since there are at most
-    Ns / 2 levels, and keeps the level of least Equation 2 time with Equation 1's DT_k and the
+    Ns / 2 levels, refines each by moving clusters of the hierarchy between its stages
+    (``refine``), and keeps the level of least Equation 2 time with Equation 1's DT_k and the
     pipeline's fill (pipeline_makespan): it sees compute imbalance and intra-stage links that
     Equation 3 ignores, and what one more stage adds to a batch of few micro-batches
     (docs/volunteer.md gives the gap of both rules to an exhaustive search).
@@ -177,14 +222,16 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
         raise ValueError(f"rule={rule!r}; expected 'paper' or 'full'")
     w = edge_weights(fleet.reliable_delay, fleet.reliable_bandwidth, work.microbatch_bytes)
     levels = divisive_levels(w, max_clusters=min(work.layers, fleet.n_reliable // 2))
+    groups = sorted({tuple(c) for level in levels for c in level})
     times: list[float] = []
     best: tuple[float, tuple[StageMembers, ...]] | None = None
     for clusters in levels:
         ordered = order_clusters(fleet, work, clusters, seed)
-        try:
-            stages = build_stages(fleet, work, ordered)
-        except DoesNotFit:
-            times.append(float("inf"))
+        if rule == "full":
+            ordered = refine(fleet, work, ordered, groups)
+        makespan, stages = scored_stages(fleet, work, ordered)
+        if stages is None:
+            times.append(math.inf)
             continue
         if rule == "paper":
             t = approximate_pipeline_time(fleet, work, ordered)
@@ -194,10 +241,9 @@ def allocate(fleet: Fleet, work: Workload, seed: int = 0, rule: str = "full") ->
             times.append(t)
             best = (t, stages)
         else:
-            t = pipeline_makespan(fleet, work, stages)
-            times.append(t)
-            if best is None or t < best[0]:
-                best = (t, stages)
+            times.append(makespan)
+            if best is None or makespan < best[0]:
+                best = (makespan, stages)
     if best is None:
         raise ValueError(f"no allocation fits: a layer's state takes {work.layer_state_bytes / 2**30:.2f} GiB and "
                          f"even {len(levels[-1])} stages leave some device short of memory")
