@@ -50,6 +50,15 @@ def _rts_then_data_of_another_size(lanes: list[socket.socket]) -> None:
     main.sendall(frame("data", TAG, 1 << 20, FLOAT, seq=1))
 
 
+def _rts_announced_twice(lanes: list[socket.socket]) -> None:
+    main = lanes[0]
+    main.sendall(frame("rts", TAG, 16, FLOAT, seq=1))
+    main.settimeout(10)
+    cts = main.recv(FRAME.size, socket.MSG_WAITALL)  # matched: rank 1 waits for its data
+    assert FRAME.unpack(cts)[0] == KIND["cts"], FRAME.unpack(cts)
+    main.sendall(frame("rts", TAG, 16, FLOAT, seq=1))
+
+
 # name -> (what rank 0 sends after joining, a word rank 1's error must contain)
 CASES = {
     "unknown frame kind": ([(0, frame(99))], "unknown frame kind"),
@@ -63,6 +72,7 @@ CASES = {
     "a payload frame on a data lane": ([(1, frame("inline", TAG, 16, FLOAT) + PAYLOAD)], "data lane"),
     "a frame cut short": ([(0, frame("inline", TAG, 16, FLOAT)[:40]), (0, None)], "closed"),
     "data of another size than announced": ([_rts_then_data_of_another_size], "asked for 16"),
+    "a sequence announced twice": ([_rts_announced_twice], "announced twice"),
     # Over tcp the pid rank 0 gave belongs to another host: never read a local process's memory.
     "a cross-memory frame over tcp": ([(0, frame("remote", TAG, 16, FLOAT, address=4096, seq=1))],
                                       "does not use cross-memory attach"),
@@ -106,3 +116,43 @@ def test_malformed_frames_fail_the_group_naming_the_peer_and_a_fresh_group_works
         if "rank 0" not in error or word not in error:
             bad[name] = results[name]
     assert not bad, json.dumps(bad, indent=1)
+
+
+RANK1_LATE_RECEIVES = """
+import datetime, json, sys, time, torch, dicomm
+store = torch.distributed.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False,
+                                   timeout=datetime.timedelta(seconds=60))
+pg = dicomm.ProcessGroupDicomm(store, 1, 2, 15.0)
+store.wait(["announced"])  # both announcements are in before either receive is posted
+time.sleep(0.5)
+works = [pg.recv([torch.zeros(4)], 0, 5) for _ in range(2)]
+results = []
+for w in works:
+    try:
+        w.wait()
+        results.append("ok")
+    except Exception as e:
+        results.append(str(e))
+print(json.dumps(results), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_sequence_announced_twice_before_its_receives_fails_the_second_receive():
+    """Two announcements of one rendezvous sequence wait, unmatched, for receives; the first
+    receive takes the sequence, the second must fail naming rank 0 (not wait forever)."""
+    store, port = master_store()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT="tcp", DICOMM_TCP_STREAMS="2")
+    rank1 = subprocess.Popen([sys.executable, "-c", RANK1_LATE_RECEIVES, str(port)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lanes = FakeRank0(store).join()
+        lanes[0].sendall(frame("rts", TAG, 16, FLOAT, seq=1) + frame("rts", TAG, 16, FLOAT, seq=1))
+        store.set("announced", "1")
+        out, err = rank1.communicate(timeout=60)
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+    assert rank1.returncode == 0, err[-3000:]
+    second = json.loads(out.strip().splitlines()[-1])[1]
+    assert "rank 0" in second and "announced twice" in second, second

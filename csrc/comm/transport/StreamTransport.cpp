@@ -527,15 +527,30 @@ void StreamPair::receivePayload(const Frame& frame) {
     return;
   }
   if (frame.kind == kRts) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (expected_.count(frame.seq)) throw TransportError(peer_, announcedTwice(frame.seq));
+    }
+    // A second announcement of a sequence whose first still waits for its receive is caught
+    // when its own receive matches (below): only then does it have a landing to fail.
     inbox_->arriveWhenPosted(peer_, env, [this, seq = frame.seq, n = env.nbytes](Landing l) {
       std::exception_ptr gone;
+      bool twice = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (failed_ || closing_) {
           gone = closedError();
+        } else if (expected_.count(seq)) {
+          twice = true;
         } else {
           expected_.emplace(seq, Expected{std::move(l), n, n});
         }
+      }
+      if (twice) {
+        const std::string cause = announcedTwice(seq);
+        if (l.done) l.done(makeError(peer_, cause));
+        fail(cause);
+        return;
       }
       if (gone) {
         if (l.done) l.done(gone);
@@ -572,6 +587,11 @@ void StreamPair::receivePayload(const Frame& frame) {
     throw;
   }
   if (landing.done) landing.done(nullptr);
+}
+
+std::string StreamPair::announcedTwice(uint64_t seq) const {
+  return std::string(config_.name) + ": protocol error from rank " + std::to_string(peer_) +
+         ": sequence " + std::to_string(seq) + " announced twice while its transfer is pending";
 }
 
 void StreamPair::receivePart(Lane& lane, const Frame& frame) {

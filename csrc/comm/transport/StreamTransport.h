@@ -176,6 +176,9 @@ class StreamPair : public Pair, public std::enable_shared_from_this<StreamPair> 
   // Ring pollerBell_ if a thread is in progress(): an op completed on a lane's thread.
   void wakePoller();
   void receivePart(Lane& lane, const Frame& frame);
+  // The protocol error for a rendezvous sequence announced while one of that number is pending
+  // (its landing would have nowhere to go, and its receive would wait forever).
+  std::string announcedTwice(uint64_t seq) const;
   void sendRendezvousPayload(Outgoing payload);  // after kCts: one kData or parts on all lanes
   void pullRemote(const Frame& frame, void* dst);
   void pullAndAck(const Frame& frame, Landing landing);

@@ -33,12 +33,17 @@ if [ ! -x "$bin" ] || [ -n "$(find "${srcs[@]}" csrc/comm \( -name '*.h' -o -nam
     -L"$T/lib" -Wl,-rpath,"$T/lib" -lc10 -ltorch_cpu -lcrypto -lpthread
 fi
 "$PY" tests/comm/fuzz/seeds.py "$out/corpus"
-# Leaks are checked (detect_leaks); a hang is an input slower than -timeout.
+# Leaks are checked (detect_leaks); a hang is an input slower than -timeout. Under TSan,
+# report_signal_unsafe=0: libFuzzer's crash handler allocates to save the failing input, and
+# TSan's report of that, from inside the signal, deadlocked the process (the input was lost and
+# the run never ended); `timeout` bounds the run whatever else hangs.
 rc=0
 log=$out/last-run-$sanitizer.log
+seconds=${FUZZ_SECONDS:-60}
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-TSAN_OPTIONS="halt_on_error=1:suppressions=$PWD/tests/comm/fuzz/tsan.supp" \
-  "$bin" -max_total_time="${FUZZ_SECONDS:-60}" -max_len=4096 -timeout=30 -rss_limit_mb=4096 \
+TSAN_OPTIONS="halt_on_error=1:report_signal_unsafe=0:suppressions=$PWD/tests/comm/fuzz/tsan.supp" \
+  timeout -k 10 $((seconds + 120)) \
+  "$bin" -max_total_time="$seconds" -max_len=4096 -timeout=30 -rss_limit_mb=4096 \
   -print_final_stats=1 -artifact_prefix="$out/" "$out/corpus" >"$log" 2>&1 || rc=$?
 echo "fuzz ($sanitizer):"
 grep -E "^(stat::|#[0-9]+[[:space:]]+(INITED|DONE)|==[0-9]+==|SUMMARY|WARNING: ThreadSanitizer|fuzz:|[a-zA-Z/._]+:[0-9]+:[0-9]+: runtime error)" "$log" || true

@@ -31,6 +31,7 @@ SEEDS = {
     "rts-data": case(1, frame("rts", TAG5, 16, FLOAT, seq=1) + frame("data", TAG5, 16, FLOAT, seq=1) + PAYLOAD),
     "rts-parts": case(2, frame("rts", TAG6, 2 << 20, FLOAT, seq=1) + frame("part", TAG6, 8, FLOAT, seq=1) + b"x" * 8,
                       frame("part", TAG6, 8, FLOAT, address=8, seq=1) + b"y" * 8),
+    "rts-twice": case(5, frame("rts", TAG5, 16, FLOAT, seq=1) + frame("rts", TAG5, 16, FLOAT, seq=1)),
     "goodbye": case(1, frame("inline", TAG5, 16, FLOAT) + PAYLOAD + frame("goodbye")),
     "abort-notice": case(1, frame("inline", 3 << 60, 5) + b"cause"),
     "ack-cts": case(0, frame("ack", seq=3) + frame("cts", seq=4)),
