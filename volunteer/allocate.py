@@ -174,18 +174,17 @@ def scored_stages(fleet: Fleet, work: Workload, ordered: list[list[int]]) -> tup
     return pipeline_makespan(fleet, work, stages), stages
 
 
-def refine(fleet: Fleet, work: Workload, ordered: list[list[int]], groups: Sequence[Sequence[int]],
-           max_moves: int | None = None) -> list[list[int]]:
+def refine(fleet: Fleet, work: Workload, ordered: list[list[int]], groups: Sequence[Sequence[int]]) -> list[list[int]]:
     """Moves whole ``groups`` (clusters of the hierarchy: devices close to each other, such as a
     site) from one stage to a neighbouring one, the move that shortens the makespan most first,
-    until none does (at most ``max_moves``, default 2 Ns). Divisive clustering cuts where the
-    links are slowest and not where the compute balances, so a level can put two sites in one
-    stage and four in the other; moving single devices instead would split a site across stages,
-    paying inter-site links inside a stage. Each stage keeps at least MIN_CLUSTER devices and its
-    place in the order."""
+    until none does (at most 2 Ns moves). Divisive clustering cuts where the links are slowest
+    and not where the compute balances, so a level can put two sites in one stage and four in
+    the other; moving single devices instead would split a site across stages, paying inter-site
+    links inside a stage. Each stage keeps at least MIN_CLUSTER devices and its place in the
+    order."""
     ordered = [sorted(c) for c in ordered]
     best = scored_stages(fleet, work, ordered)[0]
-    for _ in range(max_moves if max_moves is not None else 2 * fleet.n_reliable):
+    for _ in range(2 * fleet.n_reliable):
         move = None
         for a, src in enumerate(ordered):
             for g in groups:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from volunteer.allocate import DoesNotFit, allocate, build_stages, split_layers
+from volunteer.allocate import allocate, build_stages, scored_stages, split_layers
 from volunteer.clustering import divisive_levels, edge_weights
 from volunteer.cost import (StageMembers, Workload, approximate_stage_time, pipeline_makespan, pipeline_time,
                             stage_time)
@@ -120,11 +120,7 @@ def best_over_whole_sites(fleet: Fleet, work: Workload, max_stages: int) -> floa
         if len(stages) > max_stages or min(map(len, stages)) < 2:
             continue
         for order in itertools.permutations(stages):
-            try:
-                st = build_stages(fleet, work, list(order))
-            except DoesNotFit:
-                continue
-            best = min(best, pipeline_makespan(fleet, work, st))
+            best = min(best, scored_stages(fleet, work, list(order))[0])
     return best
 
 
