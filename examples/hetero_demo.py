@@ -10,11 +10,15 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
 6. ``ditorch simulate --measured``: the measured pipeline timeline beside the simulated one;
 7. ``ditorch ps leader`` + two clusters: the heterogeneous pipeline of step 3 and a one-chip
    cluster of another plan train one model together through Di-PS (each pipeline stage pushes
-   its own units), and their loss curves are plotted.
+   its own units), and their loss curves are plotted;
+8. ``ditorch volunteer``: devices that come and go (examples/volunteer_demo.py): clients on
+   chips A, B and C join parameter-server stages, one is killed, one leaves, one joins late,
+   and the loss curve still equals single-process training's.
 
-    python examples/hetero_demo.py [--steps 50] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps]
+    python examples/hetero_demo.py [--steps 50] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps] [--no-volunteer]
 
-Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG, Di-PS loss plot).
+Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG, Di-PS loss plot) and
+``out/volunteer``.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def usable_profile(path: Path, chip: str) -> bool:
     try:
         ChipSpec.from_dict(chip, yaml.safe_load(path.read_text())["chips"][chip])
     except (ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
-        print(f"\n[1/6] chip {chip}: the profile measured before ({path}) is not usable ({exc}); measuring again")
+        print(f"\n[1/8] chip {chip}: the profile measured before ({path}) is not usable ({exc}); measuring again")
         return False
     return True
 
@@ -75,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reprofile", action="store_true", help="measure the chips again even if profiles exist")
     p.add_argument("--ps-steps", type=int, default=24, help="steps of each cluster in the Di-PS phase")
     p.add_argument("--no-ps", action="store_true", help="skip the Di-PS phase (step 7)")
+    p.add_argument("--no-volunteer", action="store_true", help="skip the devices-that-come-and-go phase (step 8)")
     p.add_argument("--out", default="out/hetero")
     args = p.parse_args(argv)
     try:
@@ -93,28 +98,33 @@ def main(argv: list[str] | None = None) -> int:
         profile = out / f"chip-{chip}.yaml"
         if args.reprofile or not usable_profile(profile, chip):
             run([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp", "1,2", "--out", str(profile)],
-                env, "1/6")
+                env, "1/8")
         else:
-            print(f"\n[1/6] chip {chip}: using the profile measured before ({profile}; --reprofile to measure again)")
+            print(f"\n[1/8] chip {chip}: using the profile measured before ({profile}; --reprofile to measure again)")
     cluster = write_cluster(out / "cluster-emu.yaml", counts)
     plan = out / "plan.json"
     run([*ditorch, "plan", "--cluster", str(cluster), "--model", args.model, "--gbs", args.gbs, "--out", str(plan)],
-        env, "2/6")
+        env, "2/8")
     run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "ditorch.train",
          "--plan", str(plan), "--steps", str(args.steps), "--loss-log", str(out / "run.jsonl"),
-         "--trace", str(out / "trace.json")], env, "3/6")
+         "--trace", str(out / "trace.json")], env, "3/8")
     run([py, "-m", "ditorch.train", "--plan", str(plan), "--reference", "--steps", str(args.steps), "--quiet",
-         "--loss-log", str(out / "reference.jsonl")], env, "4/6")
+         "--loss-log", str(out / "reference.jsonl")], env, "4/8")
     verdict = run([*ditorch, "mre", str(out / "reference.jsonl"), str(out / "run.jsonl"), "--threshold", "1.5",
-                   "--plot", str(out / "loss_curves.png")], env, "5/6", check=False)
+                   "--plot", str(out / "loss_curves.png")], env, "5/8", check=False)
     run([*ditorch, "simulate", str(plan), "--measured", str(out / "trace.json"), "--timeline",
-         str(out / "timeline.png")], env, "6/6")
+         str(out / "timeline.png")], env, "6/8")
     if not args.no_ps:
         verdict = two_clusters_through_dips(args, counts, plan, out, env) or verdict
+    if not args.no_volunteer:
+        import volunteer_demo
+
+        verdict = volunteer_demo.main(["--model", args.model], step="8/8") or verdict
     print(f"\nhetero demo: {'PASS' if verdict == 0 else 'FAIL'} in {time.perf_counter() - started:.0f} s; "
           f"loss curves {out / 'loss_curves.png'}, timeline {out / 'timeline.png'}, "
           f"trace {out / 'trace.json'} (open in https://ui.perfetto.dev)"
-          + ("" if args.no_ps else f", Di-PS clusters {out / 'dips_clusters.png'}"))
+          + ("" if args.no_ps else f", Di-PS clusters {out / 'dips_clusters.png'}")
+          + ("" if args.no_volunteer else f", volunteer loss curves {REPO / 'out/volunteer/loss_curves.png'}"))
     return verdict
 
 
@@ -130,7 +140,7 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
     single = out / "plan-single.json"
     first = next(iter(counts))
     run([*ditorch, "plan", "--cluster", str(write_cluster(out / "cluster-single.yaml", {first: 1})), "--model",
-         args.model, "--gbs", args.gbs, "--out", str(single)], env, "7/7")
+         args.model, "--gbs", args.gbs, "--out", str(single)], env, "7/8")
     leader_addr = f"127.0.0.1:{free_port()}"
     followers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
     leader_cmd = [*ditorch, "ps", "leader", "--bind", leader_addr, "--followers", "2", "--launch-followers",
@@ -139,7 +149,7 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
                   "--metadata", str(out / "ps-leader.json"), "--log-level", "WARNING"]
     (out / "ps-leader.json").unlink(missing_ok=True)  # a rerun starts a fresh job
     shutil.rmtree(out / "ps-followers", ignore_errors=True)
-    print(f"\n[7/7] $ {' '.join(leader_cmd)}", flush=True)
+    print(f"\n[7/8] $ {' '.join(leader_cmd)}", flush=True)
     leader = subprocess.Popen(leader_cmd, env=env, cwd=REPO, stdout=open(out / "ps-leader.log", "w"),
                               stderr=subprocess.STDOUT)
     try:
@@ -151,7 +161,7 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
                    "-m", "ditorch.train", "--plan", str(cluster_plan),
                    "--steps", str(args.ps_steps), "--seed", str(seed), "--ps", leader_addr, "--inner-steps", "4", "--ps-token-file",
                    str(out / "job.key"), "--ps-name", name, "--quiet", "--loss-log", str(out / f"ps-{name}.jsonl")]
-            print(f"[7/7] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+            print(f"[7/8] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
             procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(out / f"ps-{name}.log", "w"),
                                            stderr=subprocess.STDOUT)
         failed = [n for n, p in procs.items() if p.wait() != 0]

@@ -1,5 +1,5 @@
-"""``ditorch volunteer plan|server|client|token``: allocate a fleet, run a stage server, join
-as a client, write a job token."""
+"""``ditorch volunteer plan|server|client|reference|token``: allocate a fleet, run a stage
+server, join as a client, train the job's single-process reference, write a job token."""
 from __future__ import annotations
 
 import argparse
@@ -37,7 +37,8 @@ def register(subparsers) -> None:
     srv.add_argument("--id", required=True, help="this device's name in the allocation")
     srv.add_argument("--bind", default=None,
                      help="HOST:PORT to listen on (default: loopback at the port of its address in the fleet)")
-    srv.add_argument("--metrics", default=None, help="append each step's loss here as JSON lines (last stage)")
+    srv.add_argument("--metrics", default=None,
+                     help="append each step's loss here (a loss log, as 'ditorch mre' reads; the last stage's first server)")
     _common(srv)
     srv.set_defaults(func=run_server)
 
@@ -52,6 +53,11 @@ def register(subparsers) -> None:
     cli.add_argument("--device", default="cpu", help="where to compute: cpu, dipu (after 'import ditorch'), ...")
     _common(cli)
     cli.set_defaults(func=run_client)
+
+    ref = sub.add_parser("reference", help="train the job in one process: the loss curve the job must equal")
+    ref.add_argument("--alloc", required=True, help="alloc.json written by 'plan'")
+    ref.add_argument("--loss-log", required=True, help="write each step's loss here (JSON lines, as 'ditorch mre' reads)")
+    ref.set_defaults(func=run_reference)
 
     tok = sub.add_parser("token", help="write a fresh random job token file (mode 0600)")
     tok.add_argument("path")
@@ -120,13 +126,32 @@ def run_server(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     job = load_job(args.alloc)
     server = StageServer(job, args.id, JobKeys(JobToken.from_file(args.token_file)), bind=args.bind)
+    logger = None
     if args.metrics and hasattr(server.role, "on_loss"):
-        def write(step: int, loss: float) -> None:
-            with open(args.metrics, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-        server.role.on_loss = write
+        from ditorch.tools.loss_log import LossLogger
+
+        logger = LossLogger(args.metrics, append=True)
+        server.role.on_loss = lambda step, loss: logger.log(step, loss, job.batch * job.seq)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    server.run()
+    try:
+        server.run()
+    finally:
+        if logger is not None:
+            logger.close()
+    return 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    from ditorch.tools.loss_log import LossLogger
+
+    from .reference import reference_run
+
+    job = load_job(args.alloc)
+    losses, _ = reference_run(job)
+    with LossLogger(args.loss_log) as log:
+        for step, loss in enumerate(losses):
+            log.log(step, loss, job.batch * job.seq)
+    print(f"trained {job.steps} step(s) in one process; final loss {losses[-1]:.4f}; wrote {args.loss_log}")
     return 0
 
 

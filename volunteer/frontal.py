@@ -87,6 +87,8 @@ class FrontalServer:
         self.committed: dict[int, set[int]] = {}
         self.freed_through = -1
         self.waiting: dict[bytes, float] = {}
+        # rows of a redo task pending or running: every shard of the stage asks for the same
+        # rows, and only a task lost with its client (or overdue) lets them be handed out again
         self.redo_queued: set[tuple[int, Range]] = set()
         self.losses: dict[int, float] = {}  # step -> loss, on the last stage's FS 0
         self._loss_parts: dict[int, list[tuple[float, int]]] = {}
@@ -294,8 +296,6 @@ class FrontalServer:
         task.state, task.assignee = "running", client
         task.deadline = self.clock() + self.job.task_timeout
         task.given_to.add(client)
-        if task.kind == "redo":
-            self.redo_queued.discard((task.step, task.rows))
         lo, hi = task.rows[0] - seg.rows[0], task.rows[1] - seg.rows[0]
         tensors = [seg.inputs[lo:hi]] + ([seg.targets[lo:hi]] if self.last else [])
         self.send_client(client, Message("TASK", {

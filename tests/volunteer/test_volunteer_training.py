@@ -17,11 +17,18 @@ import torch
 from volunteer.client import Departed
 from volunteer.job import shard_bounds
 from volunteer.local import LocalJob, loopback_job
-
-from volunteer_reference import reference_run, stage_gradient
+from volunteer.reference import reference_run
 
 TINY = dict(vocab_size=256, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=32)
 FAST = dict(task_timeout=3.0, liveness=1.5, push_timeout=3.0)
+
+
+def stage_gradient(job, stage: int, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The reference gradient laid out as stage ``stage``'s flat parameter vector."""
+    names = [n for n, _ in job.stage_module(stage).named_parameters()]
+    missing = [n for n in names if n not in grads]
+    assert not missing, f"stage parameters without a counterpart in the full model: {missing}"
+    return torch.cat([grads[n].reshape(-1) for n in names])
 
 
 def run(job, clients, timeout=120.0):
@@ -138,6 +145,9 @@ def test_a_client_that_says_it_leaves_has_its_work_redone_at_once():
     lj = run(job, clients, timeout=45.0)
     assert time.monotonic() - t0 < 45.0
     check_exact(job, lj)
+    # each of a stage's two shards asks for the leavers' rows; they are redone once, so no
+    # push of them comes twice
+    assert [s.shard.pushes_refused for s in lj.servers] == [0] * len(lj.servers)
 
 
 def test_clients_on_dipu_and_on_the_cpu_train_the_same_model():

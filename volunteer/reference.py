@@ -1,15 +1,21 @@
-"""The independent reference: the same model trained in one process, one step per batch."""
+"""What a volunteer job must equal: the same model trained in one process, one optimizer step
+per batch, on the same batches (``ditorch volunteer reference``; the tests' exactness oracle).
+It shares nothing with the servers and clients but the job's description."""
 from __future__ import annotations
 
 import torch
 
 from ditorch.datasets import step_batch, text_corpus
 from ditorch.models.llama import Llama
-from volunteer.job import Job
+
+from .job import Job
 
 
 def reference_run(job: Job) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """(loss per step, full-batch gradient per step by parameter name) of plain training."""
+    """(loss per step, full-batch gradient per step by parameter name) of plain training.
+
+    With delayed updates, step s's gradient is taken at the parameters of step s - 1 and applied
+    to those of step s, as the servers' shards do."""
     torch.manual_seed(job.seed)
     model = Llama(job.config)
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
@@ -19,7 +25,7 @@ def reference_run(job: Job) -> tuple[list[float], list[dict[str, torch.Tensor]]]
     for step in range(job.steps):
         tokens = step_batch(data, job.batch, job.seq, job.seed, step)
         opt.zero_grad()
-        if job.delayed_updates and stale is not None:  # step s: gradient at the parameters of step s - 1
+        if job.delayed_updates and stale is not None:
             current = {n: p.detach().clone() for n, p in model.named_parameters()}
             with torch.no_grad():
                 for n, p in model.named_parameters():
@@ -36,11 +42,3 @@ def reference_run(job: Job) -> tuple[list[float], list[dict[str, torch.Tensor]]]
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     return losses, grads
-
-
-def stage_gradient(job: Job, stage: int, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The reference gradient laid out as stage ``stage``'s flat parameter vector."""
-    names = [n for n, _ in job.stage_module(stage).named_parameters()]
-    missing = [n for n in names if n not in grads]
-    assert not missing, f"stage parameters without a counterpart in the full model: {missing}"
-    return torch.cat([grads[n].reshape(-1) for n in names])
