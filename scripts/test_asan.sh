@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test-asan`: dicomm and the device layer under AddressSanitizer and UndefinedBehaviorSanitizer.
-#  1. builds the backend with DITORCH_SANITIZE=address,undefined into build/asan (the regular
-#     build is untouched), and the device layer the same way;
+#  1. builds the backend and the device layer with DITORCH_SANITIZE=address,undefined into
+#     build/asan (scripts/build_asan.sh; the regular build is untouched);
 #  2. runs tests/comm against the backend (DICOMM_EXTENSION) and tests/device against the
 #     device layer (the sanitized ditorch_ext._C put in front of the source package by an
 #     overlay on PYTHONPATH; the OpInfo sweep's fixture included), the sanitizer runtimes
@@ -23,13 +23,7 @@ if ! command -v clang++-14 >/dev/null && ! command -v clang++ >/dev/null && [ "$
 fi
 
 build=build/asan
-T=$("$PY" -c "import os, torch; print(os.path.dirname(torch.__file__))")
-if [ ! -f "$build/build.ninja" ]; then
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDITORCH_SANITIZE=address,undefined \
-    -DPython3_EXECUTABLE="$PWD/$PY" -DTORCH_ROOT="$T" >/dev/null
-fi
-echo "test-asan: building the sanitized backend and device layer" >&2
-cmake --build "$build" -j 2 --target dicomm_backend ditorch_device | grep -vE "^\[[0-9]+/[0-9]+\]" || true
+bash scripts/build_asan.sh
 ext=$(ls "$build"/dicomm/_C.*.so)
 device_ext=$(ls "$build"/ditorch_ext/_C.*.so)
 overlay="$PWD/$build/overlay"
