@@ -320,9 +320,12 @@ void StreamPair::txLoop(Lane& lane) {
 }
 
 void StreamPair::sendRendezvousPayload(Outgoing payload) {
-  // Called with mu_ held. Small payloads (or one lane) go whole, in order with everything else.
+  // Called with mu_ held. A payload of one part goes whole, in order with everything else;
+  // a larger one is cut into parts of at most kMaxPartBytes, dealt round the lanes (at least
+  // one part per lane from stripeMin on).
   const size_t n = payload.wireBytes;
-  const size_t parts = lanes_.size() > 1 && n >= config_.stripeMin ? lanes_.size() : 1;
+  const size_t striped = lanes_.size() > 1 && n >= config_.stripeMin ? lanes_.size() : 1;
+  const size_t parts = std::max(striped, (n + kMaxPartBytes - 1) / kMaxPartBytes);
   if (parts == 1) {
     main_.queue.push_back(std::move(payload));
     main_.cv.notify_one();
@@ -339,7 +342,7 @@ void StreamPair::sendRendezvousPayload(Outgoing payload) {
   auto joint = std::make_shared<Joint>();
   joint->left = (n + step - 1) / step;  // can be fewer than the lanes for small odd sizes
   joint->done = std::move(payload.done);
-  for (size_t i = 0, off = 0; off < n; ++i, off += step) {
+  for (size_t i = 0, off = 0; off < n; i = (i + 1) % lanes_.size(), off += step) {
     Outgoing part;
     part.frame = payload.frame;
     part.frame.kind = kPart;
@@ -490,7 +493,11 @@ void StreamPair::queueControl(Kind kind, uint64_t seq, int32_t status) {
     releaseLane(main_);  // the send thread writes the rest
     return;
   }
-  main_.queue.push_back(std::move(out));
+  // Ahead of queued messages and payload parts (an answer refers to the peer's sequence, not
+  // to anything queued here), behind a frame already cut short and earlier answers.
+  auto at = main_.queue.begin();
+  while (at != main_.queue.end() && (at->headerSent > 0 || at->frame.kind == kCts || at->frame.kind == kAck)) ++at;
+  main_.queue.insert(at, std::move(out));
   lock.unlock();
   main_.cv.notify_one();
 }
