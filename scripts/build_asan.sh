@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Builds dicomm's backend and the device layer with DITORCH_SANITIZE=address,undefined into
-# build/asan (the regular build is untouched): step 1 of `make test-asan`, which runs it again
-# (a no-op once built).
+# build/asan (the regular build is untouched): step 1 of `make test-asan`; a no-op once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
