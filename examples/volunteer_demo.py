@@ -40,14 +40,16 @@ from hetero_demo import run  # noqa: E402  (one command, its output shown)
 
 SITES = (0, 0, 1, 1)  # the site of each reliable device
 FAR_MS, NEAR_MS = 80.0, 0.5
-# name, chip, stage (None: probe for the best), when it joins, what happens to it
+# name, chip, stage (None: probe for the best), joins once this many steps are logged,
+# leaves (saying so) after this many seconds
 CLIENTS = (
-    ("a0", "A", 0, "start", None),
-    ("b1", "B", 1, "start", None),
-    ("victim", "A", 0, "start", "killed (SIGKILL) after step 0"),
-    ("leaver", "B", 1, "start", "leaves after 8 s"),
-    ("late", "C", None, "after step 1", None),
+    ("a0", "A", 0, 0, None),
+    ("b1", "B", 1, 0, None),
+    ("victim", "A", 0, 0, None),
+    ("leaver", "B", 1, 0, 8.0),
+    ("late", "C", None, 2, None),
 )
+VICTIM, KILL_AT_STEPS = "victim", 1  # SIGKILLed once this many steps are logged
 CHIP_TFLOPS = {"A": 3.0, "B": 2.0, "C": 1.0}  # sizes each client's share of a micro-batch
 
 
@@ -98,10 +100,10 @@ def train(args: argparse.Namespace, alloc: Path, token: Path, out: Path, env: di
         procs[name] = subprocess.Popen(full, env=dict(env, **({"DITORCH_CHIP": chip} if chip else {})), cwd=REPO,
                                        stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
-    def client(name: str, chip: str, stage: int | None, fate: str | None) -> None:
+    def client(name: str, chip: str, stage: int | None, leave_after: float | None) -> None:
         chip = args.chip or chip
         extra = (["--stage", str(stage)] if stage is not None else []) + \
-                (["--leave-after", "8"] if fate and fate.startswith("leaves") else [])
+                (["--leave-after", str(leave_after)] if leave_after is not None else [])
         start(name, "client", "--join", entry, "--name", name, "--device", "dipu",
               "--tflops", str(CHIP_TFLOPS.get(chip, 2.0)), *extra,
               *(["--emulate-tflops", str(args.emulate_tflops)] if args.emulate_tflops else []), chip=chip)
@@ -109,32 +111,29 @@ def train(args: argparse.Namespace, alloc: Path, token: Path, out: Path, env: di
     started = time.perf_counter()
     deadline = time.monotonic() + args.timeout
     try:
-        for s in allocation["fleet"]["reliable"]:
-            start(s["name"], "server", "--alloc", str(alloc), "--id", s["name"], "--metrics", str(metrics))
+        servers = [s["name"] for s in allocation["fleet"]["reliable"]]
+        for name in servers:
+            start(name, "server", "--alloc", str(alloc), "--id", name, "--metrics", str(metrics))
         entry = allocation["fleet"]["reliable"][0]["address"]
-        waiting = []
-        for name, chip, stage, when, fate in CLIENTS:
-            if when == "start":
-                client(name, chip, stage, fate)
-            else:
-                waiting.append((int(when.split()[-1]), name, chip, stage, fate))
+        waiting = list(CLIENTS)
         killed, shown = False, 0
-        while time.monotonic() < deadline and any(p.poll() is None for n, p in procs.items() if n.startswith("s")):
+        while time.monotonic() < deadline and any(procs[n].poll() is None for n in servers):
             steps = logged_steps(metrics)
             for line in metrics.read_text().splitlines()[shown:] if steps > shown else []:
                 r = json.loads(line)
                 print(f"   step {r['step']:>3}  loss {r['loss']:.4f}  ({time.perf_counter() - started:.0f} s)", flush=True)
             shown = steps
-            if steps >= 1 and not killed:
-                print("   -> SIGKILL victim: it vanishes mid-step; its tasks go back to the pool", flush=True)
-                os.kill(procs["victim"].pid, signal.SIGKILL)
+            if steps >= KILL_AT_STEPS and not killed and VICTIM in procs:
+                print(f"   -> SIGKILL {VICTIM}: it vanishes mid-step; its tasks go back to the pool", flush=True)
+                os.kill(procs[VICTIM].pid, signal.SIGKILL)
                 killed = True
-            for item in [w for w in waiting if steps > w[0]]:
-                waiting.remove(item)
-                print(f"   -> {item[1]} joins (chip {args.chip or item[2]})", flush=True)
-                client(*item[1:])
+            for name, chip, stage, after, leave in [c for c in waiting if steps >= c[3]]:
+                waiting.remove((name, chip, stage, after, leave))
+                if after:
+                    print(f"   -> {name} joins (chip {args.chip or chip})", flush=True)
+                client(name, chip, stage, leave)
             time.sleep(0.2)
-        ok = all(p.wait(max(1.0, deadline - time.monotonic())) == 0 for n, p in procs.items() if n != "victim")
+        ok = all(p.wait(max(1.0, deadline - time.monotonic())) == 0 for n, p in procs.items() if n != VICTIM)
     except subprocess.TimeoutExpired:
         ok = False
     finally:
@@ -153,7 +152,8 @@ def train(args: argparse.Namespace, alloc: Path, token: Path, out: Path, env: di
 
 
 def main(argv: list[str] | None = None, step: str = "") -> int:
-    """Run the whole phase; 0 when the job's loss curve equals the single-process one."""
+    """Run the whole phase; 0 when every process ended cleanly and the job's loss curve is within
+    ``--threshold`` MRE of the single-process one."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="examples/configs/llama-small.yaml")
     p.add_argument("--steps", type=int, default=10)
