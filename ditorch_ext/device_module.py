@@ -65,6 +65,12 @@ def is_host_addressable() -> bool:
     return _C.host_addressable()
 
 
+def is_asynchronous() -> bool:
+    """Whether kernels run on the vendor's streams, asynchronously to the host (a native vendor
+    over a device with a stream runtime, e.g. cuda); false where they run on the calling thread."""
+    return _C.asynchronous()
+
+
 @contextlib.contextmanager
 def device(device: Device) -> Iterator[None]:
     """Make ``device`` current inside the block."""
@@ -151,9 +157,15 @@ def empty_cache() -> None:
 
 
 def mem_get_info(device: Device = None) -> tuple[int, int]:
-    """(free, total) bytes of the emulated chip's capacity."""
-    total = get_device_properties(device).total_memory
-    return total - memory_reserved(device), total
+    """(free, total) bytes: the chip profile's capacity less what ditorch holds, and on a native
+    vendor no more than the device itself has free."""
+    index = _index(device)
+    total = get_device_properties(index).total_memory
+    free = total - memory_reserved(index)
+    device_free, device_total = _C.memory_info(index)
+    if device_total:
+        free = min(free, device_free)
+    return max(free, 0), total
 
 
 # -- random numbers -------------------------------------------------------------------------
@@ -226,14 +238,27 @@ class DeviceProperties:
     flush_denormals: bool
 
 
+def _native_device_name(index: int) -> str:
+    """The kernel device's own name where its torch module gives one (torch.cuda and the like)."""
+    module = getattr(torch, _C.kernel_device_type(), None)
+    get_name = getattr(module, "get_device_name", None)
+    return get_name(index) if callable(get_name) else _C.kernel_device_type()
+
+
 def get_device_properties(device: Device = None) -> DeviceProperties:
-    _index(device)
+    """The device as ditorch runs it: the chip profile (emulated, or the limits it sets on a native
+    vendor's device: its memory capacity) over the vendor's device."""
+    index = _index(device)
     profile, scale = _chip.current()
+    capacity = profile.capacity_bytes(scale)
+    _, device_total = _C.memory_info(index)
+    vendor = _C.vendor_name()
+    name = f"{vendor} chip {profile.name}" if vendor == "emu" else f"{_native_device_name(index)} as chip {profile.name}"
     return DeviceProperties(
-        name=f"{_C.vendor_name()} chip {profile.name}",
-        vendor=_C.vendor_name(),
+        name=name,
+        vendor=vendor,
         chip=profile.name,
-        total_memory=profile.capacity_bytes(scale),
+        total_memory=min(capacity, device_total) if device_total else capacity,
         relative_speed=profile.relative_speed,
         chips_per_node=profile.chips_per_node,
         nics_per_node=profile.nics_per_node,

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
@@ -43,6 +44,7 @@ struct State {
   std::unordered_map<void*, Block> live;
   std::vector<std::map<size_t, std::vector<void*>>> cached;  // per device: size -> blocks
   std::vector<MemoryStats> stats;
+  std::unordered_map<const void*, std::pair<int, int>> adopted;  // adopted block -> (device, dipu storages over it)
 
   void ensure(int device) {
     if (static_cast<int>(stats.size()) <= device) {
@@ -75,7 +77,34 @@ void freeBlock(void* ptr) {
   MemoryStats& st = s.stats[b.device];
   st.allocated -= static_cast<int64_t>(b.size);
   st.num_frees++;
-  s.cached[b.device][b.size].push_back(ptr);
+  if (!vendor().cachesMemory()) {
+    s.cached[b.device][b.size].push_back(ptr);
+    return;
+  }
+  st.reserved -= static_cast<int64_t>(b.size);
+  vendor().free(ptr, b.device);
+}
+
+// A kernel result in the vendor's own memory, adopted as a dipu block as it is (no copy): counted
+// in its device's statistics while the dipu storage holds it, then freed by its own deleter.
+struct AdoptedBlock {
+  c10::DataPtr owned;    // the kernel's block, when the kernel storage gave it up
+  c10::Storage shared;   // else the kernel storage that still holds it
+  size_t size;
+  int device;
+};
+
+void freeAdopted(void* context) {
+  std::unique_ptr<AdoptedBlock> block(static_cast<AdoptedBlock*>(context));
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const void* ptr = block->owned ? block->owned.get() : block->shared.data();
+  auto it = s.adopted.find(ptr);
+  if (it != s.adopted.end() && --it->second.second == 0) s.adopted.erase(it);
+  MemoryStats& st = s.stats[block->device];
+  st.allocated -= static_cast<int64_t>(block->size);
+  st.reserved -= static_cast<int64_t>(block->size);
+  st.num_frees++;
 }
 
 thread_local int t_kernel_device = -1;
@@ -164,6 +193,34 @@ c10::DataPtr DeviceAllocator::allocateOn(size_t bytes, int device, c10::Device t
   return c10::DataPtr(ptr, ptr, &freeBlock, tag);
 }
 
+c10::DataPtr DeviceAllocator::adopt(c10::DataPtr owned, c10::Storage shared, size_t bytes, int device) {
+  void* data = owned ? owned.get() : shared.mutable_data();
+  const c10::Device tag(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));
+  if (!data) return c10::DataPtr(nullptr, tag);
+  State& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.ensure(device);
+    MemoryStats& st = s.stats[device];
+    const int64_t capacity = chipProfile().memory_bytes;
+    if (capacity > 0 && st.reserved + static_cast<int64_t>(bytes) > capacity) {
+      st.num_ooms++;
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "DIPU out of memory. A kernel's result of ", formatBytes(bytes),
+                       " on dipu:", device, " does not fit chip '", chipProfile().name, "' with ", formatBytes(capacity),
+                       " total capacity; ", formatBytes(st.allocated), " already allocated.");
+    }
+    auto [it, first] = s.adopted.try_emplace(data, device, 0);
+    it->second.second++;
+    st.allocated += static_cast<int64_t>(bytes);
+    st.reserved += static_cast<int64_t>(bytes);
+    st.num_allocs++;
+    st.peak_allocated = std::max(st.peak_allocated, st.allocated);
+    st.peak_reserved = std::max(st.peak_reserved, st.reserved);
+  }
+  auto* block = new AdoptedBlock{std::move(owned), std::move(shared), bytes, device};
+  return c10::DataPtr(data, block, &freeAdopted, tag);
+}
+
 c10::DataPtr DeviceAllocator::copyToNewBlock(const void* src, size_t copy_bytes, size_t bytes, int device,
                                              c10::Device tag) {
   TORCH_INTERNAL_ASSERT(copy_bytes <= bytes, "copying ", copy_bytes, " bytes into a block of ", bytes);
@@ -196,7 +253,9 @@ int DeviceAllocator::deviceOf(const void* ptr) const {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.live.find(const_cast<void*>(ptr));
-  return it == s.live.end() ? -1 : it->second.device;
+  if (it != s.live.end()) return it->second.device;
+  auto adopted = s.adopted.find(ptr);
+  return adopted == s.adopted.end() ? -1 : adopted->second.first;
 }
 
 MemoryStats DeviceAllocator::stats(int device) const {
@@ -225,7 +284,10 @@ DeviceAllocator& deviceAllocator() {
   return allocator;
 }
 
-KernelAllocationScope::KernelAllocationScope(int device) : previous_(t_kernel_device) { t_kernel_device = device; }
+KernelAllocationScope::KernelAllocationScope(int device) : previous_(t_kernel_device) {
+  static const bool redirects = vendor().redirectsKernelAllocations();
+  if (redirects) t_kernel_device = device;
+}
 KernelAllocationScope::~KernelAllocationScope() { t_kernel_device = previous_; }
 
 void installKernelHostAllocator() {

@@ -2,6 +2,7 @@
 // Device memory: a caching allocator over the vendor's malloc with CUDA-style statistics and
 // the chip profile's capacity enforced (torch.OutOfMemoryError past it).
 #include <c10/core/Allocator.h>
+#include <c10/core/Storage.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cstdint>
@@ -25,6 +26,10 @@ class DeviceAllocator final : public c10::Allocator {
   // A fresh block of `bytes` on `device` holding a copy of `src`'s first `copy_bytes` bytes: the
   // one allocate-and-copy behind storage resizes and kernel results born outside our blocks.
   c10::DataPtr copyToNewBlock(const void* src, size_t copy_bytes, size_t bytes, int device, c10::Device tag);
+  // A kernel's result in the vendor's own memory as a dipu block on `device`, no copy (vendors
+  // whose kernels allocate natively): `owned` when the kernel storage gave its block up, else
+  // `shared`, the kernel storage still holding it. Counted against the chip's capacity.
+  c10::DataPtr adopt(c10::DataPtr owned, c10::Storage shared, size_t bytes, int device);
   c10::DeleterFnPtr raw_deleter() const override;
   void copy_data(void* dst, const void* src, std::size_t bytes) const override;
 
@@ -45,6 +50,7 @@ void resizeDeviceStorage(c10::StorageImpl* storage, size_t nbytes);
 
 // While alive, CPU allocations on this thread come from device `device` (the shim wraps the
 // CPU kernels it runs in it, so their outputs are born in device memory: no copy afterwards).
+// Only for a vendor that redirects kernel allocations (emu); a no-op for the others.
 class KernelAllocationScope {
  public:
   explicit KernelAllocationScope(int device);
@@ -56,7 +62,7 @@ class KernelAllocationScope {
   int previous_;
 };
 
-// Installs the redirecting CPU allocator (once, at extension load).
+// Installs the redirecting CPU allocator (once, at extension load, for a vendor that redirects).
 void installKernelHostAllocator();
 
 }  // namespace ditorch

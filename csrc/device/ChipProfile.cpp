@@ -1,5 +1,7 @@
 #include "device/ChipProfile.h"
 
+#include "device/vendor/Vendor.h"
+
 #include <c10/util/Exception.h>
 
 namespace ditorch {
@@ -26,6 +28,9 @@ void setChipProfile(const ChipProfile& profile) {
   TORCH_CHECK(n.accumulation_block >= 0, "chip profile '", profile.name, "': accumulation_block ",
               n.accumulation_block, " must be >= 0");
   active() = profile;
+  // A vendor with a stream runtime runs kernels asynchronously at the device's own speed: the time a
+  // kernel takes is not seen on the host, so there is nothing to stretch (memory and numerics apply).
+  if (vendor().streamRuntime()) active().slowdown = 1.0;
 }
 
 }  // namespace ditorch

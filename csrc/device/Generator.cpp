@@ -1,18 +1,31 @@
 #include "device/Generator.h"
 
 #include "device/Guard.h"
+#include "device/vendor/Vendor.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 
 #include <mutex>
 #include <vector>
 
 namespace ditorch {
+namespace {
+// A generator of the vendor's kernel device, of its own (not the device's default: dipu random
+// numbers stay independent of the kernel device's, as the CPU's are of CUDA's).
+at::Generator newKernelGenerator(int device, uint64_t seed) {
+  if (kernelDeviceType() == c10::DeviceType::CPU) return at::detail::createCPUGenerator(seed);
+  at::Generator g = at::globalContext().getAcceleratorHooksInterface(kernelDeviceType()).getNewGenerator(
+      static_cast<c10::DeviceIndex>(device));
+  g.set_current_seed(seed);
+  return g;
+}
+}  // namespace
 
 DipuGenerator::DipuGenerator(int device, uint64_t seed)
     : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device)),
                          c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
-      inner_(at::detail::createCPUGenerator(seed)) {}
+      inner_(newKernelGenerator(device, seed)) {}
 
 void DipuGenerator::set_current_seed(uint64_t seed) { inner_.set_current_seed(seed); }
 void DipuGenerator::set_offset(uint64_t offset) { inner_.set_offset(offset); }

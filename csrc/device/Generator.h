@@ -1,7 +1,7 @@
 #pragma once
-// dipu random generators. The emu vendor's random kernels are ATen's CPU kernels, which accept
-// only CPU generators, so a dipu generator owns a CPU generator that holds its state; the shim
-// hands that inner generator to the kernels. `torch.manual_seed` seeds it like any device's.
+// dipu random generators. The vendor's random kernels accept only generators of their own device
+// (the CPU's for emu), so a dipu generator owns one of the kernel device that holds its state; the
+// shim hands that inner generator to the kernels. `torch.manual_seed` seeds it like any device's.
 #include <ATen/core/Generator.h>
 
 namespace ditorch {

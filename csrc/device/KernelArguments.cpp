@@ -27,23 +27,34 @@ at::Tensor makeTensor(c10::Storage storage, c10::DispatchKey key, const at::Tens
   return at::Tensor(std::move(impl));
 }
 
-// Non-owning, resizable storage over a dipu storage's bytes. Resizable so that out= kernels
-// may grow it: the new bytes come from the kernel allocation scope and are moved back.
-c10::Storage kernelStorageOver(c10::StorageImpl* s) {
-  static c10::Allocator* const kernel_allocator = c10::GetAllocator(kernelDevice().type());
-  return c10::Storage(c10::Storage::use_byte_size_t(), s->nbytes(), c10::DataPtr(s->mutable_data(), kernelDevice()),
+// Non-owning, resizable storage over a dipu storage's bytes, as memory of the kernel device behind
+// dipu:`device`. Resizable so that out= kernels may grow it: the new bytes are moved back after.
+c10::Storage kernelStorageOver(c10::StorageImpl* s, int device) {
+  static c10::Allocator* const kernel_allocator = c10::GetAllocator(kernelDeviceType());
+  return c10::Storage(c10::Storage::use_byte_size_t(), s->nbytes(), c10::DataPtr(s->mutable_data(), kernelDevice(device)),
                       kernel_allocator, /*resizable=*/true);
 }
 
-// The bytes of `ks` (a kernel-side storage) as device memory of `device`. A block of ours (born
-// inside the kernel allocation scope) is taken from `ks`, no copy; other memory (a constant the
-// kernel keeps cached, say) is copied and left where it is.
-c10::DataPtr takeAsDeviceBlock(c10::StorageImpl* ks, int device) {
-  if (!DeviceAllocator::isBlock(ks->data_ptr()))
+// The bytes of `ks` (a kernel-side storage) as device memory of `device`, without a copy where
+// they are device memory: a block of ours (born inside the kernel allocation scope) is taken from
+// `ks`; on a vendor whose kernels allocate natively the kernel's own block is adopted (taken when
+// `ks` is ours to empty (an alias storage) or nothing else holds it, else shared with it). Other
+// memory of an emu kernel (a constant it keeps cached, say) is host memory the kernel owns: copied
+// and left where it is.
+c10::DataPtr takeAsDeviceBlock(c10::StorageImpl* ks, int device, bool ours) {
+  if (DeviceAllocator::isBlock(ks->data_ptr())) {
+    c10::DataPtr block = ks->set_data_ptr(c10::DataPtr(nullptr, ks->device()));
+    block.unsafe_set_device(dipuDevice(device));
+    return block;
+  }
+  static const bool native_results = !vendor().redirectsKernelAllocations();
+  if (!native_results)
     return deviceAllocator().copyToNewBlock(ks->data(), ks->nbytes(), ks->nbytes(), device, dipuDevice(device));
-  c10::DataPtr block = ks->set_data_ptr(c10::DataPtr(nullptr, ks->device()));
-  block.unsafe_set_device(dipuDevice(device));
-  return block;
+  if (ours || c10::raw::intrusive_ptr::use_count(ks) == 1)
+    return deviceAllocator().adopt(ks->set_data_ptr(c10::DataPtr(nullptr, ks->device())), c10::Storage(), ks->nbytes(),
+                                   device);
+  return deviceAllocator().adopt(c10::DataPtr(), c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(ks)),
+                                 ks->nbytes(), device);
 }
 
 // Alias tensors and their storages are made and dropped by every op. A few per thread are kept
@@ -58,14 +69,15 @@ thread_local c10::SmallVector<SpareAlias, kMaxSpareAliases> t_spare_aliases;
 
 // A kernel-device alias over dipu storage `s` shaped like `t`, from a spare pair when one is kept.
 std::pair<c10::Storage, at::Tensor> newAlias(c10::StorageImpl* s, const at::Tensor& t) {
+  const int device = t.device().index();
   if (t_spare_aliases.empty() || t._is_zerotensor()) {
-    c10::Storage storage = kernelStorageOver(s);
+    c10::Storage storage = kernelStorageOver(s, device);
     at::Tensor k = makeTensor(storage, kernelDispatchKey(), t);
     return {std::move(storage), std::move(k)};
   }
   SpareAlias spare = std::move(t_spare_aliases.back());
   t_spare_aliases.pop_back();
-  spare.storage->set_data_ptr_noswap(c10::DataPtr(s->mutable_data(), kernelDevice()));
+  spare.storage->set_data_ptr_noswap(c10::DataPtr(s->mutable_data(), kernelDevice(device)));
   spare.storage->set_nbytes(s->nbytes());
   c10::Storage storage(std::move(spare.storage));
   c10::TensorImpl* impl = spare.tensor.get();
@@ -84,7 +96,7 @@ bool isGeneratorArgument(const c10::Argument& arg) {
 }  // namespace
 
 at::Tensor asKernelTensor(const at::Tensor& t) {
-  return makeTensor(kernelStorageOver(t.storage().unsafeGetStorageImpl()), kernelDispatchKey(), t);
+  return makeTensor(kernelStorageOver(t.storage().unsafeGetStorageImpl(), t.device().index()), kernelDispatchKey(), t);
 }
 
 KernelArguments::~KernelArguments() {
@@ -146,7 +158,7 @@ void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& 
                           : e);
       v = c10::IValue(std::move(out));
     } else if (v.isDevice() && v.toDevice().type() == kDipu) {
-      v = kernelDevice();
+      v = kernelDevice(v.toDevice().has_index() ? v.toDevice().index() : device_);
     } else if (v.isGenerator() && v.toGenerator().device().type() == kDipu) {
       v = static_cast<DipuGenerator*>(v.toGenerator().unsafeGetGeneratorImpl())->kernelGenerator();
     } else if (v.isNone() && isGeneratorArgument(args[i])) {
@@ -163,7 +175,7 @@ void KernelArguments::syncWritten() {
     c10::StorageImpl* orig = a.original->storage().unsafeGetStorageImpl();
     // (A storage shared by two arguments is moved once; the second sees it already empty.)
     if (ks->data() != a.original_data && ks->data() != nullptr && ks->nbytes() > 0) {
-      orig->set_data_ptr_noswap(takeAsDeviceBlock(ks, device_));
+      orig->set_data_ptr_noswap(takeAsDeviceBlock(ks, device_, /*ours=*/true));
       orig->set_nbytes(ks->nbytes());
       window_.open(orig);
     }
@@ -175,11 +187,21 @@ void KernelArguments::syncWritten() {
 }
 
 bool KernelArguments::becomeDipu(const at::Tensor& k) {
-  // Only a result nobody else sees: the kernel's own tensor over a block it allocated from us.
+  // Only a result nobody else sees: the kernel's own tensor over a block it allocated (from us on
+  // a redirecting vendor; from its own allocator, adopted in place, on the others).
   c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
-  if (k.use_count() != 1 || k.storage().use_count() != 1 || !DeviceAllocator::isBlock(ks->data_ptr())) return false;
+  if (k.use_count() != 1 || k.storage().use_count() != 1) return false;
+  static const bool native_results = !vendor().redirectsKernelAllocations();
   const c10::Device device = dipuDevice(device_);
-  ks->_mutable_data_ptr_no_checks().unsafe_set_device(device);
+  if (DeviceAllocator::isBlock(ks->data_ptr())) {
+    ks->_mutable_data_ptr_no_checks().unsafe_set_device(device);
+  } else if (native_results && ks->data() != nullptr) {
+    const size_t bytes = ks->nbytes();
+    ks->set_data_ptr_noswap(
+        deviceAllocator().adopt(ks->set_data_ptr(c10::DataPtr(nullptr, ks->device())), c10::Storage(), bytes, device_));
+  } else {
+    return false;
+  }
   ks->set_allocator(&deviceAllocator());
   c10::TensorImpl* impl = k.unsafeGetTensorImpl();
   impl->set_storage_keep_dtype(k.storage());  // re-reads the device from the storage
@@ -188,7 +210,7 @@ bool KernelArguments::becomeDipu(const at::Tensor& k) {
 }
 
 at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
-  if (!k.defined() || k.device().type() != kernelDevice().type()) return k;
+  if (!k.defined() || k.device().type() != kernelDeviceType()) return k;
   TORCH_CHECK(k.layout() == c10::kStrided, "dipu holds only strided tensors, but the '", vendor().name(),
               "' vendor's kernel returned a ", k.layout(), " tensor (sparse and other layouts are not supported on dipu)");
   c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
@@ -210,7 +232,7 @@ at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
     // A ZeroTensor (its storage has a size but no bytes) or an empty result: nothing to move.
     block = c10::DataPtr(nullptr, dipuDevice(device_));
   else
-    block = takeAsDeviceBlock(ks, device_);
+    block = takeAsDeviceBlock(ks, device_, /*ours=*/false);
   window_.open(block.get());
   c10::Storage storage(c10::Storage::use_byte_size_t(), ks->nbytes(), std::move(block), &deviceAllocator(), true);
   adopted_.emplace_back(ks, storage);

@@ -23,7 +23,7 @@ void init() {
   static bool done = false;
   if (done) return;
   done = true;
-  installKernelHostAllocator();
+  if (vendor().redirectsKernelAllocations()) installKernelHostAllocator();
   c10::SetAllocator(c10::DeviceType::PrivateUse1, &deviceAllocator());
   registerHooks();
   registerShimBeforeComposites();
@@ -56,6 +56,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_init", &init, "install the allocator and hooks (idempotent)");
   m.def("vendor_name", [] { return std::string(vendor().name()); });
   m.def("host_addressable", [] { return vendor().hostAddressable(); });
+  m.def("asynchronous", [] { return vendor().streamRuntime() != nullptr; });
+  m.def("kernel_device_type", [] { return c10::DeviceTypeName(vendor().kernelDeviceType(), /*lower_case=*/true); });
+  m.def("memory_info", [](int d) {
+    checkDevice(d);
+    return vendor().memoryInfo(d);
+  }, "(free, total) bytes of the device's own memory; (0, 0) when it has none of its own");
   m.def("device_count", [] { return deviceCount(); });
   m.def("current_device", [] { return currentDevice(); });
   m.def("set_device", [](int d) { setCurrentDevice(d); });

@@ -84,7 +84,8 @@ at::Tensor copyFrom(const at::Tensor& self, const at::Tensor& dst, bool non_bloc
   if (isDipu(dst)) window.open(dst.storage().unsafeGetStorageImpl());
   at::Tensor src_k = isDipu(self) ? asKernelTensor(self) : self;
   at::Tensor dst_k = isDipu(dst) ? asKernelTensor(dst) : dst;
-  TORCH_CHECK(src_k.device().type() == dst_k.device().type(), "copy between ", self.device(), " and ", dst.device(),
+  const auto movable = [](const at::Tensor& k) { return k.device().is_cpu() || k.device().type() == kernelDeviceType(); };
+  TORCH_CHECK(movable(src_k) && movable(dst_k), "copy between ", self.device(), " and ", dst.device(),
               " is not supported by the '", vendor().name(), "' vendor");
   // A conversion that lands on the chip is the chip's (autocast's weight casts are such copies).
   if (isDipu(dst) && chipProfile().numerics.round_toward_zero) copyOnChip(dst_k, src_k, chipProfile().numerics);

@@ -88,8 +88,12 @@ def run_ranks(
     expect_exit: set[int] | None = None,
     hosts: list | None = None,
     store_address: str | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
 ) -> dict[int, Any]:
     """Run ``fn(rank, world, port)`` on ``world`` processes; return {rank: result}.
+
+    ``env`` is set in every rank before torch is imported, ``rank_env[r]`` on top of it in rank r
+    (e.g. a vendor of its own: DITORCH_VENDOR is read at import).
 
     Raises AssertionError with every failing rank's traceback. Ranks in ``expect_exit`` may die
     without reporting (fault tests kill them on purpose). With ``hosts`` (emulated_hosts.Host),
@@ -102,7 +106,8 @@ def run_ranks(
     placed = [hosts[r * len(hosts) // world] if hosts else None for r in range(world)]
     store_host = store_address or (hosts[0].address if hosts else "127.0.0.1")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), results, init, op_timeout_s,
+        ctx.Process(target=_entry, args=(fn, r, world, port, {**(env or {}), **(rank_env or {}).get(r, {})}, results,
+                                         init, op_timeout_s,
                                          placed[r], store_host))
         for r in range(world)
     ]

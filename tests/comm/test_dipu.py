@@ -1,6 +1,8 @@
 """dicomm on `dipu` tensors: in place (emu memory is host memory) and staged through host copies;
 with the memory protected from the host (DITORCH_EMU_PROTECT_MEMORY=1), every group stages, and a
-transport that touched dipu memory directly would crash."""
+transport that touched dipu memory directly would crash. A group whose ranks run different
+vendors (the native vendor over cpu beside emu: a GPU's code path beside emulated chips) trains
+as one."""
 from __future__ import annotations
 
 import glob
@@ -81,3 +83,53 @@ def test_dipu_tensors_in_place_and_staged(protect):
             expect[:, ::2] = sum(torch.arange(12, dtype=torch.float32).view(3, 4)[:, ::2] + q for q in range(world))
             torch.testing.assert_close(out["strided"], expect, msg=mode)
         assert res[r]["split"] == r + 5.0  # a group of one: its own value
+
+
+def mixed_vendor_checks(rank: int, world: int, _port: int) -> dict:
+    import ditorch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    res = {"vendor": ditorch.vendor_name(), "host_addressable": bool(torch.dipu.is_host_addressable())}
+    res["ops"] = dipu_checks(rank, world, None)
+    b = torch.full((4,), float(rank + 1), device="dipu")
+    dist.broadcast(b, src=1)
+    res["broadcast"] = b.cpu()
+    out = torch.empty(3, device="dipu")
+    dist.reduce_scatter_tensor(out, (torch.arange(6, dtype=torch.float32) * (rank + 1)).to("dipu"))
+    res["reduce_scatter"] = out.cpu()
+    # One DDP step: the model is the same on both ranks, each rank its own batch.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    ddp = DistributedDataParallel(model.to("dipu"))
+    batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    ddp(batch.to("dipu")).pow(2).mean().backward()
+    res["grads"] = [p.grad.cpu() for p in ddp.module.parameters()]
+    return res
+
+
+@pytest.mark.timeout(150)
+def test_a_group_of_two_vendors_trains_as_one():
+    """Rank 0 runs the native vendor over cpu (device memory the host may not address: every
+    tensor staged through pinned host copies, ordered by stream events), rank 1 emu (in place)."""
+    world = 2
+    res = run_ranks(mixed_vendor_checks, world, env={"TEST_BACKEND": "cpu:gloo,dipu:dicomm", "TEST_IMPORT_DITORCH": "1",
+                                                     "TEST_DEVICE_ID": "dipu:0"},
+                    rank_env={0: {"DITORCH_VENDOR": "cpu"}, 1: {"DITORCH_VENDOR": "emu"}})
+    assert [(res[r]["vendor"], res[r]["host_addressable"]) for r in range(world)] == [("cpu", False), ("emu", True)]
+    bases = [torch.arange(6, dtype=torch.float32) + 10 * r for r in range(world)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    for r in range(world):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(r))).pow(2).mean().backward()
+    mean_grads = [p.grad / world for p in model.parameters()]  # DDP averages over the ranks
+    full = sum(torch.arange(6, dtype=torch.float32) * (q + 1) for q in range(world))
+    for r in range(world):
+        out = res[r]["ops"]
+        torch.testing.assert_close(out["allreduce"], sum(bases))
+        torch.testing.assert_close(out["allgather"], torch.cat(bases))
+        torch.testing.assert_close(out["p2p"], bases[1 - r] * 2)
+        torch.testing.assert_close(res[r]["broadcast"], torch.full((4,), 2.0))
+        torch.testing.assert_close(res[r]["reduce_scatter"], full[3 * r:3 * r + 3])
+        for got, want in zip(res[r]["grads"], mean_grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -58,6 +58,7 @@ def test_tensor_and_module_methods():
     assert torch.accelerator.current_accelerator().type == "dipu"
 
 
+@pytest.mark.two_devices
 def test_multiple_devices_and_device_context():
     with torch.dipu.device(1):
         x = torch.ones(3, device="dipu")
@@ -75,7 +76,10 @@ def test_memory_stats_track_allocations():
     del x
     assert torch.dipu.memory_allocated() == before
     assert torch.dipu.max_memory_allocated() >= before + (4 << 20)
-    assert torch.dipu.memory_reserved() >= 4 << 20  # cached
+    if ditorch.vendor_name() == "emu":
+        assert torch.dipu.memory_reserved() >= 4 << 20  # cached by ditorch
+    else:
+        assert torch.dipu.memory_reserved() == before  # returned to the native allocator, which caches
     torch.dipu.empty_cache()
     assert torch.dipu.memory_reserved() == torch.dipu.memory_allocated()
 
@@ -106,6 +110,7 @@ def test_capacity_is_enforced_with_an_out_of_memory_error():
     del small
 
 
+@pytest.mark.synchronous_vendor
 def test_slower_chip_is_slower_in_wall_time():
     a = torch.randn(128, 128, device="dipu")
 

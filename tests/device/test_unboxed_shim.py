@@ -63,6 +63,7 @@ def test_in_place_results_are_the_callers_tensor_and_views_write_through():
     assert x.zero_() is x and x.cpu().tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.two_devices
 def test_results_live_on_the_operands_device_and_count_in_its_memory():
     with torch.dipu.device(1):
         a = torch.ones(256, 256, device="dipu:1")

@@ -142,6 +142,7 @@ void ProcessGroupDicomm::track(const c10::intrusive_ptr<WorkDicomm>& work) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::enqueue(OpType type, std::string description,
                                                            std::vector<at::Tensor> outputs,
+                                                           const at::Tensor& issuedOn,
                                                            std::chrono::milliseconds timeout,
                                                            Task task) {
   auto work = makeWork(type, std::move(description), std::move(outputs), timeout);
@@ -152,7 +153,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::enqueue(OpType type, std::str
   issuedCollectives_.fetch_add(1);
   {
     std::lock_guard<std::mutex> lock(queueMu_);
-    queue_.push_back(Queued{work, std::move(task), timeout});
+    queue_.push_back(Queued{work, std::move(task), timeout, StreamFence(issuedOn, options_.staging)});
   }
   queueCv_.notify_one();
   return work;
@@ -192,6 +193,7 @@ void ProcessGroupDicomm::collectiveLoop() {
     }
     comm_->unpark(-1);  // collectives are read by the transports' threads, not by pollers
     try {
+      q.fence.wait();
       q.task(ctx);
       q.work->markDone(nullptr);
     } catch (...) {
@@ -401,7 +403,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce(std::vector<at::Ten
   at::Tensor t = single(tensors, "allreduce");
   ReduceKind op = reduceKind(opts.reduceOp, t.scalar_type());
   auto policy = options_.staging;
-  return enqueue(OpType::ALLREDUCE, "allreduce (" + shapeOf(t) + ")", {t},
+  return enqueue(OpType::ALLREDUCE, "allreduce (" + shapeOf(t) + ")", {t}, t,
                  timeoutOf(opts.timeout), [t, op, policy, algo = allreduceAlgorithm_](CollectiveContext& ctx) {
                    HostView v(t, policy, true);
                    dicomm::allreduce(ctx, v.data(), v.numel(), v.dtype(), op, algo);
@@ -417,7 +419,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce_coalesced(
   auto policy = options_.staging;
   std::vector<at::Tensor> ts = tensors;
   return enqueue(OpType::ALLREDUCE_COALESCED,
-                 "allreduce_coalesced (" + std::to_string(ts.size()) + " tensors)", ts,
+                 "allreduce_coalesced (" + std::to_string(ts.size()) + " tensors)", ts, ts[0],
                  timeoutOf(opts.timeout), [ts, op, policy, algo = allreduceAlgorithm_](CollectiveContext& ctx) {
                    // One flat buffer per dtype: one ring instead of one per tensor.
                    std::map<c10::ScalarType, std::vector<at::Tensor>> byType;
@@ -445,7 +447,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::broadcast(std::vector<at::Ten
               " out of range [0, ", getSize(), ")");
   auto policy = options_.staging;
   return enqueue(OpType::BROADCAST, "broadcast from rank " + std::to_string(root) + " (" + shapeOf(t) + ")",
-                 {t}, timeoutOf(opts.timeout), [t, root, policy](CollectiveContext& ctx) {
+                 {t}, t, timeoutOf(opts.timeout), [t, root, policy](CollectiveContext& ctx) {
                    HostView v(t, policy, ctx.comm->rank() == root);
                    dicomm::broadcast(ctx, v.data(), v.numel(), v.dtype(), root);
                    if (ctx.comm->rank() != root) v.store();
@@ -461,7 +463,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce(std::vector<at::Tensor
   ReduceKind op = reduceKind(opts.reduceOp, t.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::REDUCE, "reduce to rank " + std::to_string(root) + " (" + shapeOf(t) + ")",
-                 {t}, timeoutOf(opts.timeout), [t, root, op, policy](CollectiveContext& ctx) {
+                 {t}, t, timeoutOf(opts.timeout), [t, root, op, policy](CollectiveContext& ctx) {
                    HostView v(t, policy, true);
                    dicomm::reduce(ctx, v.data(), v.numel(), v.dtype(), op, root);
                    if (ctx.comm->rank() == root) v.store();
@@ -479,7 +481,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allgather(
   TORCH_CHECK(outs[getRank()].numel() == in.numel(), "dicomm allgather: output slot ", getRank(),
               " has ", outs[getRank()].numel(), " elements but the input has ", in.numel());
   auto policy = options_.staging;
-  return enqueue(OpType::ALLGATHER, "allgather (" + shapeOf(in) + ")", outs,
+  return enqueue(OpType::ALLGATHER, "allgather (" + shapeOf(in) + ")", outs, in,
                  timeoutOf(opts.timeout), [in, outs, policy](CollectiveContext& ctx) {
                    const int n = ctx.comm->size();
                    std::vector<Segment> segs(n);
@@ -511,7 +513,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_allgather_base(
   TORCH_CHECK(out.numel() == in.numel() * getSize(), "dicomm all_gather_into_tensor: output has ",
               out.numel(), " elements, expected ", getSize(), " x ", in.numel());
   auto policy = options_.staging;
-  return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor (" + shapeOf(in) + ")", {out},
+  return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor (" + shapeOf(in) + ")", {out}, in,
                  timeoutOf(opts.timeout), [in, out, policy](CollectiveContext& ctx) {
                    HostView o(out, policy, false);
                    HostView i(in, policy, true);
@@ -577,7 +579,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::gather(
   }
   auto policy = options_.staging;
   return enqueue(OpType::GATHER, "gather to rank " + std::to_string(root) + " (" + shapeOf(in) + ")",
-                 outs, timeoutOf(opts.timeout), [in, outs, root, policy](CollectiveContext& ctx) {
+                 outs, in, timeoutOf(opts.timeout), [in, outs, root, policy](CollectiveContext& ctx) {
                    HostView i(in, policy, true);
                    at::Tensor buf;
                    if (ctx.comm->rank() == root) {
@@ -611,7 +613,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::scatter(
   }
   auto policy = options_.staging;
   return enqueue(OpType::SCATTER, "scatter from rank " + std::to_string(root) + " (" + shapeOf(out) + ")",
-                 {out}, timeoutOf(opts.timeout), [ins, out, root, policy](CollectiveContext& ctx) {
+                 {out}, out, timeoutOf(opts.timeout), [ins, out, root, policy](CollectiveContext& ctx) {
                    HostView o(out, policy, false);
                    at::Tensor buf;
                    if (!ins.empty()) {
@@ -639,7 +641,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce_scatter(
   }
   ReduceKind op = reduceKind(opts.reduceOp, out.scalar_type());
   auto policy = options_.staging;
-  return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter (" + shapeOf(out) + ")", {out},
+  return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter (" + shapeOf(out) + ")", {out}, out,
                  timeoutOf(opts.timeout), [ins, out, op, policy](CollectiveContext& ctx) {
                    std::vector<at::Tensor> flat;
                    for (auto& t : ins) flat.push_back(t.detach().to(at::kCPU).reshape({-1}));
@@ -661,7 +663,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_reduce_scatter_base(
   ReduceKind op = reduceKind(opts.reduceOp, out.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor (" + shapeOf(out) + ")",
-                 {out}, timeoutOf(opts.timeout), [in, out, op, policy](CollectiveContext& ctx) {
+                 {out}, in, timeoutOf(opts.timeout), [in, out, op, policy](CollectiveContext& ctx) {
                    HostView i(in, policy, true);  // only read: the caller's input stays intact
                    HostView o(out, policy, false);
                    const int n = ctx.comm->size();
@@ -719,7 +721,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::alltoall_base(
   };
   auto sendOffsets = offsets(sendCounts), recvOffsets = offsets(recvCounts);
   auto policy = options_.staging;
-  return enqueue(OpType::ALLTOALL_BASE, "all_to_all_single (" + shapeOf(in) + ")", {out},
+  return enqueue(OpType::ALLTOALL_BASE, "all_to_all_single (" + shapeOf(in) + ")", {out}, in,
                  timeoutOf(opts.timeout),
                  [=](CollectiveContext& ctx) {
                    HostView i(in, policy, true);
@@ -739,7 +741,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::alltoall(std::vector<at::Tens
               inputs.size(), " and ", outputs.size());
   std::vector<at::Tensor> outs = outputs, ins = inputs;
   for (int p = 0; p < n; ++p) checkSameKind(ins[p], outs[p], "all_to_all");
-  return enqueue(OpType::ALLTOALL, "all_to_all (" + std::to_string(n) + " tensors)", outs,
+  return enqueue(OpType::ALLTOALL, "all_to_all (" + std::to_string(n) + " tensors)", outs, outs[0],
                  timeoutOf(opts.timeout), [outs, ins, n](CollectiveContext& ctx) {
                    std::vector<size_t> sc(n), rc(n), so(n), ro(n);
                    std::vector<at::Tensor> flatIn;
@@ -763,7 +765,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::alltoall(std::vector<at::Tens
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(OpType::BARRIER, "barrier", {}, timeoutOf(opts.timeout),
+  return enqueue(OpType::BARRIER, "barrier", {}, at::Tensor(), timeoutOf(opts.timeout),
                  [](CollectiveContext& ctx) { dicomm::barrier(ctx); });
 }
 

@@ -135,6 +135,7 @@ class ProcessGroupDicomm : public c10d::Backend {
     c10::intrusive_ptr<WorkDicomm> work;
     Task task;
     std::chrono::milliseconds timeout;
+    StreamFence fence;  // the caller's stream at the call: the task's copies wait for it
   };
 
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
@@ -144,9 +145,10 @@ class ProcessGroupDicomm : public c10d::Backend {
   c10::intrusive_ptr<WorkDicomm> makeWork(c10d::OpType type, std::string description,
                                           std::vector<at::Tensor> outputs,
                                           std::chrono::milliseconds timeout);
-  // Queue a collective; `task` runs on the collective thread.
+  // Queue a collective; `task` runs on the collective thread once the caller's current stream of
+  // `issuedOn`'s device has reached this call (any tensor of the op; undefined for none).
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::string description,
-                                         std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> outputs, const at::Tensor& issuedOn,
                                          std::chrono::milliseconds timeout, Task task);
   c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, std::vector<at::Tensor>& tensors,
                                               int peer, int tag);

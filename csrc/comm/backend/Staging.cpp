@@ -1,14 +1,31 @@
 #include "comm/backend/Staging.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 namespace dicomm {
+
+bool StagingPolicy::stages(const at::Tensor& tensor) const {
+  const auto type = tensor.device().type();
+  return type != at::kCPU && !(type == at::kPrivateUse1 && privateUse1HostAddressable && !forceStaging);
+}
+
+StreamFence::StreamFence(const at::Tensor& tensor, const StagingPolicy& policy) {
+  if (!tensor.defined() || !policy.stages(tensor)) return;
+  const c10::Device device = tensor.device();
+  event_ = std::make_shared<c10::Event>(device.type());
+  event_->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+}
+
+void StreamFence::wait() const {
+  if (!event_) return;
+  const c10::Device device(event_->device_type(), event_->device_index());
+  event_->block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+}
 
 HostView::HostView(const at::Tensor& tensor, const StagingPolicy& policy, bool load)
     : original_(tensor) {
   const auto type = tensor.device().type();
-  const bool hostMemory =
-      type == at::kCPU ||
-      (type == at::kPrivateUse1 && policy.privateUse1HostAddressable && !policy.forceStaging);
-  if (hostMemory) {
+  if (!policy.stages(tensor)) {
     contiguous_ = tensor.is_contiguous() ? tensor : tensor.contiguous();
     staged_ = !tensor.is_contiguous();
     if (type == at::kCPU) {
@@ -24,7 +41,7 @@ HostView::HostView(const at::Tensor& tensor, const StagingPolicy& policy, bool l
   host_ = at::empty(tensor.sizes(), at::TensorOptions()
                                         .dtype(tensor.scalar_type())
                                         .device(at::kCPU)
-                                        .pinned_memory(type == at::kCUDA));
+                                        .pinned_memory(true));
   if (load) host_.copy_(tensor);
 }
 

@@ -82,13 +82,9 @@ class EmuVendor final : public Vendor {
     if (protected_) protected_->close(ptr, token);
   }
   void synchronize(int) override { settleEmulatedTime(); }
-  void* mallocHost(std::size_t bytes) override {
-    void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-    // Page-lock like a real pinned buffer; without the privilege the buffer still works.
-    if (p && bytes) (void)mlock(p, bytes);
-    return p;
-  }
-  void freeHost(void* ptr) override { std::free(ptr); }
+  bool redirectsKernelAllocations() const override { return true; }
+  void* mallocHost(std::size_t bytes) override { return pageLockedAlloc(bytes); }
+  void freeHost(void* ptr) override { pageLockedFree(ptr); }
 
  private:
   std::unique_ptr<ProtectedMemory> protected_;  // set when device memory is protected from the host
@@ -96,18 +92,9 @@ class EmuVendor final : public Vendor {
 
 }  // namespace
 
-Vendor& selectVendor(const std::string& name) {
+Vendor& emuVendor() {
   static EmuVendor emu;
-  if (name == "emu") return emu;
-  TORCH_CHECK(false, "unknown ditorch vendor '", name, "'; built in: emu");
-}
-
-Vendor& vendor() {
-  static Vendor& v = [] () -> Vendor& {
-    const char* env = std::getenv("DITORCH_VENDOR");
-    return selectVendor(env ? env : "emu");
-  }();
-  return v;
+  return emu;
 }
 
 }  // namespace ditorch
