@@ -104,8 +104,10 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
         trainer = PipelineTrainer(plan, options)
         if options.resume:
             trainer.resume(options.resume)
+        vendors = [None] * dist.get_world_size()  # a job may span vendors: one per host
+        dist.all_gather_object(vendors, ditorch.vendor_name())
         if rank == 0:
-            _describe(trainer)
+            _describe(trainer, vendors)
         trainer.train(after_step=_outer_steps(trainer, ps_args) if ps_args else None)
     except (PlanError, ValueError, KeyError) as exc:
         print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr)
@@ -137,14 +139,15 @@ def _outer_steps(trainer, args):
     return after_step
 
 
-def _describe(trainer) -> None:
+def _describe(trainer, vendors: list[str]) -> None:
     plan, o = trainer.plan, trainer.options
     print(f"ditorch.train: {plan.model.name} ({plan.model.n_layers} layers) over {plan.num_stages} stages, "
           f"{plan.num_chips} ranks, DP {plan.dp}, {plan.num_microbatches} micro-batches of {plan.model.seq} tokens, "
           f"schedule {trainer.schedule.name}, {o.precision}, reshard {o.reshard}, "
           f"sequence parallelism {'on' if o.sequence_parallel else 'off'}")
     for i, s in enumerate(plan.stages):
-        print(f"  stage {i}: chip {s.chip} ranks {list(range(*s.rank_range))} tp {s.tp} dp {s.dp} "
+        on = "/".join(sorted({vendors[r] for r in range(*s.rank_range)}))
+        print(f"  stage {i}: chip {s.chip} on {on} ranks {list(range(*s.rank_range))} tp {s.tp} dp {s.dp} "
               f"layers {list(s.layer_range)}{' recompute' if s.recompute else ''}")
 
 
