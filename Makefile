@@ -2,7 +2,7 @@
 # Each sets itself up on a fresh machine and is safe to rerun.
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-single test test-asan test-rdma build bench bench-compare bench-programs
+.PHONY: setup demo demo-single test test-asan test-rdma build bench bench-compare bench-programs gpu-check
 setup:
 	@bash scripts/setup_env.sh
 
@@ -32,6 +32,14 @@ test-asan: setup
 # The rdma tests on real (soft-RoCE) verbs, inside a qemu guest: see docs/rdma.md.
 test-rdma: setup
 	bash scripts/rdma_vm/run_tests.sh $(TEST_ARGS)
+
+# The dipu device on a real GPU (scripts/gpu_check.py, at most 8 minutes): build against the torch
+# installed there, the device tests, training and two ranks on dipu over cuda, the mixed-vendor
+# pipeline and dipu/cuda micro-benchmarks; the table goes into docs/device.md. No set-up step: a
+# GPU machine may have no network, so it uses its own python and torch (GPU_PYTHON).
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The micro-benchmarks (pytest-benchmark, benchmarks/micro): each group times a contender beside
 # its peer (CPU, gloo, exhaustive search) in the same run. `bench` saves the run under
