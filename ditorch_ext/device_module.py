@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -162,7 +163,7 @@ def mem_get_info(device: Device = None) -> tuple[int, int]:
     index = _index(device)
     total = get_device_properties(index).total_memory
     free = total - memory_reserved(index)
-    device_free, device_total = _C.memory_info(index)
+    device_free, device_total = _device_memory(index)
     if device_total:
         free = min(free, device_free)
     return max(free, 0), total
@@ -238,6 +239,19 @@ class DeviceProperties:
     flush_denormals: bool
 
 
+def _device_memory(index: int) -> tuple[int, int]:
+    """(free, total) bytes of the native vendor's device itself; (0, 0) on emu (the chip profile's
+    capacity is all there is)."""
+    kind = _C.kernel_device_type()
+    if _C.vendor_name() == "emu":
+        return 0, 0
+    if kind == "cpu":
+        page = os.sysconf("SC_PAGE_SIZE")
+        return page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES")
+    mem_get_info = getattr(getattr(torch, kind, None), "mem_get_info", None)
+    return tuple(mem_get_info(index)) if callable(mem_get_info) else (0, 0)
+
+
 def _native_device_name(index: int) -> str:
     """The kernel device's own name where its torch module gives one (torch.cuda and the like)."""
     module = getattr(torch, _C.kernel_device_type(), None)
@@ -251,7 +265,7 @@ def get_device_properties(device: Device = None) -> DeviceProperties:
     index = _index(device)
     profile, scale = _chip.current()
     capacity = profile.capacity_bytes(scale)
-    _, device_total = _C.memory_info(index)
+    _, device_total = _device_memory(index)
     vendor = _C.vendor_name()
     name = f"{vendor} chip {profile.name}" if vendor == "emu" else f"{_native_device_name(index)} as chip {profile.name}"
     return DeviceProperties(

@@ -58,10 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_addressable", [] { return vendor().hostAddressable(); });
   m.def("asynchronous", [] { return vendor().streamRuntime() != nullptr; });
   m.def("kernel_device_type", [] { return c10::DeviceTypeName(vendor().kernelDeviceType(), /*lower_case=*/true); });
-  m.def("memory_info", [](int d) {
-    checkDevice(d);
-    return vendor().memoryInfo(d);
-  }, "(free, total) bytes of the device's own memory; (0, 0) when it has none of its own");
+
   m.def("device_count", [] { return deviceCount(); });
   m.def("current_device", [] { return currentDevice(); });
   m.def("set_device", [](int d) { setCurrentDevice(d); });

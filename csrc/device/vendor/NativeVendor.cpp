@@ -5,6 +5,7 @@
 //   - device memory: the type's registered allocator (c10::GetAllocator; CUDA's caching allocator);
 //   - streams, events, device count, synchronisation: its DeviceGuardImplInterface;
 //   - pinned host memory: its host allocator (at::getHostAllocator);
+//   - free and total memory: its torch module (torch.cuda.mem_get_info; ditorch_ext/device_module.py);
 //   - copies: ATen's copy_ between tensors over the raw pointers;
 //   - kernels: the type's ATen kernels, which the shim re-dispatches to on the same storage.
 // Device memory is never host-addressable here, even for cpu: everything host-side (DiComm's
@@ -15,14 +16,12 @@
 #include <ATen/Context.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/ops/from_blob.h>
-#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include <map>
 #include <memory>
 #include <mutex>
-#include <unistd.h>
 
 namespace ditorch {
 namespace {
@@ -75,19 +74,6 @@ class NativeVendor final : public Vendor {
   }
   bool cachesMemory() const override { return true; }
   const c10::impl::DeviceGuardImplInterface* streamRuntime() const override { return runtime_; }
-  std::pair<std::size_t, std::size_t> memoryInfo(int device) const override {
-    if (type_ == c10::DeviceType::CPU) {
-      const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-      return {page * static_cast<std::size_t>(sysconf(_SC_AVPHYS_PAGES)), page * static_cast<std::size_t>(sysconf(_SC_PHYS_PAGES))};
-    }
-    if (auto* caching = dynamic_cast<c10::DeviceAllocator*>(allocator_)) {
-      try {
-        return caching->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
-      } catch (const c10::Error&) {
-      }
-    }
-    return {0, 0};
-  }
 
   void* mallocHost(std::size_t bytes) override {
     if (!host_) return pageLockedAlloc(bytes);

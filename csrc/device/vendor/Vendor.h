@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <utility>
 
 namespace ditorch {
 
@@ -47,9 +46,6 @@ class Vendor {
   // kernelDeviceType()), or nullptr when kernels run synchronously on the calling thread: streams
   // are then names for work that is always done, and events timestamps.
   virtual const c10::impl::DeviceGuardImplInterface* streamRuntime() const { return nullptr; }
-  // (free, total) bytes of the device's own memory, or (0, 0) when the vendor has none of its own
-  // (emu: the chip profile's capacity is all there is).
-  virtual std::pair<std::size_t, std::size_t> memoryInfo(int /*device*/) const { return {0, 0}; }
 
   // Memory the host may not touch outside the vendor's kernels. A vendor whose kernels run on the
   // host (emu) opens what a kernel touches for its duration; one whose kernels run on the device
