@@ -57,7 +57,8 @@ setup(
     version="0.1.0",
     description="Train one model on a hyper-heterogeneous fleet of accelerators with PyTorch",
     python_requires=">=3.10",
-    packages=find_packages(include=["ditorch*", "ditorch_ext*", "dicomm*", "heteropp*", "dips*", "volunteer*"]),
+    packages=find_packages(include=["ditorch*", "ditorch_ext*", "dicomm*", "heteropp*", "dips*", "volunteer*",
+                                    "dimodel*", "diutil*"]),
     ext_modules=[
         CMakeExtension("ditorch_ext._C", target="ditorch_device"),
         CMakeExtension("dicomm._C", target="dicomm_backend"),

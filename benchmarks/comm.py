@@ -43,7 +43,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from dips.address import free_port  # noqa: E402
+from diutil.address import free_port  # noqa: E402
 from program_results import save_run  # noqa: E402  (beside this file)
 
 MiB = 1 << 20

@@ -42,11 +42,11 @@ import torch  # noqa: E402
 
 from dips.auth import JobToken  # noqa: E402
 from dips.client import OuterClient  # noqa: E402
-from dips.address import free_port  # noqa: E402
+from diutil.address import free_port  # noqa: E402
 from dips.harness import ClusterSpec, evaluate, read_log, start_cluster, start_follower  # noqa: E402
 from dips.leader import Leader, LeaderConfig  # noqa: E402
 from dips.model import build_model, load_config  # noqa: E402
-from ditorch.datasets import sample_batch, text_corpus  # noqa: E402
+from dimodel.datasets import sample_batch, text_corpus  # noqa: E402
 from program_results import Measurement, save_run  # noqa: E402
 
 # mode -> (leader mode, clip, outlier filter, staleness penalty, label)

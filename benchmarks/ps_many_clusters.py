@@ -33,7 +33,7 @@ from program_results import Measurement, save_run  # noqa: E402
 
 from dips.auth import JobToken  # noqa: E402
 from dips.follower import Follower  # noqa: E402
-from dips.address import free_port  # noqa: E402
+from diutil.address import free_port  # noqa: E402
 from dips.leader import Leader, LeaderConfig  # noqa: E402
 
 SMALL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64,

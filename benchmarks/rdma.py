@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dips.address import free_port  # noqa: E402
+from diutil.address import free_port  # noqa: E402
 
 SIZES = [8, 4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 

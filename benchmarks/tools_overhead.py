@@ -33,7 +33,7 @@ def worker(peer: str, steps: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from ditorch.models import Llama, LlamaConfig
+    from dimodel import Llama, LlamaConfig
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**SMALL))

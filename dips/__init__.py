@@ -1,7 +1,7 @@
 """Di-PS: asynchronous cross-cluster outer optimization through a leader/follower parameter server.
 
 The public names load on first use (PEP 562), so that importing a light submodule such as
-``dips.address`` does not import torch, gRPC and the device layer with the whole package.
+``diutil.address`` does not import torch, gRPC and the device layer with the whole package.
 """
 from __future__ import annotations
 

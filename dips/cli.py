@@ -170,7 +170,7 @@ def run_leader(args: argparse.Namespace) -> int:
 
 def run_follower(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from .address import split
+    from diutil.address import split
     from .auth import JobToken
     from .follower import Follower
 

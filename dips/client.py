@@ -4,7 +4,7 @@ Every ``inner_steps`` calls of :meth:`OuterClient.step` (collective over the clu
 cluster pushes its parameters (BF16, one message per layer unit) to the followers, waits for the
 round to close and pulls the new global parameters. Which rank holds which units is a
 :class:`ParameterView`: in a data-parallel cluster (:class:`ReplicatedModel`) rank 0 holds every
-unit; in a pipeline cluster (``dips.pipeline_view.PipelineStages``) each stage's owning rank
+unit; in a pipeline cluster (``ditorch.ps_pipeline.PipelineStages``) each stage's owning rank
 holds its stage's units and pushes them itself, following the leader's schedule (Appendix A)
 with a barrier per step.
 

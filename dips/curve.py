@@ -19,7 +19,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
-from .address import split
+from diutil.address import split
 from .auth import JobToken
 
 log = logging.getLogger("dips.curve")

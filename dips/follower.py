@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from . import address
+from diutil import address
 from .auth import FOLLOWER_KEY_LABEL, JobToken, push_id_issued
 from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
 from .layout import WIRE_DTYPE, ModelLayout, pack_unit, unpack_unit

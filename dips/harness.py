@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dips.address import free_port
-from ditorch.datasets import sample_batch, text_corpus
+from diutil.address import free_port
+from dimodel.datasets import sample_batch, text_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 

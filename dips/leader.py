@@ -23,7 +23,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .address import advertised
+from diutil.address import advertised
 from .auth import CLUSTER_KEY_LABEL, FOLLOWER_KEY_LABEL, JobToken
 from .curve import KeyPair
 from .health import HealthMonitor

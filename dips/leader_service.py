@@ -7,7 +7,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from .address import split
+from diutil.address import split
 from .auth import JobToken, issue_push_id
 from .layout import ModelLayout
 from .leader_state import ClusterRecord, FollowerRecord, LeaderState, PushRecord, call_follower

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ditorch.models import llama
+from dimodel import llama
 
 
 def load_config(path: str | Path) -> dict:

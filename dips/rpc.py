@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from .address import join, split
+from diutil.address import join, split
 from .auth import JobToken
 
 log = logging.getLogger("dips.rpc")

@@ -122,7 +122,7 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
 def _outer_steps(trainer, args):
     """Join the Di-PS job as one pipeline cluster; the returned hook runs its outer steps."""
     from dips.client import OuterClient
-    from dips.pipeline_view import PipelineStages
+    from ditorch.ps_pipeline import PipelineStages
     from dips.rpc import Tls
     from heteropp.runtime.trainer import global_batch_size
 

@@ -132,7 +132,7 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
     """Step 7: a Di-PS leader (with two followers it runs) and two clusters training one model:
     the heterogeneous pipeline of ``plan`` and a one-chip cluster planned for the first chip type."""
     from dips.auth import JobToken
-    from dips.address import free_port
+    from diutil.address import free_port
     from dips.rpc import RpcClient, RpcError
 
     py, ditorch = sys.executable, [sys.executable, "-m", "ditorch.cli"]

@@ -58,7 +58,7 @@ def train(args: argparse.Namespace) -> None:
 
     import ditorch
     import ditorch_ext
-    from ditorch.models import Llama, LlamaConfig
+    from dimodel import Llama, LlamaConfig
     from ditorch.tools import LossLogger, autocompare
 
     torch.set_num_threads(args.threads)

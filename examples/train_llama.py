@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 import ditorch
-from ditorch.datasets import sample_batch, text_corpus
-from ditorch.models import Llama, LlamaConfig
+from dimodel.datasets import sample_batch, text_corpus
+from dimodel import Llama, LlamaConfig
 from ditorch.tools import LossLogger, load_losses, mean_relative_error, plot_mre
 
 REPO = Path(__file__).resolve().parent.parent

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from dips.address import free_port  # noqa: E402
+from diutil.address import free_port  # noqa: E402
 from hetero_demo import run  # noqa: E402  (one command, its output shown)
 
 SITES = (0, 0, 1, 1)  # the site of each reliable device

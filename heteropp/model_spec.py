@@ -1,6 +1,6 @@
 """Transformer shape and the parameter, FLOP, activation and memory formulas the planner uses.
 
-The model is the LLaMA-style decoder of ``ditorch.models.llama`` (RMSNorm, GQA attention,
+The model is the LLaMA-style decoder of ``dimodel.llama`` (RMSNorm, GQA attention,
 SwiGLU MLP, untied embedding and head); a model YAML uses the same keys as ``LlamaConfig``.
 Training is mixed precision: bf16 weights and activations, fp32 gradients and Adam states,
 with the fp32 master weights and Adam moments sharded over data parallelism (ZeRO-1).

@@ -48,7 +48,7 @@ VENDOR_GENERIC = ["tests/device/test_device.py", "tests/device/test_device_refus
 
 
 def _llama():
-    from ditorch.models.llama import LlamaConfig
+    from dimodel.llama import LlamaConfig
 
     return LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=128)
 
@@ -57,7 +57,7 @@ def _train(device: str, precision: str, steps: int, timed: bool = False) -> dict
     """The project's LLaMA, AdamW, fixed batches: the losses (and each step's time when timed)."""
     import torch
 
-    from ditorch.models.llama import Llama
+    from dimodel.llama import Llama
 
     cfg = _llama()
     torch.manual_seed(0)
@@ -140,7 +140,7 @@ def worker_ranks(device_type: str) -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from dips.address import free_port
+    from diutil.address import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_rank_main, args=(2, free_port(), tmp), nprocs=2, start_method="spawn", join=True)
@@ -160,7 +160,7 @@ def worker_ranks(device_type: str) -> dict:
 
 def worker_pipeline(device_type: str) -> dict:
     from ditorch.tools import load_losses, mean_relative_error
-    from dips.address import free_port
+    from diutil.address import free_port
     from heteropp.cluster import ClusterSpec
     from heteropp.model_spec import ModelSpec
     from heteropp.plan import Plan, StagePlan

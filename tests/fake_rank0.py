@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from dips.address import free_port
+from diutil.address import free_port
 
 HELLO = struct.Struct("<QiiQ32sii")  # magic, rank, pid, probe, nonce, lane, lanes (64 bytes)
 HELLO_MAGIC = 0x336D6D6F4369446C

@@ -128,7 +128,7 @@ def run_server(args: argparse.Namespace) -> int:
     server = StageServer(job, args.id, JobKeys(JobToken.from_file(args.token_file)), bind=args.bind)
     logger = None
     if args.metrics and hasattr(server.role, "on_loss"):
-        from ditorch.tools.loss_log import LossLogger
+        from diutil.loss_log import LossLogger
 
         logger = LossLogger(args.metrics, append=True)
         server.role.on_loss = lambda step, loss: logger.log(step, loss, job.batch * job.seq)
@@ -142,7 +142,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def run_reference(args: argparse.Namespace) -> int:
-    from ditorch.tools.loss_log import LossLogger
+    from diutil.loss_log import LossLogger
 
     from .reference import reference_run
 
@@ -170,7 +170,7 @@ def run_client(args: argparse.Namespace) -> int:
         raise ValueError(f"--stage {stage}; the job has stages 0-{len(job.stages) - 1}")
     logging.getLogger("volunteer.client").info("%s joins stage %d", args.name, stage)
     if args.device.startswith("dipu"):
-        import ditorch  # noqa: F401  (registers the dipu device)
+        import ditorch_ext  # noqa: F401  (registers the dipu device)
     client = Client(job, stage, args.name, keys, flops=args.tflops * 1e12, device=args.device,
                     emulate_flops=args.emulate_tflops and args.emulate_tflops * 1e12, leave_after=args.leave_after)
     signal.signal(signal.SIGTERM, lambda *_: client.stop())

@@ -123,7 +123,7 @@ class FrontalServer:
 
     def _batch(self, step: int) -> torch.Tensor:
         """The tokens of step ``step`` (a function of the seed and the step, as in every run)."""
-        from ditorch.datasets import step_batch
+        from dimodel.datasets import step_batch
 
         if step not in self._batches:
             self._batches[step] = step_batch(self.data, self.job.batch, self.job.seq, self.job.seed, step)

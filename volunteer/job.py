@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ditorch.models.llama import Llama, LlamaConfig
+from dimodel.llama import Llama, LlamaConfig
 
 
 def segment(i: int, n: int, lo: int, hi: int) -> tuple[int, int]:

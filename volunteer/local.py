@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from dips.auth import JobToken
-from dips.address import free_port
+from diutil.address import free_port
 
 from .client import Client
 from .job import Job, Server, StageSpec

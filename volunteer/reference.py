@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ditorch.datasets import step_batch, text_corpus
-from ditorch.models.llama import Llama
+from dimodel.datasets import step_batch, text_corpus
+from dimodel.llama import Llama
 
 from .job import Job
 

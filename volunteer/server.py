@@ -61,7 +61,7 @@ class StageServer:
         self.max_bytes = max_message_bytes(job)
         self.roster = Roster(job.liveness, clock)
         if data is None and self.stage in (0, len(job.stages) - 1):
-            from ditorch.datasets import text_corpus
+            from dimodel.datasets import text_corpus
 
             data = text_corpus()[0]
         initial = torch.cat([p.detach().reshape(-1) for p in flat_parameters(job.stage_module(self.stage))])

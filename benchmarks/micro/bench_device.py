@@ -14,8 +14,8 @@ import torch
 
 import ditorch
 import ditorch_ext
-from ditorch.datasets import sample_batch, text_corpus
-from ditorch.models import Llama, LlamaConfig
+from dimodel.datasets import sample_batch, text_corpus
+from dimodel import Llama, LlamaConfig
 
 DEVICES = ("cpu", "dipu")
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ditorch import tools
-from ditorch.models import Llama, LlamaConfig
+from dimodel import Llama, LlamaConfig
 
 SMALL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=64)
 TOOLS = {"off": contextlib.nullcontext, "time_ops": tools.time_ops, "overflow_check": tools.overflow_check}

@@ -1,4 +1,4 @@
-"""Small reference models used by the examples, tests and benchmarks."""
-from ditorch.models.llama import Llama, LlamaConfig
+"""The project's models, under the name users import them by (defined in ``dimodel``)."""
+from dimodel.llama import Llama, LlamaConfig
 
 __all__ = ["Llama", "LlamaConfig"]

@@ -10,7 +10,7 @@ from ditorch.tools.comparison import DEFAULT_TOLERANCES, Difference, Tolerances,
 from ditorch.tools.dtype_cast import dtype_cast
 from ditorch.tools.env import activate_from_environment
 from ditorch.tools.fallback import fallback
-from ditorch.tools.loss_log import LossLogger, load_losses
+from diutil.loss_log import LossLogger, load_losses
 from ditorch.tools.mre import MREReport, mean_relative_error, plot_mre
 from ditorch.tools.op_selection import FAMILIES, OpSelector, op_names
 from ditorch.tools.overflow_check import NonFiniteError, Overflow, TensorStats, overflow_check

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
 
 
 def _mre(args: argparse.Namespace) -> int:
-    from ditorch.tools.loss_log import load_losses
+    from diutil.loss_log import load_losses
     from ditorch.tools.mre import mean_relative_error, plot_mre
 
     try:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from dips.address import free_port
-from ditorch.models.llama import LlamaConfig
+from diutil.address import free_port
+from dimodel.llama import LlamaConfig
 from heteropp.cluster import END_TIME_KEYS, ChipSpec
 
 
@@ -47,12 +47,13 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     import torch
     import torch.distributed as dist
 
-    import ditorch
+    import dicomm  # noqa: F401  (registers the backend)
+    import ditorch_ext
     from heteropp.runtime.stage_model import StageModule
     from heteropp.runtime.tensor_parallel import TPGroup
 
     torch.set_num_threads(1)
-    ditorch.set_chip(chip, memory_scale=memory_scale)
+    ditorch_ext.set_chip(chip, memory_scale=memory_scale)
     device = torch.device("dipu", rank % torch.dipu.device_count())
     torch.dipu.set_device(device)
     dist.init_process_group("dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,

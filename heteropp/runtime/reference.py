@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from ditorch.datasets import step_batch, text_corpus
-from ditorch.models.llama import Llama
+from dimodel.datasets import step_batch, text_corpus
+from dimodel.llama import Llama
 from heteropp.plan import Plan
 
 from .trainer import TrainOptions, full_initialization, global_batch_size, make_optimizer, model_config
@@ -17,7 +17,7 @@ from .trainer import TrainOptions, full_initialization, global_batch_size, make_
 
 def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], Llama]:
     """Train for ``options.steps``; returns the per-step losses and the trained model."""
-    from ditorch.tools import LossLogger
+    from diutil.loss_log import LossLogger
 
     config = model_config(plan)
     model = Llama(config)

@@ -13,7 +13,7 @@ import re
 import torch
 from torch import nn
 
-from ditorch.models.llama import LlamaConfig, RMSNorm, causal_attention, rotary_tables, swiglu
+from dimodel.llama import LlamaConfig, RMSNorm, causal_attention, rotary_tables, swiglu
 
 from .tensor_parallel import (
     ShardedLinear, TPGroup, VocabParallelEmbedding, WeightGradStore, enter_tp, leave_tp, vocab_parallel_cross_entropy,

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ditorch.datasets import step_batch, text_corpus
-from ditorch.models.llama import Llama, LlamaConfig
+from dimodel.datasets import step_batch, text_corpus
+from dimodel.llama import Llama, LlamaConfig
 from heteropp.plan import Plan, PlanError
 from heteropp.schedule import Schedule, fine_grained, gpipe, one_f_one_b
 
@@ -147,7 +147,7 @@ class PipelineTrainer:
     """This rank's part of a plan-driven training run."""
 
     def __init__(self, plan: Plan, options: TrainOptions):
-        import ditorch
+        import ditorch_ext
 
         self.plan, self.options = plan, options
         self.layout = PipelineLayout(plan)
@@ -156,7 +156,7 @@ class PipelineTrainer:
         self.stage_plan = plan.stages[self.place.stage]
         self.config = model_config(plan)
         check_plan_fits(plan, options)
-        ditorch.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
+        ditorch_ext.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
         torch.dipu.set_device(self.device)
@@ -283,7 +283,7 @@ class PipelineTrainer:
 
         ``after_step(step)``, called on every rank after each step (e.g. a Di-PS outer step),
         ends the run early by returning True on every rank."""
-        from ditorch.tools import LossLogger
+        from diutil.loss_log import LossLogger
 
         o = self.options
         log = LossLogger(o.log, append=self.start_step > 0) if o.log and dist.get_rank() == 0 else None

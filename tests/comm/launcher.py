@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from dips.address import free_port
+from diutil.address import free_port
 
 
 def _entry(fn, rank, world, port, env, results, init, timeout_s, host, store_host):

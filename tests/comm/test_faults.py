@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dips.address import free_port
+from diutil.address import free_port
 from launcher import error_of, leave_together, run_ranks
 
 

@@ -11,7 +11,7 @@ LR = 0.05
 
 
 def tiny_llama():
-    from ditorch.models.llama import Llama, LlamaConfig
+    from dimodel.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
     return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
-from dips.address import free_port  # noqa: E402
+from diutil.address import free_port  # noqa: E402
 
 from .conftest import ROOT, check_binary, rdma_usable  # noqa: E402
 

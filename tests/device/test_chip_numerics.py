@@ -106,7 +106,7 @@ def test_special_functions_carry_the_chips_bits():
 
 
 def _bf16_loss(chip_name: str) -> float:
-    from ditorch.models import Llama, LlamaConfig
+    from dimodel import Llama, LlamaConfig
 
     ditorch.set_chip(chip_name)
     torch.manual_seed(0)

@@ -2,8 +2,8 @@
 import torch
 
 import ditorch
-from ditorch.datasets import sample_batch, text_corpus
-from ditorch.models import Llama, LlamaConfig
+from dimodel.datasets import sample_batch, text_corpus
+from dimodel import Llama, LlamaConfig
 from ditorch.tools import mean_relative_error
 
 CONFIG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)

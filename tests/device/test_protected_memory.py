@@ -24,7 +24,7 @@ print("host read", ctypes.c_float.from_address(t.data_ptr() + 4).value, flush=Tr
 
 TRAIN = """
 import json, torch, ditorch
-from ditorch.models.llama import Llama, LlamaConfig
+from dimodel.llama import Llama, LlamaConfig
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 model = Llama(cfg).to("dipu")

@@ -10,7 +10,7 @@ import torch
 
 from dips.auth import JobToken
 from dips.follower import Follower
-from dips.address import free_port
+from diutil.address import free_port
 from dips.leader import Leader, LeaderConfig
 from dips.model import build_model, load_config
 

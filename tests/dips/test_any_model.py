@@ -8,7 +8,7 @@ from torch import nn
 from dips.auth import JobToken
 from dips.client import OuterClient
 from dips.follower import Follower
-from dips.address import free_port
+from diutil.address import free_port
 from dips.leader import Leader, LeaderConfig
 from dips.rpc import RpcError
 

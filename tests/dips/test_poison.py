@@ -3,7 +3,7 @@ without the penalty (async DiLoCo) the same push wrecks the model."""
 import torch
 
 from dips.client import OuterClient
-from ditorch.datasets import sample_batch, text_corpus
+from dimodel.datasets import sample_batch, text_corpus
 from dips.harness import evaluate
 from dips.model import build_model
 

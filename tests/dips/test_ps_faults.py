@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dips.auth import JobToken
-from dips.address import free_port
+from diutil.address import free_port
 from dips.harness import ClusterSpec, python_env, read_log, start_cluster, start_follower
 from dips.rpc import RpcClient, RpcError
 

@@ -61,7 +61,7 @@ def test_a_follower_replays_the_seeding_round(tmp_path):
     sealed push it kept on disk, and the round after it, bit-identically."""
     from dips.auth import JobToken
     from dips.follower import MAX_CHECKPOINT_EVERY, Follower
-    from dips.address import free_port
+    from diutil.address import free_port
     from dips.leader import Leader, LeaderConfig
 
     token, servers = JobToken.create(tmp_path / "job.key"), JobToken.create(tmp_path / "servers.key")

@@ -12,7 +12,7 @@ import torch
 from dips.auth import JobToken
 from dips.client import OuterClient
 from dips.follower import Follower
-from dips.address import free_port
+from diutil.address import free_port
 from dips.harness import ClusterSpec, read_log, start_cluster
 from dips.leader import Leader, LeaderConfig
 from dips.model import build_model

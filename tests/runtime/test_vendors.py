@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from dips.address import free_port
+from diutil.address import free_port
 from plans import ROOT, chip_file, make_plan
 
 STEPS = 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ditorch import tools
-from ditorch.models import Llama, LlamaConfig
+from dimodel import Llama, LlamaConfig
 from ditorch.tools import autocompare, replay
 
 from tools_cases import needs_dipu

@@ -12,7 +12,7 @@ import pytest
 
 from tools_cases import REPO
 
-PACKAGES = ["ditorch", "ditorch_ext", "dicomm", "heteropp", "dips", "volunteer"]
+PACKAGES = ["ditorch", "ditorch_ext", "dicomm", "heteropp", "dips", "volunteer", "dimodel", "diutil"]
 
 
 @pytest.fixture(scope="module")
