@@ -8,7 +8,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from .search import Group, HeteroAuto, NoFeasiblePlan, SearchResult, _choices
+from .search import Group, HeteroAuto, NoFeasiblePlan, SearchResult
+from .search.sharding import group_choices, objective
 
 
 def exhaustive_search(auto: HeteroAuto, groups: list[Group] | None = None, dps: list[int] | None = None,
@@ -21,7 +22,7 @@ def exhaustive_search(auto: HeteroAuto, groups: list[Group] | None = None, dps: 
     evaluated = 0
     for dp in dps:
         b = auto.batch // dp
-        all_opts = [auto._options(g, dp) for g in groups]
+        all_opts = [auto.space.options(g, dp) for g in groups]
         if any(not o for o in all_opts):
             continue
         for opts in itertools.product(*all_opts):
@@ -29,11 +30,11 @@ def exhaustive_search(auto: HeteroAuto, groups: list[Group] | None = None, dps: 
                 continue
             caps, suffix = [0] * G, 0
             for gi in range(G - 1, -1, -1):
-                caps[gi] = auto._max_layers(groups[gi], opts[gi], dp, suffix, first=gi == 0, last=gi == G - 1)
+                caps[gi] = auto.space.max_layers(groups[gi], opts[gi], dp, suffix, first=gi == 0, last=gi == G - 1)
                 suffix += opts[gi].s
             if min(caps) < 1:
                 continue
-            pmax, psum = auto._p2p_terms(groups, opts)
+            pmax, psum = auto.space.p2p_terms(groups, opts)
             # k above ceil(L / s) only adds layers past L; T is monotone in k, so those never win
             for ks in itertools.product(*[range(1, min(c, -(-L // o.s)) + 1) for c, o in zip(caps, opts)]):
                 if sum(o.s * k for o, k in zip(opts, ks)) < L:
@@ -41,9 +42,9 @@ def exhaustive_search(auto: HeteroAuto, groups: list[Group] | None = None, dps: 
                 evaluated += 1
                 if evaluated > max_leaves:
                     raise ValueError(f"exhaustive search: more than {max_leaves} configurations; use a smaller case")
-                v = auto._objective(b, opts, ks, pmax, psum)
+                v = objective(auto.alpha, b, opts, ks, pmax, psum)
                 if best is None or v < best.objective - 1e-12:
-                    best = SearchResult(dp=dp, groups=list(groups), choices=_choices(opts, list(ks), L), objective=v)
+                    best = SearchResult(dp=dp, groups=list(groups), choices=group_choices(opts, list(ks), L), objective=v)
     if best is None:
         raise NoFeasiblePlan("exhaustive search: no configuration fits")
     best.leaves = evaluated
