@@ -243,7 +243,7 @@ def test_oversize_data_frame_drops_the_connection(tmp_path):
         big = b"\0" * (c.layout.max_message_bytes + 1)
         sock.send_multipart([c._header(op="push", push="p", req="big"), big])
         assert not sock.poll(1500), "an oversize frame was answered"
-        assert all(not f.staged for f in followers)
+        assert all(not f.state.staged for f in followers)
         c.close()
 
 
@@ -298,7 +298,7 @@ def test_malformed_push_rejected_state_unchanged(tmp_path, case):
         assert leader.status()["version"] == 0
         after = global_params(leader, token)
         assert all(torch.equal(before[n], after[n]) for n in before)
-        assert all(not f.sealed for f in followers)
+        assert all(not f.state.sealed for f in followers)
         c.close()
 
 
@@ -430,14 +430,14 @@ def test_followers_stage_only_pushes_the_leader_issued(tmp_path):
         request = dict(id="c", tokens=1, base=0, workers={"0": list(range(len(c.layout.units)))})
         first = c.leader.call("PushRequest", **request)["push"]
         assert "not an id the leader issued" in send(first, cluster="other")["err"]
-        assert send(first)["ok"] and list(f0.staged) == [first]
+        assert send(first)["ok"] and list(f0.state.staged) == [first]
         second = c.leader.call("PushRequest", **request)["push"]
         assert leader.state.pushes[first].state == "failed" and leader.state.pushes[second].state == "requested"
-        wait_for(lambda: not f0.staged, 5, "the superseded push to be discarded")
-        f0.max_unsealed_pushes = 1       # c's push is staged; another cluster's finds no room
+        wait_for(lambda: not f0.state.staged, 5, "the superseded push to be discarded")
+        f0.state.max_unsealed_pushes = 1  # c's push is staged; another cluster's finds no room
         assert send(second)["ok"]
         d = OuterClient(build_model(MODEL, 4), leader.address, inner_steps=1, token=token, name="d")
         other = d.leader.call("PushRequest", **{**request, "id": "d"})["push"]
-        assert "--max-unsealed-pushes" in send(other, cluster="d")["err"] and list(f0.staged) == [second]
+        assert "--max-unsealed-pushes" in send(other, cluster="d")["err"] and list(f0.state.staged) == [second]
         d.close()
         c.close()

@@ -141,17 +141,17 @@ def test_replayed_round_keeps_the_base_of_a_push_still_waiting(tmp_path):
     with in_process_ps(tmp_path, n_followers=1) as (_, followers, _token):
         f = followers[0]
         wait_for(lambda: f.version == 0, 30, "the follower's registration")
-        with f.lock:
-            base = f.bases[0]
+        with f.state.lock:
+            base = f.state.bases[0]
             # A push on base 0, sealed, waiting for round 2: its values are base 0 minus 1.
-            f.sealed["waiting"] = {"base": 0, "params": {n: (t.float() - 1).to(t.dtype) for n, t in base.items()}}
-            theta0 = {n: t.clone() for n, t in f.theta.items()}
+            f.state.sealed["waiting"] = {"base": 0, "params": {n: (t.float() - 1).to(t.dtype) for n, t in base.items()}}
+            theta0 = {n: t.clone() for n, t in f.state.theta.items()}
         f._apply({"version": 1, "weights": {}, "drop": [], "keep": [1]})  # replayed: lists only 1
-        assert 0 in f.bases, "round 1 dropped the base a sealed push still needs"
+        assert 0 in f.state.bases, "round 1 dropped the base a sealed push still needs"
         f._apply({"version": 2, "weights": {"waiting": 1.0}, "drop": [], "keep": [2]})
-        assert f.version == 2 and sorted(f.bases) == [2], "the base outlived the push that needed it"
+        assert f.version == 2 and sorted(f.state.bases) == [2], "the base outlived the push that needed it"
         # Round 2 applied the push's pseudo-gradient (+1 everywhere, in BF16 terms) to theta.
-        moved = [bool((f.theta[n] != theta0[n]).any()) for n in theta0]
+        moved = [bool((f.state.theta[n] != theta0[n]).any()) for n in theta0]
         assert all(moved)
 
 
@@ -195,14 +195,14 @@ def test_follower_200_versions_behind_catches_up(tmp_path):
                     p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
             client.step(tokens=1)
         wait_for(lambda: follower.version == 200, 30, "version 200 on the follower")
-        with follower.lock:
-            before = {n: t.clone() for n, t in {**follower.theta, **{f"m/{k}": v for k, v in follower.momentum.items()}}.items()}
+        with follower.state.lock:
+            before = {n: t.clone() for n, t in {**follower.state.theta, **{f"m/{k}": v for k, v in follower.state.momentum.items()}}.items()}
         follower.stop()
         assert not list((tmp_path / "f").glob("ckpt-*.pt")) and len(list((tmp_path / "f" / "pushes").glob("*.pt"))) == 200
         follower = Follower(leader.address, f"127.0.0.1:{free_port()}", servers, tmp_path / "f", checkpoint_every=MAX_CHECKPOINT_EVERY)
         wait_for(lambda: follower.version == 200, 90, "the restarted follower to replay 200 rounds")
-        with follower.lock:
-            after = {**follower.theta, **{f"m/{k}": v for k, v in follower.momentum.items()}}
+        with follower.state.lock:
+            after = {**follower.state.theta, **{f"m/{k}": v for k, v in follower.state.momentum.items()}}
         assert all(torch.equal(before[n], after[n]) for n in before)
         wait_for(lambda: client.step(tokens=1) and leader.status()["complete"] == 201, 30, "one more round")
     finally:

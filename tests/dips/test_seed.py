@@ -86,8 +86,8 @@ def test_a_follower_replays_the_seeding_round(tmp_path):
         pushed = {n: p.detach().to(torch.bfloat16).float() for n, p in model.named_parameters()}
         assert client.step(tokens=5)
         wait_for(lambda: box and box[0].version == 2, 30, "version 2 on the follower")
-        with box[0].lock:
-            before = {n: t.clone() for n, t in box[0].theta.items()}
+        with box[0].state.lock:
+            before = {n: t.clone() for n, t in box[0].state.theta.items()}
         for n, value in before.items():  # version 1 is the seed; version 2 a first Nesterov step (lr 0.7, m 0.8)
             g = sent[n] - pushed[n]
             torch.testing.assert_close(value, sent[n] - 0.7 * (g + 0.8 * g), rtol=1e-6, atol=1e-7)
@@ -95,8 +95,8 @@ def test_a_follower_replays_the_seeding_round(tmp_path):
         again = follower()
         box.append(again)
         wait_for(lambda: again.version == 2, 60, "the restarted follower to replay the seed and one round")
-        with again.lock:
-            assert all(torch.equal(before[n], again.theta[n]) for n in before)
+        with again.state.lock:
+            assert all(torch.equal(before[n], again.state.theta[n]) for n in before)
     finally:
         if client is not None:
             client.close()

@@ -1,0 +1,209 @@
+"""A follower's state and its push state machine, with no sockets and no threads of its own:
+what the data server and the leader's RPCs do to it, each under one lock.
+
+A push moves staged (its units arrive one by one) -> sealed (complete, on disk, its
+pseudo-gradient norm known) -> applied by a round (or discarded) -> retired, its file deleted,
+once a checkpoint covers that round. The parameters (``theta``), the outer optimizer's momentum
+and the BF16 bases clusters pull (and push against) are versioned by the rounds applied."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .follower_disk import FollowerDisk
+from .layout import WIRE_DTYPE, ModelLayout
+from .outer_optimizer import NesterovOuter
+
+log = logging.getLogger("dips.follower")
+
+STALE_UNSEALED_S = 120.0
+
+
+class FollowerState:
+    """The units ``unit_range`` of ``layout``; at most ``max_unsealed_pushes`` pushes staged at once."""
+
+    def __init__(self, disk: FollowerDisk, layout: ModelLayout, unit_range: range, optimizer: NesterovOuter,
+                 max_unsealed_pushes: int, name: str):
+        self.disk, self.layout, self.unit_range, self.opt = disk, layout, unit_range, optimizer
+        self.max_unsealed_pushes, self.name = max_unsealed_pushes, name
+        self.lock = threading.RLock()
+        self.version = -1
+        self.ckpt_version = -1
+        self.theta: dict[str, torch.Tensor] = {}
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.bases: dict[int, dict[str, torch.Tensor]] = {}
+        self.staged: dict[str, dict] = {}   # push id -> {base, cluster, units{u: {name: bf16}}, t}
+        self.sealed: dict[str, dict] = {}   # push id -> {base, params{name: bf16}}
+        self.applied_at: dict[str, int] = {}  # push id -> version whose checkpoint retires it
+
+    # -- start
+    def load(self, initial: dict[str, torch.Tensor] | None) -> None:
+        """The newest checkpoint and the pushes sealed since, or version 0 from ``initial``
+        (None: a seeded PS, zeros until the seeding round)."""
+        with self.lock:
+            ckpts = self.disk.checkpoints()
+            if ckpts:
+                state = torch.load(ckpts[-1], weights_only=True)
+                self.theta, self.momentum = state["theta"], state["momentum"]
+                self.bases = {int(v): b for v, b in state["bases"].items()}
+                self.version = self.ckpt_version = int(state["version"])
+            else:
+                mine = [t for u in self.unit_range for t in self.layout.units[u].tensors]
+                if initial is None:
+                    self.theta = {t.name: torch.zeros(t.shape) for t in mine}
+                else:
+                    self.theta = {t.name: initial[t.name].float().clone() for t in mine}
+                self.version = 0
+                self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
+            # pushes sealed since the checkpoint: the leader replays their rounds
+            self.sealed.update(self.disk.load_pushes())
+            log.info("%s starts at version %d (%s, %d sealed pushes)", self.name, self.version,
+                     ckpts[-1].name if ckpts else "initial parameters", len(self.sealed))
+
+    # -- the data flow
+    def stage(self, unit: int, push: str, base: int, cluster: Any, tensors: dict[str, torch.Tensor]) -> None:
+        """One checked unit of a push (ValueError naming why it is refused)."""
+        with self.lock:
+            if base not in self.bases:
+                raise ValueError(f"push {push}: base version {base} is not held (held: {sorted(self.bases)})")
+            if push in self.sealed:
+                raise ValueError(f"push {push} is already sealed")
+            if push not in self.staged and len(self.staged) >= self.max_unsealed_pushes:
+                raise ValueError(f"{len(self.staged)} pushes are staged and not sealed, the most this follower holds "
+                                 "(--max-unsealed-pushes); retry later")
+            rec = self.staged.setdefault(push, {"base": base, "cluster": cluster, "units": {}, "t": time.monotonic()})
+            if rec["base"] != base:
+                raise ValueError(f"push {push}: base {base} differs from its earlier units' base {rec['base']}")
+            rec["units"][unit] = tensors
+
+    def drop_stale(self, now: float) -> None:
+        """Forget pushes whose units stopped coming (a cluster that died mid-push)."""
+        with self.lock:
+            for p in [p for p, r in self.staged.items() if now - r["t"] > STALE_UNSEALED_S]:
+                log.warning("%s dropped unsealed push %s after %.0f s", self.name, p, STALE_UNSEALED_S)
+                del self.staged[p]
+
+    def pull(self, version: int, units: list[int]) -> list[list[torch.Tensor]]:
+        """The BF16 parameters of ``units`` at ``version``, unit by unit."""
+        with self.lock:
+            params = self.bases.get(version)
+            if params is None:
+                raise ValueError(f"version {version} is not held (held: {sorted(self.bases)})")
+            for u in units:
+                if u not in self.unit_range:
+                    raise ValueError(f"unit {u} is not owned by {self.name}")
+            return [[params[t.name] for t in self.layout.units[u].tensors] for u in units]
+
+    # -- the leader's control flow
+    def seal(self, push: str) -> dict:
+        with self.lock:
+            if push in self.sealed:
+                return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
+            rec = self.staged.get(push)
+            if rec is None:
+                return {"ok": False, "err": f"{self.name} holds no unit of push {push}"}
+            missing = [u for u in self.unit_range if u not in rec["units"]]
+            if missing:
+                return {"ok": False, "err": f"push {push} is partial: {self.name} lacks units {missing}"}
+            params = {n: t for u in self.unit_range for n, t in rec["units"][u].items()}
+            self.disk.save_push(push, rec["base"], params)
+            del self.staged[push]
+            self.sealed[push] = {"base": rec["base"], "params": params}
+            return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
+
+    def prepare(self, weights: dict[str, float]) -> dict:
+        with self.lock:
+            return {"sqnorm": _norm(self._average(weights)) ** 2}
+
+    def apply(self, msg: dict) -> tuple[dict, bool]:
+        """Round ``msg["version"]``: the outer step over the weighted pushes (or a seed), then the
+        pushes it names retire once checkpointed and the bases nothing needs are dropped. Returns
+        the reply and whether the round was applied now (not already)."""
+        version = int(msg["version"])
+        with self.lock:
+            if self.version >= version:
+                return {"version": self.version}, False
+            if self.version != version - 1:
+                raise ValueError(f"{self.name} is at version {self.version}; cannot apply {version}")
+            if msg.get("seed"):  # a seeded PS's version 1: the seeding cluster's parameters, as sent
+                self._install_seed(msg["weights"])
+            else:
+                delta = self._average(msg["weights"])
+                scale = float(msg.get("scale", 1.0))
+                if scale != 1.0:
+                    for d in delta.values():
+                        d.mul_(scale)
+                self.opt.step(self.theta, delta, self.momentum)
+            self.version = version
+            self.bases[version] = {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}
+            for push in list(msg["weights"]) + list(msg.get("drop", [])):
+                if self.sealed.pop(push, None) is not None:
+                    self.applied_at[push] = version
+            # A push still waiting for its round needs its base whatever the leader's list says:
+            # a restarted follower replaying old rounds gets the list of the round run now.
+            keep = {int(v) for v in msg.get("keep", [])} | {version}
+            keep |= {rec["base"] for rec in [*self.sealed.values(), *self.staged.values()]}
+            for v in [v for v in self.bases if v not in keep]:
+                del self.bases[v]
+        return {"version": version}, True
+
+    def discard(self, pushes: list[str]) -> dict:
+        with self.lock:
+            for push in pushes:
+                self.staged.pop(push, None)
+                if self.sealed.pop(push, None) is not None:
+                    self.applied_at[push] = self.version
+        return {}
+
+    def status(self) -> dict:
+        with self.lock:
+            return {"version": self.version, "ckpt": self.ckpt_version, "sealed": len(self.sealed)}
+
+    # -- checkpoints
+    def snapshot(self) -> dict[str, Any]:
+        """The latest version, copied (versions applied while a checkpoint is written are skipped)."""
+        with self.lock:
+            return {"version": self.version, "theta": {n: t.clone() for n, t in self.theta.items()},
+                    "momentum": {n: t.clone() for n, t in self.momentum.items()},
+                    "bases": {str(v): b for v, b in self.bases.items()}}
+
+    def checkpointed(self, version: int) -> list[str]:
+        """A checkpoint of ``version`` is on disk: the pushes it retires (their files may go)."""
+        with self.lock:
+            self.ckpt_version = version
+            done = [p for p, v in self.applied_at.items() if v <= version]
+            for p in done:
+                del self.applied_at[p]
+            return done
+
+    # -- internals
+    def _pseudo_gradient(self, push: str) -> dict[str, torch.Tensor]:
+        rec = self.sealed[push]
+        base = self.bases.get(rec["base"])
+        if base is None:
+            raise ValueError(f"push {push}: base version {rec['base']} is no longer held")
+        return {n: base[n].float() - p.float() for n, p in rec["params"].items()}
+
+    def _average(self, weights: dict[str, float]) -> dict[str, torch.Tensor]:
+        delta: dict[str, torch.Tensor] = {n: torch.zeros_like(t) for n, t in self.theta.items()}
+        for push, w in weights.items():
+            if push not in self.sealed:
+                raise ValueError(f"push {push} is not sealed on {self.name}")
+            for n, d in self._pseudo_gradient(push).items():
+                delta[n].add_(d, alpha=float(w))
+        return delta
+
+    def _install_seed(self, weights: dict) -> None:
+        if len(weights) != 1 or next(iter(weights)) not in self.sealed:
+            raise ValueError(f"a seed decision names one sealed push; got {sorted(weights)[:4]}")
+        params = self.sealed[next(iter(weights))]["params"]
+        self.theta = {n: params[n].float() for n in self.theta}
+        self.momentum = {}
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
