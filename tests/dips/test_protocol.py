@@ -120,7 +120,7 @@ def test_sync_round_waits_for_all_then_for_removal(tmp_path):
                         round_timeout_s=0.5)
         b = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="b")
         assert not a.step(tokens=1)       # b has not pushed: the round stays open
-        assert leader.status()["version"] == 0 and a.pending is not None
+        assert leader.status()["version"] == 0 and a.speaker.pending is not None
         b.close(leave=False)               # b dies; after 3 intervals it is removed and the round closes
         wait_for(lambda: leader.status()["complete"] == 1, 5, "round to close")
         perturb(a.model, 0)
@@ -239,9 +239,9 @@ def test_oversize_data_frame_drops_the_connection(tmp_path):
         model = build_model(MODEL, 3)
         c = OuterClient(model, leader.address, inner_steps=1, token=token, name="c")
         addr = c.plan["followers"][0]
-        sock = c._sock(addr)
+        sock = c.transfer.sock(addr)
         big = b"\0" * (c.layout.max_message_bytes + 1)
-        sock.send_multipart([c._header(op="push", push="p", req="big"), big])
+        sock.send_multipart([c.transfer.header(op="push", push="p", req="big"), big])
         assert not sock.poll(1500), "an oversize frame was answered"
         assert all(not f.state.staged for f in followers)
         c.close()
@@ -249,7 +249,7 @@ def test_oversize_data_frame_drops_the_connection(tmp_path):
 
 def _raw_push(client, leader_version_check, units_to_send, mutate=None):
     """Request a push and send ``units_to_send`` by hand (possibly mutated); return PushDone's reply."""
-    reply = client.leader.call("PushRequest", id=client.cluster_id, tokens=1, base=client.base,
+    reply = client.speaker.leader.call("PushRequest", id=client.speaker.cluster_id, tokens=1, base=client.base,
                                workers={"0": list(range(len(client.layout.units)))})
     push = reply["push"]
     acks = []
@@ -258,15 +258,15 @@ def _raw_push(client, leader_version_check, units_to_send, mutate=None):
         names = [t.name for t in spec.tensors]
         shapes = [list(t.shape) for t in spec.tensors]
         tensors = [client.params[n].detach() for n in names]
-        header = dict(op="push", push=push, cluster=client.cluster_id, base=client.base, unit=unit, names=names,
+        header = dict(op="push", push=push, cluster=client.speaker.cluster_id, base=client.base, unit=unit, names=names,
                       shapes=shapes, dtype="bfloat16", req=f"{push}:{unit}")
         payload = pack_unit(tensors)
         if mutate:
             header, payload = mutate(header, payload)
         addr = client.plan["followers"][0 if unit < client.plan["units"][0][1] else 1]
-        client._sock(addr).send_multipart([client._header(**header), payload])
-        acks += [h for h, _ in client._replies(addr, {header["req"]})]
-    return acks, client.leader.call("PushDone", id=client.cluster_id, push=push)
+        client.transfer.sock(addr).send_multipart([client.transfer.header(**header), payload])
+        acks += [h for h, _ in client.transfer.replies(addr, {header["req"]})]
+    return acks, client.speaker.leader.call("PushDone", id=client.speaker.cluster_id, push=push)
 
 
 @pytest.mark.parametrize("case", ["partial", "shape", "names", "nan", "size"])
@@ -368,7 +368,7 @@ def test_bad_token_counts_refused_state_unchanged(tmp_path, caplog, tokens):
         before, meta = leader.status(), (tmp_path / "leader.json").read_bytes()
         with caplog.at_level(logging.WARNING, logger="dips.rpc"):
             with pytest.raises(RpcError, match="INVALID_ARGUMENT: .*tokens"):
-                c.leader.call("PushRequest", id=c.cluster_id, tokens=tokens, base=c.base,
+                c.speaker.leader.call("PushRequest", id=c.speaker.cluster_id, tokens=tokens, base=c.base,
                               workers={"0": list(range(len(c.layout.units)))})
         assert any("PushRequest rejected" in r.message and "tokens" in r.message for r in caplog.records)
         assert leader.state.pushes == {} and leader.status() == before
@@ -389,12 +389,12 @@ def test_clusters_waiting_for_a_round_do_not_starve_heartbeats(tmp_path):
                         round_timeout_s=0.0)
         b = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="b")
         perturb(a.model, 0)
-        assert not a.step(tokens=1) and a.pending is not None   # sealed; the sync round waits for b
+        assert not a.step(tokens=1) and a.speaker.pending is not None   # sealed; the sync round waits for b
         fates = []
 
         def wait():
             rpc = RpcClient("dips.Leader", leader.address, token)
-            fates.append(rpc.call("WaitPush", timeout=10.0, push=a.pending, wait=4.0)["state"])
+            fates.append(rpc.call("WaitPush", timeout=10.0, push=a.speaker.pending, wait=4.0)["state"])
             rpc.close()
 
         waiters = [threading.Thread(target=wait) for _ in range(40)]
@@ -423,21 +423,21 @@ def test_followers_stage_only_pushes_the_leader_issued(tmp_path):
         def send(push: str, cluster: str = "c") -> dict:
             header = dict(op="push", push=push, cluster=cluster, base=0, unit=0, names=[t.name for t in spec.tensors],
                           shapes=[list(t.shape) for t in spec.tensors], dtype="bfloat16", req=f"{push}:{cluster}")
-            c._sock(addr).send_multipart([c._header(**header), pack_unit([c.params[t.name] for t in spec.tensors])])
-            return next(h for h, _ in c._replies(addr, {header["req"]}))
+            c.transfer.sock(addr).send_multipart([c.transfer.header(**header), pack_unit([c.params[t.name] for t in spec.tensors])])
+            return next(h for h, _ in c.transfer.replies(addr, {header["req"]}))
 
         assert "not an id the leader issued" in send("made-up")["err"]
         request = dict(id="c", tokens=1, base=0, workers={"0": list(range(len(c.layout.units)))})
-        first = c.leader.call("PushRequest", **request)["push"]
+        first = c.speaker.leader.call("PushRequest", **request)["push"]
         assert "not an id the leader issued" in send(first, cluster="other")["err"]
         assert send(first)["ok"] and list(f0.state.staged) == [first]
-        second = c.leader.call("PushRequest", **request)["push"]
+        second = c.speaker.leader.call("PushRequest", **request)["push"]
         assert leader.state.pushes[first].state == "failed" and leader.state.pushes[second].state == "requested"
         wait_for(lambda: not f0.state.staged, 5, "the superseded push to be discarded")
         f0.state.max_unsealed_pushes = 1  # c's push is staged; another cluster's finds no room
         assert send(second)["ok"]
         d = OuterClient(build_model(MODEL, 4), leader.address, inner_steps=1, token=token, name="d")
-        other = d.leader.call("PushRequest", **{**request, "id": "d"})["push"]
+        other = d.speaker.leader.call("PushRequest", **{**request, "id": "d"})["push"]
         assert "--max-unsealed-pushes" in send(other, cluster="d")["err"] and list(f0.state.staged) == [second]
         d.close()
         c.close()
