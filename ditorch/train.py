@@ -94,6 +94,7 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
     import ditorch  # noqa: F401  (the dipu device and the dicomm backend)
     from heteropp.plan import PlanError
     from heteropp.runtime.trainer import PipelineTrainer
+    from heteropp.runtime.training_run import TrainingRun
 
     # Ranks outnumber cores here; one intra-op thread each keeps them from fighting over cores
     # and lets the chip emulation charge each kernel its own CPU time.
@@ -108,7 +109,7 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
         dist.all_gather_object(vendors, ditorch.vendor_name())
         if rank == 0:
             _describe(trainer, vendors)
-        trainer.train(after_step=_outer_steps(trainer, ps_args) if ps_args else None)
+        TrainingRun(trainer).run(after_step=_outer_steps(trainer, ps_args) if ps_args else None)
     except (PlanError, ValueError, KeyError) as exc:
         print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr)
         return 2

@@ -6,10 +6,14 @@ gradient it finishes the backward without recomputing. Per step it sums the para
 gradients of the rows the frontal servers accepted from it and pushes that sum, in shards, to
 every server of the stage; then it pulls the next version of the parameters. It can stop at
 any moment: whatever it had not finished is in the servers' task pool.
+
+A client is four parts with one role each: its links to the stage's servers with their
+heartbeats (``server_links.py``), its copy of the stage and a task's arithmetic on it
+(``stage_compute.py``), the pulls of its parameters (``parameter_pull.py``), and this file: the
+tasks it holds and the messages that move them.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -20,19 +24,17 @@ from typing import Callable
 import torch
 import zmq
 
-from heteropp.model_spec import ModelSpec
-
-from .job import Job, flat_parameters, shard_bounds
+from .job import Job
+from .parameter_pull import ParameterPull
 from .ranges import RowSet
-from .security import JobKeys, connecting_socket
-from .server import max_message_bytes
+from .security import JobKeys
+from .server_links import ServerLinks
+from .stage_compute import StageCompute
 from .wire import Message, ProtocolError
 
 log = logging.getLogger("volunteer.client")
 
-HEARTBEAT = 0.5  # seconds between heartbeats; the job's liveness is several of them
 LEAVE_LINGER_MS = 1000  # how long a leaving client keeps trying to deliver its LEAVE
-PACED_OPS = ("TASK", "BWD", "ACT", "BWD_DONE")
 MAX_GRAPHS = 4  # forward graphs kept at once (memory, as 1F1B bounds in-flight micro-batches)
 
 
@@ -65,29 +67,14 @@ class Client:
                  fault: Callable[[str], None] | None = None, link: tuple[float, float] | None = None,
                  device: str = "cpu"):
         self.job, self.stage, self.name = job, stage, name
-        self.flops, self.emulate_flops, self.leave_after = flops, emulate_flops, leave_after
+        self.flops, self.leave_after = flops, leave_after
         self.fault = fault or (lambda point: None)  # fault injection: raises Departed at a point
-        self.link = link  # emulated link for task data: (seconds of delay, bytes per second)
         self.spec = job.stages[stage]
         self.first, self.last = stage == 0, stage == len(job.stages) - 1
-        self.identity = f"c:{name}:{secrets.token_hex(4)}".encode()
-        self.context = zmq.Context()
-        self.keys = keys
-        max_bytes = max_message_bytes(job)
-        self.sockets = [connecting_socket(self.context, keys, f"tcp://{s.address}", self.identity, max_bytes)
-                        for s in self.spec.servers]
-        self.frontal = self.sockets[:len(self.spec.frontal)]
-        self.backward = self.sockets[len(self.spec.frontal):]
-        self.device = torch.device(device)  # "dipu" computes on the emulated (or a real) accelerator
-        self.module = job.stage_module(stage).to(self.device)
-        self.params = flat_parameters(self.module)
-        self.numel = sum(p.numel() for p in self.params)
-        layers = self.spec.layers[1] - self.spec.layers[0]
-        self.flops_per_sample = layers * 3 * ModelSpec.from_dict(job.model, seq=job.seq).layer_forward_flops()
-        self.version = -1
-        self.incoming: dict[int, dict[int, torch.Tensor]] = {}  # version -> shard -> piece
-        self.pulling: int | None = None
-        self.pull_replies = 0
+        self.links = ServerLinks(job, stage, f"c:{name}:{secrets.token_hex(4)}".encode(), keys, link)
+        self.frontal, self.backward = self.links.frontal, self.links.backward
+        self.compute = StageCompute(job, stage, device, emulate_flops)
+        self.pull = ParameterPull(self.compute.numel, len(self.links.sockets))
         self.work: dict[tuple[int, int, int], Work] = {}
         self.parked: list[Work] = []  # tasks waiting for a newer version of the parameters
         # finished tasks whose gradient waits for the FS's verdict: key -> (step, rows, gradient, sent at)
@@ -102,34 +89,16 @@ class Client:
         self.stop_event = threading.Event()
         self.tasks_done = 0
 
-    # -- sending -------------------------------------------------------------------------------
-    def _send(self, sock: zmq.Socket, msg: Message) -> None:
-        self._cross_link(msg)
-        sock.send_multipart(msg.encode(), copy=False)
-
-    def _cross_link(self, msg: Message) -> None:
-        """Emulates a slow link for the rows a task moves (not for parameters, whose transfer
-        delayed updates overlap with compute): sleeps its delay plus the bytes' time."""
-        if self.link is not None and msg.op in PACED_OPS and msg.tensors:
-            delay, rate = self.link
-            time.sleep(delay + sum(t.numel() * t.element_size() for t in msg.tensors) / rate)
-
-    def _broadcast(self, msg: Message) -> None:
-        for s in self.sockets:
-            self._send(s, msg)
-
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Compute until every frontal server says the job is finished; returns tasks done."""
         started = time.monotonic()
-        self._broadcast(Message("HELLO", {"flops": self.flops}))
+        self.links.broadcast(Message("HELLO", {"flops": self.flops}))
         self._pull(0)
         poller = zmq.Poller()
-        for s in self.sockets:
+        for s in self.links.sockets:
             poller.register(s, zmq.POLLIN)
-        beating = threading.Event()
-        heart = threading.Thread(target=self._heartbeat, args=(beating,), name=f"{self.name}-heartbeat", daemon=True)
-        heart.start()
+        self.links.start_heartbeats()
         graceful = False
         try:
             while not self.stop_event.is_set() and len(self.finished_by) < len(self.frontal):
@@ -142,37 +111,19 @@ class Client:
         except Departed:
             log.info("%s departs without warning", self.name)
         finally:
-            beating.set()
-            heart.join()
+            self.links.stop_heartbeats()
             if graceful:  # say so: the servers hand its work to others at once
                 log.info("%s leaves", self.name)
-                self._broadcast(Message("LEAVE", {}))
+                self.links.broadcast(Message("LEAVE", {}))
             self.close(LEAVE_LINGER_MS if graceful else 0)
         return self.tasks_done
-
-    def _heartbeat(self, done: threading.Event) -> None:
-        """Beats from a thread and sockets of its own (``<identity>:hb``), so that a long task
-        never makes a live client look gone."""
-        max_bytes = 64 << 10
-        socks = [connecting_socket(self.context, self.keys, f"tcp://{s.address}", self.identity + b":hb", max_bytes)
-                 for s in self.spec.servers]
-        beat = Message("HEARTBEAT", {}).encode()
-        try:
-            while not done.wait(HEARTBEAT):
-                for sock in socks:
-                    sock.send_multipart(beat)
-        finally:
-            for sock in socks:
-                sock.close(0)
 
     def stop(self) -> None:
         """Leave at the next chance, telling the servers (a graceful departure)."""
         self.stop_event.set()
 
     def close(self, linger_ms: int = 0) -> None:
-        for s in self.sockets:
-            s.close(linger_ms)
-        self.context.term()
+        self.links.close(linger_ms)
 
     def _step_once(self) -> bool:
         """Do one piece of local work, if any is ready; True when something was done."""
@@ -193,7 +144,7 @@ class Client:
         if self.asking is None and not self.parked and len(self._graphs()) < MAX_GRAPHS:
             self.asking = self.next_fs
             self.next_fs = (self.next_fs + 1) % len(self.frontal)
-            self._send(self.frontal[self.asking], Message("REQ_TASK", {}))
+            self.links.send(self.frontal[self.asking], Message("REQ_TASK", {}))
         return False
 
     def _graphs(self) -> list[Work]:
@@ -207,7 +158,7 @@ class Client:
         redo of an earlier step needs (only with delayed updates, under churn) uses its own:
         the shards keep just the version before the current one."""
         need = self._required_version(w.step)
-        if self.version >= need:
+        if self.pull.version >= need:
             return True
         self._pull(need)
         return False
@@ -217,7 +168,7 @@ class Client:
         frames = sock.recv_multipart()
         try:
             msg = Message.decode(frames)
-            self._cross_link(msg)
+            self.links.cross(msg)
             handler = getattr(self, f"_on_{msg.op.lower()}", None)
             if handler is None:
                 raise ProtocolError(f"unexpected {msg.op!r}")
@@ -295,37 +246,27 @@ class Client:
 
     def _on_params(self, sock: zmq.Socket, msg: Message) -> None:
         version = msg.int("version", 0, self.job.steps)
-        shard = self.sockets.index(sock)
-        lo, hi = shard_bounds(self.numel, len(self.sockets), shard)
-        self.incoming.setdefault(version, {})[shard] = msg.tensor(0, torch.float32, (hi - lo,), finite=True)
-        self.pull_replies += 1
+        shard = self.links.sockets.index(sock)
+        lo, hi = self.pull.bounds(shard)
+        self.pull.received(version, shard, msg.tensor(0, torch.float32, (hi - lo,), finite=True))
 
     # -- parameters ----------------------------------------------------------------------------
     def _pull(self, version: int) -> None:
-        if self.pulling == version:
-            return
-        self.pulling, self.pull_replies, self.incoming = version, 0, {}
-        self._broadcast(Message("PULL", {"version": version}))
+        if self.pull.ask(version):
+            self.links.broadcast(Message("PULL", {"version": version}))
 
     def _apply_version(self) -> None:
-        """Install the version pulled once every shard sent its piece of it and no forward graph
-        depends on the old one. Shards that committed in between may answer with different
-        versions; then it asks again."""
-        if self.pulling is None:
-            return
-        complete = [v for v, pieces in self.incoming.items() if len(pieces) == len(self.sockets) and v >= self.pulling]
-        if not complete:
-            if self.pull_replies >= len(self.sockets):
-                target, self.pulling = self.pulling, None
+        """Install the version pulled once it is complete and no forward graph depends on the old
+        one; ask again when every shard answered without one."""
+        version = self.pull.complete()
+        if version is None:
+            if self.pull.answered_without_one():
+                target, self.pull.pulling = self.pull.pulling, None
                 self._pull(target)
             return
         if self._graphs() or self.awaiting_accept:
             return
-        v = min(complete)
-        flat = torch.cat([self.incoming[v][i] for i in range(len(self.sockets))])
-        with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(flat.to(self.device), self.params)
-        self.version, self.pulling, self.incoming = v, None, {}
+        self.compute.install(self.pull.take(version))
 
     # -- compute -------------------------------------------------------------------------------
     def _start(self, w: Work) -> None:
@@ -336,60 +277,43 @@ class Client:
         else:  # bwd / redo on an inner stage: the gradient comes from the backward servers
             self.work[w.key] = w
             for b, rows in self.job.owners(self.spec.backward, w.mb, w.rows):
-                self._send(self.backward[b], Message("GET_GRAD", {"task": list(w.key), "step": w.step, "mb": w.mb,
-                                                                  "start": rows[0], "end": rows[1]}))
-
-    def _leaf(self, w: Work) -> torch.Tensor:
-        x = w.x.to(self.device)
-        return x if self.first else x.clone().requires_grad_(True)
+                self.links.send(self.backward[b], Message("GET_GRAD", {"task": list(w.key), "step": w.step,
+                                                                       "mb": w.mb, "start": rows[0], "end": rows[1]}))
 
     def _forward(self, w: Work) -> None:
         self.fault("forward")
-        with self._paced(w.rows, 1 / 3):
-            x = self._leaf(w)
-            y = self.module(x)
+        with self.compute.paced(w.rows, 1 / 3):
+            x = self.compute.leaf(w.x)
+            y = self.compute.forward(x)
         w.graph = (x, y)
         self.work[w.key] = w
         out = y.detach().cpu()
         for b, rows in self.job.owners(self.spec.backward, w.mb, w.rows):
-            self._send(self.backward[b], Message("ACT", {"task": list(w.key), "step": w.step, "mb": w.mb,
-                                                         "start": rows[0], "end": rows[1]},
-                                                 [out[rows[0] - w.rows[0]:rows[1] - w.rows[0]]]))
-        self._send(self.frontal[w.key[1]], Message("FWD_DONE", {"task": list(w.key), "attempt": w.attempt}))
+            self.links.send(self.backward[b], Message("ACT", {"task": list(w.key), "step": w.step, "mb": w.mb,
+                                                              "start": rows[0], "end": rows[1]},
+                                                      [out[rows[0] - w.rows[0]:rows[1] - w.rows[0]]]))
+        self.links.send(self.frontal[w.key[1]], Message("FWD_DONE", {"task": list(w.key), "attempt": w.attempt}))
 
     def _forward_backward_last(self, w: Work) -> None:
         """The last stage: forward, loss and backward in one task."""
         self.fault("forward")
-        with self._paced(w.rows, 1.0):
-            x = self._leaf(w)
-            mean = self.module(x, w.targets.to(self.device))
-            loss_sum = mean * w.targets.numel()
-            grads = self._backward(x, loss_sum / (self.job.batch * self.job.seq), None)  # its share of the batch mean
+        with self.compute.paced(w.rows, 1.0):
+            x = self.compute.leaf(w.x)
+            loss_sum = self.compute.loss_sum(x, w.targets)
+            grads = self.compute.backward(x, loss_sum / (self.job.batch * self.job.seq), None)  # its share of the batch mean
         self._report(w, grads, float(loss_sum.detach()))
 
     def _finish_backward(self, w: Work) -> None:
         self.fault("backward")
         del self.work[w.key]
-        with self._paced(w.rows, 2 / 3 if w.graph is not None else 1.0):
+        with self.compute.paced(w.rows, 2 / 3 if w.graph is not None else 1.0):
             if w.graph is not None:
                 x, y = w.graph
             else:  # another client's forward: recompute it
-                x = self._leaf(w)
-                y = self.module(x)
-            grads = self._backward(x, y, w.grad.to(self.device))
+                x = self.compute.leaf(w.x)
+                y = self.compute.forward(x)
+            grads = self.compute.backward(x, y, w.grad)
         self._report(w, grads, 0.0)
-
-    def _backward(self, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None):
-        """(input gradient or None, flat parameter gradient) of one task. Gradients go through
-        ``.grad`` because the stage's linear layers accumulate their weight gradients there."""
-        for p in self.params:
-            p.grad = None
-        torch.autograd.backward(y, grad)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params]).cpu()
-        for p in self.params:
-            p.grad = None
-        return (None if self.first else x.grad.cpu()), flat
 
     def _report(self, w: Work, grads: tuple[torch.Tensor | None, torch.Tensor], loss_sum: float) -> None:
         input_grad, flat = grads
@@ -398,9 +322,9 @@ class Client:
             self._push(w.step, [list(w.rows)], flat)
             return
         self.awaiting_accept[w.key] = (w.step, w.rows, flat, time.monotonic())
-        self._send(self.frontal[w.key[1]], Message("BWD_DONE", {"task": list(w.key), "attempt": w.attempt,
-                                                               "loss": loss_sum},
-                                                   [] if input_grad is None else [input_grad]))
+        self.links.send(self.frontal[w.key[1]], Message("BWD_DONE", {"task": list(w.key), "attempt": w.attempt,
+                                                                    "loss": loss_sum},
+                                                        [] if input_grad is None else [input_grad]))
 
     def _push_finished_steps(self) -> None:
         for step, done in self.seg_done.items():
@@ -415,18 +339,7 @@ class Client:
                 self._push(step, rows.ranges(), grads)
 
     def _push(self, step: int, rows: list[list[int]], flat: torch.Tensor) -> None:
-        for i, sock in enumerate(self.sockets):
+        for i, sock in enumerate(self.links.sockets):
             self.fault("push")  # between shards too: a client may leave having pushed to some
-            lo, hi = shard_bounds(self.numel, len(self.sockets), i)
-            self._send(sock, Message("PUSH", {"step": step, "rows": rows}, [flat[lo:hi]]))
-
-    @contextlib.contextmanager
-    def _paced(self, rows: tuple[int, int], fraction: float):
-        """Emulates a slower chip: the block takes at least ``fraction`` of the task's training
-        FLOPs at ``emulate_flops``, sleeping (never spinning) for the rest."""
-        t0 = time.monotonic()
-        yield
-        if self.emulate_flops:
-            rest = (rows[1] - rows[0]) * self.flops_per_sample * fraction / self.emulate_flops - (time.monotonic() - t0)
-            if rest > 0:
-                time.sleep(rest)
+            lo, hi = self.pull.bounds(i)
+            self.links.send(sock, Message("PUSH", {"step": step, "rows": rows}, [flat[lo:hi]]))

@@ -12,7 +12,8 @@ from dimodel.datasets import step_batch, text_corpus
 from dimodel.llama import Llama
 from heteropp.plan import Plan
 
-from .trainer import TrainOptions, full_initialization, global_batch_size, make_optimizer, model_config
+from .stage_update import make_optimizer
+from .trainer import TrainOptions, full_initialization, global_batch_size, model_config
 
 
 def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], Llama]:
@@ -22,7 +23,7 @@ def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], Lla
     config = model_config(plan)
     model = Llama(config)
     model.load_state_dict(full_initialization(config, options.seed))
-    optimizer = make_optimizer(model.parameters(), options)
+    optimizer = make_optimizer(model.parameters(), options.lr, options.weight_decay)
     data, _ = text_corpus()
     n, seq = global_batch_size(plan), plan.model.seq
     losses, start = [], time.perf_counter()

@@ -1,16 +1,14 @@
-"""Training one model over a HeteroPP plan: each rank builds its stage on its chip, runs its
-stage's action list every step, then reduces gradients over its DP group, clips by the global
-norm across all stages and steps its optimizer.
+"""Training one model over a HeteroPP plan: each rank builds its stage on its chip and runs its
+stage's action list every step (``PipelineTrainer``), then updates its stage
+(``stage_update.StageUpdate``: gradients reduced over its DP group, clipped by the global norm
+across all stages, the optimizer stepped); ``training_run.TrainingRun`` runs the steps.
 
 Call after ``torch.distributed.init_process_group`` (``ditorch.train`` does both).
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +23,9 @@ from heteropp.schedule import Schedule, fine_grained, gpipe, one_f_one_b
 from .boundary import RESHARD_MODES, StageBoundary
 from .executor import StageExecutor
 from .layout import PipelineLayout, RankPlace, StageGroups
-from .stage_model import StageModule, check_divisible, shard_dim
-from .trace import TraceRecorder, now, write_chrome_trace
+from .stage_model import StageModule, check_divisible
+from .stage_update import StageUpdate
+from .trace import TraceRecorder, now
 
 SCHEDULES = ("1f1b", "gpipe", "fine-grained")
 PRECISIONS = ("bf16", "fp32")
@@ -78,10 +77,6 @@ def full_initialization(config: LlamaConfig, seed: int) -> dict[str, torch.Tenso
     """The full model's initial weights, as a single-process run makes them from ``seed``."""
     torch.manual_seed(seed)
     return Llama(config).state_dict()
-
-
-def make_optimizer(params, options: TrainOptions) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
 
 
 def global_batch_size(plan: Plan) -> int:
@@ -144,7 +139,8 @@ def check_plan_fits(plan: Plan, options: TrainOptions) -> None:
 
 
 class PipelineTrainer:
-    """This rank's part of a plan-driven training run."""
+    """This rank's stage of a plan-driven training run: its place, chip, module, boundaries,
+    action list and update; ``step`` runs one training step."""
 
     def __init__(self, plan: Plan, options: TrainOptions):
         import ditorch_ext
@@ -163,14 +159,8 @@ class PipelineTrainer:
         self.schedule = build_schedule(plan, options.schedule)
         self.groups = StageGroups.create(self.layout, self.place)
         self.module = self._build_module()
-        self.zero = None
-        if options.zero1 and plan.dp > 1:
-            from .zero import ZeroAdamW
-
-            self.zero = ZeroAdamW(list(self.module.parameters()), self.groups.dp, plan.dp, self.place.dp_index,
-                                  options.lr, options.weight_decay)
-        else:
-            self.optimizer = make_optimizer(self.module.parameters(), options)
+        self.update = StageUpdate(self.module, self.groups, self.place, plan.dp, options.lr, options.weight_decay,
+                                  options.clip, options.zero1, self.device)
         self.trace = TraceRecorder(self.place.rank, self.place.stage, enabled=options.trace is not None)
         self.executor = StageExecutor(
             self.module, self.schedule.actions[self.place.stage], *self._boundaries(),
@@ -213,34 +203,13 @@ class PipelineTrainer:
     def _bytes_sent(self) -> int:
         return sum(b.bytes_sent for b in (self.executor.prev, self.executor.next) if b is not None)
 
-    def _owned(self, name: str) -> bool:
-        """Whether this TP rank counts ``name`` in the global norm (a replicated tensor counts on
-        TP rank 0 only); over DP, replica 0 counts, or with ZeRO-1 each rank its own slice."""
-        return shard_dim(name) is not None or self.place.tp_index == 0
-
     def optimizer_state(self) -> dict:
         """AdamW's state per parameter of this rank (gathered over DP under ZeRO-1: collective)."""
-        return self.zero.param_state() if self.zero is not None else dict(self.optimizer.state)
+        return self.update.state()
 
     def load_optimizer_state(self, state: dict) -> None:
         """Install per-parameter AdamW state (after the parameters themselves were loaded)."""
-        if self.zero is not None:
-            self.zero.load_param_state(state)
-        else:
-            for p, st in state.items():
-                self.optimizer.state[p] = st
-
-    @staticmethod
-    def _all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-        """Sum ``grads`` over ``group`` as one bucket."""
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-
-    def _reduce_gradients(self) -> None:
-        if self.groups.dp is not None:
-            self._all_reduce_flat([p.grad for p in self.module.parameters()], self.groups.dp)
+        self.update.load_state(state)
 
     def step(self, step: int) -> float:
         """Run one training step; returns the global batch's mean loss (on every rank)."""
@@ -248,28 +217,8 @@ class PipelineTrainer:
         tokens, targets = self._microbatches(step)
         losses = self.executor.run(step, tokens, targets)
         t_update = now()
-        if self.module.sp:  # each TP rank saw only its tokens: the norms' gradients are partial
-            self._all_reduce_flat([p.grad for p in self.module.replicated_parameters()], self.groups.tp.group)
-        owned = [self._owned(n) for n, _ in self.module.named_parameters()]
-        if self.zero is not None:
-            self.zero.reduce_scatter_gradients()
-            sumsq = self.zero.owned_sumsq(owned)
-        else:
-            self._reduce_gradients()
-            mine = [p.grad for p, o in zip(self.module.parameters(), owned) if o and self.place.dp_index == 0]
-            sumsq = torch.stack(torch._foreach_norm(mine)).double().pow(2).sum() if mine else \
-                torch.zeros((), dtype=torch.float64, device=self.device)
         loss_sum = sum(losses) if self.module.is_last and self.place.tp_index == 0 else 0.0
-        totals = torch.stack([sumsq, torch.tensor(loss_sum, dtype=torch.float64, device=self.device)])
-        dist.all_reduce(totals)
-        total_norm, loss_total = math.sqrt(totals[0].item()), totals[1].item()
-        coef = min(1.0, self.options.clip / (total_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
-        if self.zero is not None:
-            self.zero.step(coef)
-        else:
-            torch._foreach_mul_([p.grad for p in self.module.parameters()], coef)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        loss_total = self.update.apply(loss_sum)
         torch.dipu.synchronize()
         # the step's CPU time and boundary bytes ride on its UPDATE event (benchmarks read them)
         self.trace.record(f"{self.place.stage}UPDATE", "UPDATE", t_update, now(), step=step,
@@ -278,63 +227,12 @@ class PipelineTrainer:
         return loss_total / (self.plan.num_microbatches * self.plan.dp)
 
     # -- the run -----------------------------------------------------------------------------
-    def train(self, after_step: Callable[[int], bool] | None = None) -> list[float]:
-        """All steps; rank 0 logs, shows progress and writes the trace. Returns the losses.
-
-        ``after_step(step)``, called on every rank after each step (e.g. a Di-PS outer step),
-        ends the run early by returning True on every rank."""
-        from diutil.loss_log import LossLogger
-
-        o = self.options
-        log = LossLogger(o.log, append=self.start_step > 0) if o.log and dist.get_rank() == 0 else None
-        tokens_per_step = global_batch_size(self.plan) * self.plan.model.seq
-        losses, start = [], time.perf_counter()
-        try:
-            for step in range(self.start_step, o.steps):
-                loss = self.step(step)
-                losses.append(loss)
-                if log is not None:
-                    log.log(step + 1, loss, (step + 1) * tokens_per_step)
-                if o.progress and dist.get_rank() == 0:
-                    self._progress(step + 1, loss, tokens_per_step * len(losses) / (time.perf_counter() - start))
-                if o.save and o.save_every and (step + 1) % o.save_every == 0:
-                    self.save(o.save, step + 1)
-                stop = after_step is not None and after_step(step)
-                if o.check_replicas and ((step + 1) % o.check_replicas == 0 or stop or step + 1 == o.steps):
-                    self.check_replicas()
-                if stop:
-                    break
-        finally:
-            if log is not None:
-                log.close()
-        if o.save:
-            self.save(o.save, o.steps)
-        if o.trace:
-            self._write_trace(o.trace)
-        return losses
-
     def check_replicas(self) -> None:
         """Raise ReplicaDivergence if this stage's DP replicas hold different parameters (after
         the step's update and any outer step); collective over every DP group."""
         from .replicas import check_replicas
 
         check_replicas(self.module, self.groups.dp, f"stage {self.place.stage} TP rank {self.place.tp_index}")
-
-    def _progress(self, step: int, loss: float, rate: float) -> None:
-        n = self.options.steps
-        tty = sys.stdout.isatty()
-        if not tty and step != n and step % max(1, n // 10):
-            return  # a log file gets every tenth of the run, a terminal every step
-        bar = "#" * (30 * step // n)
-        end = "\n" if step == n or not tty else "\r"
-        print(f"  [{bar:<30}] step {step:>4}/{n}  loss {loss:.4f}  {rate:,.0f} tok/s", end=end, flush=True)
-
-    def _write_trace(self, path: Path) -> None:
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(self.trace.events(), gathered, dst=0)
-        if dist.get_rank() == 0:
-            names = [f"{s.chip} tp{s.tp}" + (" recompute" if s.recompute else "") for s in self.plan.stages]
-            write_chrome_trace(path, [e for evs in gathered for e in evs], names)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, directory: Path, step: int) -> None:

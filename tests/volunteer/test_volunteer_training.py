@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+import ditorch  # noqa: F401  (registers dipu before any backward in this process; see the dipu test)
 from volunteer.client import Departed
 from volunteer.job import shard_bounds
 from volunteer.local import LocalJob, loopback_job
@@ -149,14 +150,13 @@ def test_a_client_that_says_it_leaves_has_its_work_redone_at_once():
 
 def test_clients_on_dipu_and_on_the_cpu_train_the_same_model():
     """The seam with DiTorch: one stage's clients compute on the dipu device, the other's on the
-    CPU, and the job still equals single-process training."""
-    import ditorch  # noqa: F401  (registers dipu)
-
+    CPU, and the job still equals single-process training. (ditorch is imported with this module,
+    at collection: the autograd engine sizes its device queues at the process's first backward.)"""
     job = loopback_job(TINY, [(0, 2), (2, 4)], [(1, 1), (1, 1)], batch=8, microbatches=2, seq=16, steps=3,
                        lr=1e-2, **FAST)
     clients = [(0, "dipu0", {"device": "dipu"}), (0, "cpu0", {}), (1, "dipu1", {"device": "dipu"})]
     lj = run(job, clients)
     check_exact(job, lj)
-    devices = {c.name: next(c.module.parameters()).device.type for c, _ in lj.clients}
+    devices = {c.name: next(c.compute.module.parameters()).device.type for c, _ in lj.clients}
     assert devices == {"dipu0": "dipu", "cpu0": "cpu", "dipu1": "dipu"}
     assert all(c.tasks_done for c, _ in lj.clients if c.name != "cpu0")  # the dipu clients did compute

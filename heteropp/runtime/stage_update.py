@@ -1,0 +1,87 @@
+"""A stage's update after its micro-batches: gradients reduced (the sequence-parallel norms'
+over TP, everything over DP, or reduce-scattered under ZeRO-1), the global gradient norm summed
+over every stage, TP and DP rank, clipped as ``torch.nn.utils.clip_grad_norm_`` clips, and the
+optimizer stepped."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .layout import RankPlace, StageGroups
+from .stage_model import StageModule, shard_dim
+
+
+class StageUpdate:
+    """The optimizer (AdamW, or ZeRO-1's sharded AdamW when ``zero1`` and DP > 1) of this rank's
+    stage ``module``, clipping at ``clip``."""
+
+    def __init__(self, module: StageModule, groups: StageGroups, place: RankPlace, dp: int, lr: float,
+                 weight_decay: float, clip: float, zero1: bool, device: torch.device):
+        self.module, self.groups, self.place, self.clip, self.device = module, groups, place, clip, device
+        self.zero = None
+        if zero1 and dp > 1:
+            from .zero import ZeroAdamW
+
+            self.zero = ZeroAdamW(list(module.parameters()), groups.dp, dp, place.dp_index, lr, weight_decay)
+        else:
+            self.optimizer = make_optimizer(module.parameters(), lr, weight_decay)
+
+    def state(self) -> dict:
+        """AdamW's state per parameter of this rank (gathered over DP under ZeRO-1: collective)."""
+        return self.zero.param_state() if self.zero is not None else dict(self.optimizer.state)
+
+    def load_state(self, state: dict) -> None:
+        """Install per-parameter AdamW state (after the parameters themselves were loaded)."""
+        if self.zero is not None:
+            self.zero.load_param_state(state)
+        else:
+            for p, st in state.items():
+                self.optimizer.state[p] = st
+
+    def apply(self, loss_sum: float) -> float:
+        """Reduce, clip and step; ``loss_sum`` is this rank's share of the batch's summed loss.
+        Returns the loss summed over every rank (collective over the whole job)."""
+        module = self.module
+        if module.sp:  # each TP rank saw only its tokens: the norms' gradients are partial
+            all_reduce_flat([p.grad for p in module.replicated_parameters()], self.groups.tp.group)
+        owned = [self._owned(n) for n, _ in module.named_parameters()]
+        if self.zero is not None:
+            self.zero.reduce_scatter_gradients()
+            sumsq = self.zero.owned_sumsq(owned)
+        else:
+            if self.groups.dp is not None:
+                all_reduce_flat([p.grad for p in module.parameters()], self.groups.dp)
+            mine = [p.grad for p, o in zip(module.parameters(), owned) if o and self.place.dp_index == 0]
+            sumsq = torch.stack(torch._foreach_norm(mine)).double().pow(2).sum() if mine else \
+                torch.zeros((), dtype=torch.float64, device=self.device)
+        totals = torch.stack([sumsq, torch.tensor(loss_sum, dtype=torch.float64, device=self.device)])
+        dist.all_reduce(totals)
+        total_norm, loss_total = math.sqrt(totals[0].item()), totals[1].item()
+        coef = min(1.0, self.clip / (total_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if self.zero is not None:
+            self.zero.step(coef)
+        else:
+            torch._foreach_mul_([p.grad for p in module.parameters()], coef)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss_total
+
+    def _owned(self, name: str) -> bool:
+        """Whether this TP rank counts ``name`` in the global norm (a replicated tensor counts on
+        TP rank 0 only); over DP, replica 0 counts, or with ZeRO-1 each rank its own slice."""
+        return shard_dim(name) is not None or self.place.tp_index == 0
+
+
+def all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum ``grads`` over ``group`` as one bucket."""
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer of every stage, and of the single-process reference alike."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
