@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "comm/core/Tags.h"
@@ -13,6 +14,8 @@
 namespace dicomm {
 
 namespace {
+
+constexpr const char* kStorePrefix = "dicomm/";  // the group's keys in the store
 
 std::vector<std::pair<std::string, const TransportFactory*>> byPreference() {
   std::vector<std::pair<std::string, const TransportFactory*>> all;
@@ -92,65 +95,70 @@ std::string localHostId() {
 
 Communicator::Communicator(CommunicatorOptions options)
     : options_(std::move(options)), mailbox_(options_.rank) {
-  const int rank = options_.rank, size = options_.size;
-  auto& store = options_.store;
-  const std::string prefix = "dicomm/";
-  const auto& registry = transportRegistry();
+  checkForcedTransport();
+  const std::string myHost = localHostId();
+  const std::vector<std::string> myUsable =
+      options_.transport == "auto" ? transportsUsable() : std::vector<std::string>{options_.transport};
+  const std::vector<uint8_t> authKey = shareAuthKey(myHost, myUsable);
+  const int localRanks = choosePairTransports(myHost, myUsable);
+  groupHosts();
+  connectPairs(startTransports(authKey, localRanks, myHost));
+}
 
+void Communicator::checkForcedTransport() const {
   const std::string& forced = options_.transport;
-  if (forced != "auto") {
-    if (!registry.count(forced)) {
-      throw std::invalid_argument("dicomm: DICOMM_TRANSPORT='" + forced +
-                                  "' is not built in; built: " + join(transportsBuilt()) +
-                                  " (or 'auto')");
-    }
-    if (!usableCached(forced)) {
-      throw std::runtime_error("dicomm: DICOMM_TRANSPORT='" + forced +
-                               "' is built but not usable on this machine; usable: " +
-                               join(transportsUsable()));
-    }
+  if (forced == "auto") return;
+  if (!transportRegistry().count(forced)) {
+    throw std::invalid_argument("dicomm: DICOMM_TRANSPORT='" + forced + "' is not built in; built: " +
+                                join(transportsBuilt()) + " (or 'auto')");
   }
+  if (!usableCached(forced)) {
+    throw std::runtime_error("dicomm: DICOMM_TRANSPORT='" + forced +
+                             "' is built but not usable on this machine; usable: " + join(transportsUsable()));
+  }
+}
 
-  // Shared secret that every connection proves; rank 0 creates it.
+void Communicator::waitForKey(const std::string& key, int who) const {
+  try {
+    options_.store->wait({key}, options_.timeout);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("dicomm: rank " + std::to_string(who) + " of " + std::to_string(options_.size) +
+                             " did not join the process group within " + std::to_string(options_.timeout.count()) +
+                             " ms (rank " + std::to_string(options_.rank) + " waited for store key '" + key + "')");
+  }
+}
+
+std::vector<uint8_t> Communicator::shareAuthKey(const std::string& myHost, const std::vector<std::string>& myUsable) {
+  // The shared secret every connection proves: rank 0 creates it. Each rank also publishes its
+  // host and usable transports, which choosePairTransports() reads.
+  auto& store = options_.store;
   std::vector<uint8_t> authKey(32);
-  const std::string authKeyName = prefix + "auth";
-  const std::string myInfoKey = prefix + "info/" + std::to_string(rank);
-  if (rank == 0) {
+  const std::string authKeyName = std::string(kStorePrefix) + "auth";
+  if (options_.rank == 0) {
     std::random_device rd;
     for (auto& b : authKey) b = static_cast<uint8_t>(rd());
     store->set(authKeyName, authKey);
   }
-  const std::string myHost = localHostId();
-  std::vector<std::string> myUsable =
-      forced == "auto" ? transportsUsable() : std::vector<std::string>{forced};
-  store->set(myInfoKey, stringToBytes(myHost + "\n" + join(myUsable)));
-
-  auto waitKey = [&](const std::string& key, int who) {
-    try {
-      store->wait({key}, options_.timeout);
-    } catch (const std::exception& e) {
-      throw std::runtime_error("dicomm: rank " + std::to_string(who) + " of " +
-                               std::to_string(size) + " did not join the process group within " +
-                               std::to_string(options_.timeout.count()) +
-                               " ms (rank " + std::to_string(rank) + " waited for store key '" +
-                               key + "')");
-    }
-  };
-  if (rank != 0) {
-    waitKey(authKeyName, 0);
+  store->set(std::string(kStorePrefix) + "info/" + std::to_string(options_.rank),
+             stringToBytes(myHost + "\n" + join(myUsable)));
+  if (options_.rank != 0) {
+    waitForKey(authKeyName, 0);
     authKey = store->get(authKeyName);
   }
+  return authKey;
+}
 
-  // Choose a transport per peer: the most preferred one both ranks can use and that reaches.
+int Communicator::choosePairTransports(const std::string& myHost, const std::vector<std::string>& myUsable) {
+  // Per peer: the most preferred transport both ranks can use and that reaches.
+  const int rank = options_.rank, size = options_.size;
   pairTransport_.assign(size, "self");
   peerHost_.assign(size, myHost);
-  std::map<std::string, bool> needed;
   int localRanks = 1;
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    const std::string key = prefix + "info/" + std::to_string(p);
-    waitKey(key, p);
-    std::string info = bytesToString(store->get(key));
+    const std::string key = std::string(kStorePrefix) + "info/" + std::to_string(p);
+    waitForKey(key, p);
+    std::string info = bytesToString(options_.store->get(key));
     size_t nl = info.find('\n');
     std::string peerHost = info.substr(0, nl);
     std::vector<std::string> peerUsable = split(info.substr(nl + 1));
@@ -165,17 +173,18 @@ Communicator::Communicator(CommunicatorOptions options)
       }
     }
     if (chosen.empty()) {
-      throw std::runtime_error("dicomm: no transport connects rank " + std::to_string(rank) +
-                               " (host " + myHost + ", usable " + join(myUsable) + ") to rank " +
-                               std::to_string(p) + " (host " + peerHost + ", usable " +
-                               join(peerUsable) + ")");
+      throw std::runtime_error("dicomm: no transport connects rank " + std::to_string(rank) + " (host " + myHost +
+                               ", usable " + join(myUsable) + ") to rank " + std::to_string(p) + " (host " +
+                               peerHost + ", usable " + join(peerUsable) + ")");
     }
     pairTransport_[p] = chosen;
     peerHost_[p] = peerHost;
-    needed[chosen] = true;
   }
+  return localRanks;
+}
 
-  for (int p = 0; p < size; ++p) {
+void Communicator::groupHosts() {
+  for (int p = 0; p < options_.size; ++p) {
     auto known = std::find_if(hosts_.begin(), hosts_.end(),
                               [&](const std::vector<int>& h) { return peerHost_[h[0]] == peerHost_[p]; });
     if (known == hosts_.end()) {
@@ -186,36 +195,45 @@ Communicator::Communicator(CommunicatorOptions options)
       known->push_back(p);
     }
   }
+}
 
+std::map<std::string, Transport*> Communicator::startTransports(const std::vector<uint8_t>& authKey, int localRanks,
+                                                                const std::string& myHost) {
   TransportContext ctx;
-  ctx.store = store;
-  ctx.keyPrefix = prefix;
-  ctx.rank = rank;
-  ctx.size = size;
+  ctx.store = options_.store;
+  ctx.keyPrefix = kStorePrefix;
+  ctx.rank = options_.rank;
+  ctx.size = options_.size;
   ctx.timeout = options_.timeout;
   ctx.inbox = &mailbox_;
-  ctx.listen = chooseListenAddress(options_.listenHost, storeHostOf(store));
+  ctx.listen = chooseListenAddress(options_.listenHost, storeHostOf(options_.store));
   checkListenReaches(ctx.listen, myHost);
-  logLine(LogLevel::kInfo, "rank " + std::to_string(rank) + " of " + std::to_string(size) +
+  logLine(LogLevel::kInfo, "rank " + std::to_string(options_.rank) + " of " + std::to_string(options_.size) +
                                ": listens on " + ctx.listen.host +
                                (ctx.listen.interface.empty() ? "" : " (" + ctx.listen.interface + ")") +
-                               ", chosen by " + ctx.listen.reason + "; transports " +
-                               describeTransports());
+                               ", chosen by " + ctx.listen.reason + "; transports " + describeTransports());
   ctx.authKey = authKey;
   ctx.localRanks = localRanks;
+  std::set<std::string> needed;
+  for (int p = 0; p < options_.size; ++p)
+    if (p != options_.rank) needed.insert(pairTransport_[p]);
   std::map<std::string, Transport*> started;
-  for (auto& kv : needed) {
-    transports_.push_back(registry.at(kv.first).create());
+  for (const std::string& name : needed) {
+    transports_.push_back(transportRegistry().at(name).create());
     transports_.back()->start(ctx);
-    started[kv.first] = transports_.back().get();
+    started[name] = transports_.back().get();
   }
+  return started;
+}
+
+void Communicator::connectPairs(const std::map<std::string, Transport*>& started) {
   mailbox_.setPeerFailedHandler([this](int peer, const std::string& cause) {
     if (onFailure_) onFailure_(peer, cause);
   });
-  pairs_.resize(size);
+  pairs_.resize(options_.size);
   try {
-    for (int p = 0; p < size; ++p) {
-      if (p == rank) continue;
+    for (int p = 0; p < options_.size; ++p) {
+      if (p == options_.rank) continue;
       pairs_[p] = started.at(pairTransport_[p])->connect(p);
     }
   } catch (...) {

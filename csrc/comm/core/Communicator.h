@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -84,6 +85,18 @@ class Communicator {
   std::string closeCause() const;
 
  private:
+  // Joining the group, in the constructor's order: a forced DICOMM_TRANSPORT is built and usable;
+  // the auth key shared through the store (rank 0 makes it) and this rank's host and transports
+  // published; a transport chosen per peer (returns the ranks on this host); ranks grouped by
+  // host; the transports needed started; a pair connected to every peer.
+  void checkForcedTransport() const;
+  void waitForKey(const std::string& key, int who) const;
+  std::vector<uint8_t> shareAuthKey(const std::string& myHost, const std::vector<std::string>& myUsable);
+  int choosePairTransports(const std::string& myHost, const std::vector<std::string>& myUsable);
+  void groupHosts();
+  std::map<std::string, Transport*> startTransports(const std::vector<uint8_t>& authKey, int localRanks,
+                                                    const std::string& myHost);
+  void connectPairs(const std::map<std::string, Transport*>& started);
   // Throws when `listen` is a loopback address while a tcp peer is on another host.
   void checkListenReaches(const ListenAddress& listen, const std::string& myHost) const;
   std::string describeTransports() const;
