@@ -84,9 +84,9 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
-def _dipu_host_addressable() -> bool:
-    dipu = getattr(torch, "dipu", None)
-    probe = getattr(dipu, "is_host_addressable", None)
+def _dipu_says(question: str) -> bool:
+    """``torch.dipu.<question>()`` when the device layer is loaded, else False."""
+    probe = getattr(getattr(torch, "dipu", None), question, None)
     return bool(probe()) if callable(probe) else False
 
 
@@ -115,9 +115,10 @@ def _create_backend(dist_backend_opts, backend_options) -> ProcessGroupDicomm:
         transport=transport,
         listen_host=os.environ.get("DICOMM_LISTEN_HOST", ""),
         chunk_bytes=_env_int("DICOMM_CHUNK_BYTES", 4 << 20),
-        dipu_host_addressable=_dipu_host_addressable(),
+        dipu_host_addressable=_dipu_says("is_host_addressable"),
         force_staging=os.environ.get("DICOMM_FORCE_STAGING", "0") == "1",
         group_name=str(dist_backend_opts.group_id or ""),
+        dipu_asynchronous=_dipu_says("is_asynchronous"),
     )
 
 

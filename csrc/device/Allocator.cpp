@@ -285,8 +285,7 @@ DeviceAllocator& deviceAllocator() {
 }
 
 KernelAllocationScope::KernelAllocationScope(int device) : previous_(t_kernel_device) {
-  static const bool redirects = vendor().redirectsKernelAllocations();
-  if (redirects) t_kernel_device = device;
+  if (kernelAllocationsRedirected()) t_kernel_device = device;
 }
 KernelAllocationScope::~KernelAllocationScope() { t_kernel_device = previous_; }
 

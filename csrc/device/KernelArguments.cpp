@@ -47,8 +47,7 @@ c10::DataPtr takeAsDeviceBlock(c10::StorageImpl* ks, int device, bool ours) {
     block.unsafe_set_device(dipuDevice(device));
     return block;
   }
-  static const bool native_results = !vendor().redirectsKernelAllocations();
-  if (!native_results)
+  if (kernelAllocationsRedirected())
     return deviceAllocator().copyToNewBlock(ks->data(), ks->nbytes(), ks->nbytes(), device, dipuDevice(device));
   if (ours || c10::raw::intrusive_ptr::use_count(ks) == 1)
     return deviceAllocator().adopt(ks->set_data_ptr(c10::DataPtr(nullptr, ks->device())), c10::Storage(), ks->nbytes(),
@@ -191,11 +190,10 @@ bool KernelArguments::becomeDipu(const at::Tensor& k) {
   // a redirecting vendor; from its own allocator, adopted in place, on the others).
   c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
   if (k.use_count() != 1 || k.storage().use_count() != 1) return false;
-  static const bool native_results = !vendor().redirectsKernelAllocations();
   const c10::Device device = dipuDevice(device_);
   if (DeviceAllocator::isBlock(ks->data_ptr())) {
     ks->_mutable_data_ptr_no_checks().unsafe_set_device(device);
-  } else if (native_results && ks->data() != nullptr) {
+  } else if (!kernelAllocationsRedirected() && ks->data() != nullptr) {
     const size_t bytes = ks->nbytes();
     ks->set_data_ptr_noswap(
         deviceAllocator().adopt(ks->set_data_ptr(c10::DataPtr(nullptr, ks->device())), c10::Storage(), bytes, device_));

@@ -3,7 +3,6 @@ DITORCH_VENDOR=cpu (tests/device/test_native_vendor.py), the native vendor's cod
 takes. Tests of what only one of them has say so with a mark and are skipped, with the reason,
 on the other:
 
-- ``@pytest.mark.emu_only("why")``: emulation only (chip speed, protected memory, ...);
 - ``@pytest.mark.two_devices``: needs dipu:0 and dipu:1 (the cpu vendor shows one device);
 - ``@pytest.mark.synchronous_vendor``: kernels run on the calling thread (emu, cpu), so a chip's
   speed is emulated (a vendor with streams, cuda, runs at the device's own speed).
@@ -16,15 +15,11 @@ import ditorch_ext
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "emu_only(reason): runs on the emu vendor only, for the reason given")
     config.addinivalue_line("markers", "two_devices: needs two dipu devices")
     config.addinivalue_line("markers", "synchronous_vendor: needs a vendor whose kernels run on the calling thread")
 
 
 def pytest_runtest_setup(item):
-    emu_only = item.get_closest_marker("emu_only")
-    if emu_only and ditorch.vendor_name() != "emu":
-        pytest.skip(f"emu vendor only: {emu_only.args[0]}")
     if item.get_closest_marker("two_devices") and torch.dipu.device_count() < 2:
         pytest.skip(f"needs two dipu devices; the '{ditorch.vendor_name()}' vendor shows {torch.dipu.device_count()}")
     if item.get_closest_marker("synchronous_vendor") and torch.dipu.is_asynchronous():

@@ -19,7 +19,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        double timeoutSeconds, const std::string& transport,
                        const std::string& listenHost, size_t chunkBytes,
-                       bool dipuHostAddressable, bool forceStaging, const std::string& groupName) {
+                       bool dipuHostAddressable, bool forceStaging, const std::string& groupName,
+                       bool dipuAsynchronous) {
              dicomm::DicommOptions o;
              o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
              o.transport = transport;
@@ -27,13 +28,14 @@ PYBIND11_MODULE(_C, m) {
              o.chunkBytes = chunkBytes;
              o.staging.privateUse1HostAddressable = dipuHostAddressable;
              o.staging.forceStaging = forceStaging;
+             o.staging.privateUse1Asynchronous = dipuAsynchronous;
              o.groupName = groupName;
              return c10::make_intrusive<dicomm::ProcessGroupDicomm>(store, rank, size, o);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
            py::arg("transport") = "auto", py::arg("listen_host") = "",
            py::arg("chunk_bytes") = 4 << 20, py::arg("dipu_host_addressable") = false,
-           py::arg("force_staging") = false, py::arg("group_name") = "",
+           py::arg("force_staging") = false, py::arg("group_name") = "", py::arg("dipu_asynchronous") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("transport_of", &dicomm::ProcessGroupDicomm::transportOf, py::arg("peer"),
            "Name of the transport that serves `peer` ('self' for this rank).")

@@ -41,7 +41,8 @@ HostView::HostView(const at::Tensor& tensor, const StagingPolicy& policy, bool l
   host_ = at::empty(tensor.sizes(), at::TensorOptions()
                                         .dtype(tensor.scalar_type())
                                         .device(at::kCPU)
-                                        .pinned_memory(true));
+                                        .pinned_memory(type == at::kCUDA ||
+                                                       (type == at::kPrivateUse1 && policy.privateUse1Asynchronous)));
   if (load) host_.copy_(tensor);
 }
 

@@ -2,8 +2,8 @@
 //
 // CPU tensors and device tensors whose memory the host can address (the emu `dipu` vendor) are
 // used in place. Other device tensors (a real vendor: dipu over cuda, or cuda itself) and
-// non-contiguous tensors are staged through a contiguous pinned host copy and copied back after
-// the op. Copies to and from the device are synchronous on the host, and a collective's copies,
+// non-contiguous tensors are staged through a contiguous host copy (pinned where the device
+// copies by DMA: cuda, an asynchronous dipu vendor) and copied back after the op. Copies to and from the device are synchronous on the host, and a collective's copies,
 // made on the collective thread, first wait for the caller's stream at the point of the call
 // (StreamFence): no read before the producing kernel finishes, and the caller goes on writing
 // the tensor only after wait() (as with NCCL), when the copy back has completed.
@@ -19,6 +19,9 @@ namespace dicomm {
 struct StagingPolicy {
   bool privateUse1HostAddressable = false;  // torch.dipu.is_host_addressable()
   bool forceStaging = false;                 // DICOMM_FORCE_STAGING=1: stage every device tensor
+  // torch.dipu.is_asynchronous(): dipu copies are DMA on the vendor's streams, so staging
+  // buffers are pinned (a synchronous vendor copies on the host; pinning would only cost an mlock).
+  bool privateUse1Asynchronous = false;
 
   // Whether `tensor`'s memory is read and written through a host copy.
   bool stages(const at::Tensor& tensor) const;

@@ -74,6 +74,12 @@ inline c10::DispatchKey kernelDispatchKey() {
       c10::computeDispatchKey(std::nullopt, std::nullopt, c10::Device(kernelDeviceType()));
   return key;
 }
+// Whether kernels allocate through the host's allocator, redirected into dipu blocks (emu), rather
+// than from their device's own allocator (native). Asked per op: computed once.
+inline bool kernelAllocationsRedirected() {
+  static const bool redirected = vendor().redirectsKernelAllocations();
+  return redirected;
+}
 // The kernel device behind dipu:`index`. A CPU kernel device has no index (CPU tensors carry none).
 inline c10::Device kernelDevice(int index) {
   if (kernelDeviceType() == c10::DeviceType::CPU) return c10::Device(c10::DeviceType::CPU);
