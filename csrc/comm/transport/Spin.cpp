@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "comm/transport/Env.h"
 #include "comm/transport/Log.h"
@@ -85,6 +87,21 @@ PollPhase::PollPhase() {
 
 PollPhase::~PollPhase() {
   if (budget_.count() > 0) pollersHere.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void relax(unsigned round) {
+  if (round % 16 == 15) {
+    std::this_thread::yield();
+    return;
+  }
+  const auto stop = std::chrono::steady_clock::now() + std::chrono::microseconds(1);
+  while (std::chrono::steady_clock::now() < stop) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
 }
 
 }  // namespace dicomm

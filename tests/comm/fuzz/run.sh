@@ -22,7 +22,8 @@ PY=${PYTHON:-.venv/bin/python}
 T=$("$PY" -c "import os, torch; print(os.path.dirname(torch.__file__))")
 abi=$("$PY" -c "import torch; print(int(torch.compiled_with_cxx11_abi()))")
 srcs=(tests/comm/fuzz/stream_frames_fuzzer.cpp
-      csrc/comm/core/Mailbox.cpp csrc/comm/transport/StreamTransport.cpp csrc/comm/transport/Socket.cpp
+      csrc/comm/core/Mailbox.cpp csrc/comm/transport/StreamPair.cpp csrc/comm/transport/StreamConfig.cpp
+      csrc/comm/transport/CrossMemory.cpp csrc/comm/transport/FailureLatch.cpp csrc/comm/transport/RendezvousBook.cpp csrc/comm/transport/Socket.cpp
       csrc/comm/transport/Handshake.cpp csrc/comm/transport/Env.cpp csrc/comm/transport/Log.cpp
       csrc/comm/transport/Spin.cpp csrc/comm/transport/ListenAddress.cpp csrc/comm/transport/Transport.cpp)
 bin=$out/stream_frames_fuzzer-$sanitizer

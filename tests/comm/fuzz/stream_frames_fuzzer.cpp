@@ -23,7 +23,7 @@
 
 #include "comm/core/Mailbox.h"
 #include "comm/core/Tags.h"
-#include "comm/transport/StreamTransport.h"
+#include "comm/transport/StreamPair.h"
 
 namespace {
 

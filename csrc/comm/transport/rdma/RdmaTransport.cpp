@@ -68,7 +68,7 @@ std::shared_ptr<Device> Device::open() {
 
 RdmaPair::RdmaPair(std::shared_ptr<Device> device, int peer, Inbox* inbox, Config config)
     : device_(std::move(device)), peer_(peer), inbox_(inbox), config_(config),
-      slotBytes_((sizeof(Ctrl) + config.eagerMax + 63) & ~size_t(63)) {
+      slotBytes_((sizeof(Ctrl) + config.eagerMax + 63) & ~size_t(63)), latch_("rdma", peer) {
   auto fatal = [&](const char* op) {
     throw TransportError(peer_, callError(op, peer_, errno ? errno : EINVAL));
   };
@@ -240,9 +240,8 @@ void RdmaPair::send(const Envelope& envelope, const void* data, MemoryKind memor
   Deferred deferred;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (failed_ || closing_) {
-      auto err = failed_ ? error(failure_)
-                         : error("rdma: pair to rank " + std::to_string(peer_) + " is closed");
+    if (!latch_.up()) {
+      auto err = latch_.error();
       deferred.push_back([done = std::move(done), err] { done(err); });
     } else {
       Pending p;
@@ -280,7 +279,7 @@ void RdmaPair::enqueue(Pending p, Deferred& deferred) {
 }
 
 void RdmaPair::drainBacklog(Deferred& deferred) {
-  while (!backlog_.empty() && !failed_ && tryPost(backlog_.front(), deferred)) backlog_.pop_front();
+  while (!backlog_.empty() && !latch_.failed() && tryPost(backlog_.front(), deferred)) backlog_.pop_front();
 }
 
 bool RdmaPair::tryPost(Pending& p, Deferred& deferred) {
@@ -417,7 +416,7 @@ void RdmaPair::progressLoop() {
     Deferred deferred;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!failed_ && !closing_ && backlog_.empty() &&
+      if (latch_.up() && backlog_.empty() &&
           Clock::now() - lastPost_ >= std::chrono::milliseconds(config_.keepaliveMs)) {
         Pending p;
         p.ctrl.kind = kKeepalive;
@@ -460,7 +459,7 @@ void RdmaPair::handleSendCompletion(const ibv_wc& wc, Deferred& deferred) {
       sqUsed_ -= f.retire;
       if (f.slot >= 0) freeSlots_.push_back(f.slot);
     }
-    if (wc.status == IBV_WC_SUCCESS && !failed_ && !closing_) {
+    if (wc.status == IBV_WC_SUCCESS && latch_.up()) {
       try {
         drainBacklog(deferred);
       } catch (const std::exception& e) {
@@ -471,7 +470,7 @@ void RdmaPair::handleSendCompletion(const ibv_wc& wc, Deferred& deferred) {
   if (!known) return;  // already failed by fail()/close()
   if (wc.status != IBV_WC_SUCCESS) {
     // The op's own error names the root cause too, as the pair's failure will.
-    std::string cause = rootCause(wcError(f.op, "to", peer_, wc));
+    std::string cause = latch_.rootCause(*inbox_, wcError(f.op, "to", peer_, wc));
     if (f.done) deferred.push_back([done = std::move(f.done), e = error(cause)] { done(e); });
     failLater(deferred, cause);
     return;
@@ -485,146 +484,158 @@ void RdmaPair::handleRecv(const ibv_wc& wc, Deferred& deferred) {
     bool quiet;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      quiet = failed_ || closing_;
+      quiet = !latch_.up();
     }
     if (!quiet || wc.status != IBV_WC_WR_FLUSH_ERR) {
-      std::string cause = wcError("receive", "from", peer_, wc);
-      failLater(deferred, cause);
+      failLater(deferred, wcError("receive", "from", peer_, wc));
     }
     return;
   }
-  auto repost = [&] {
-    try {
-      postRecv(slot);
-    } catch (const std::exception& e) {
-      failLater(deferred, e.what());
-    }
-  };
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-    // The last chunk of a rendezvous write landed; RC ordering means all of it did.
-    const uint32_t id = ntohl(wc.imm_data);
-    LargeRecv in;
-    bool known = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = largeRecvs_.find(id);
-      if (it != largeRecvs_.end()) {
-        in = std::move(it->second);
-        largeRecvs_.erase(it);
-        known = true;
-      }
-    }
-    repost();
-    if (!known) {
-      failLater(deferred, protocolError("wrote transfer " + std::to_string(id) +
-                                        ", which this rank never asked for"));
-      return;
-    }
-    if (in.landing.done) deferred.push_back([done = std::move(in.landing.done)] { done(nullptr); });
+    repost(slot, deferred);
+    receiveWriteDone(ntohl(wc.imm_data), deferred);
     return;
   }
   if (wc.byte_len < sizeof(Ctrl)) {
-    repost();
+    repost(slot, deferred);
     failLater(deferred, protocolError("sent a " + std::to_string(wc.byte_len) +
                                       "-byte message, shorter than a header"));
     return;
   }
   Ctrl c;
   memcpy(&c, recvSlot(slot), sizeof(c));
-  const Envelope& env = c.envelope;
   switch (c.kind) {
-    case kEager: {
-      // Compared without adding to the peer's size, which could wrap.
-      if (env.nbytes > config_.eagerMax || wc.byte_len - sizeof(Ctrl) != env.nbytes) {
-        repost();
-        failLater(deferred, protocolError("sent " + std::to_string(wc.byte_len) +
-                                          " bytes for an eager message of " +
-                                          std::to_string(env.nbytes)));
-        return;
-      }
-      Landing landing = inbox_->arrive(peer_, env);
-      if (landing.data != nullptr && landing.capacity >= env.nbytes && env.nbytes > 0) {
-        memcpy(landing.data, recvSlot(slot) + sizeof(Ctrl), env.nbytes);
-      }
-      repost();
-      if (landing.done) deferred.push_back([done = std::move(landing.done)] { done(nullptr); });
+    case kEager:
+      receiveEager(c, slot, wc.byte_len - sizeof(Ctrl), deferred);  // reposts the slot itself
       return;
-    }
-    case kRts: {
-      repost();
-      // The write waits on the sender until a receive matches, so it lands in the user's
-      // buffer even when the receive is posted after the message arrived (no bounce copy).
-      const Ctrl rts = c;
-      inbox_->arriveWhenPosted(peer_, env, [this, rts](Landing landing) {
-        Deferred later;
-        answerRts(rts, std::move(landing), later);
-        for (auto& f : later) f();
-      });
+    case kRts:
+      repost(slot, deferred);
+      receiveRts(c);
       return;
-    }
-    case kCts: {
-      repost();
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = largeSends_.find(c.id);
-      if (it == largeSends_.end()) {
-        if (!failed_ && !closing_) {
-          failLater(deferred, protocolError("answered transfer " + std::to_string(c.id) +
-                                            ", which this rank never announced"));
-        }
-        return;
-      }
-      LargeSend out = std::move(it->second);
-      largeSends_.erase(it);
-      if (c.status == kCtsDrop) {
-        deferred.push_back([done = std::move(out.done)] { done(nullptr); });
-        return;
-      }
-      if (c.status != kCtsOk) {
-        auto e = error("rdma: rank " + std::to_string(peer_) +
-                       " could not register its receive buffer: " + strerror(c.status));
-        deferred.push_back([done = std::move(out.done), e] { done(e); });
-        return;
-      }
-      if (env.nbytes != out.nbytes) {
-        auto e = error(protocolError("answered transfer " + std::to_string(c.id) + " for " +
-                                     std::to_string(env.nbytes) + " bytes, this rank announced " +
-                                     std::to_string(out.nbytes)));
-        deferred.push_back([done = std::move(out.done), e] { done(e); });
-        return;
-      }
-      Pending w;
-      w.write = true;
-      w.ctrl = c;
-      w.data = out.data;
-      w.done = std::move(out.done);
-      try {
-        w.reg = device_->cache->get(out.data, out.nbytes, kAccess);
-      } catch (const std::system_error& e) {
-        std::string cause = "rdma: ibv_reg_mr of the " + std::to_string(out.nbytes) +
-                            "-byte send buffer for rank " + std::to_string(peer_) +
-                            " failed: " + strerror(e.code().value());
-        // The receiver waits for this write; nothing can complete it now.
-        deferred.push_back([done = std::move(w.done), e = error(cause)] { done(e); });
-        failLater(deferred, cause);
-        return;
-      }
-      try {
-        enqueue(std::move(w), deferred);
-      } catch (const std::exception& e) {
-        failLater(deferred, e.what());
-      }
+    case kCts:
+      repost(slot, deferred);
+      receiveCts(c, deferred);
       return;
-    }
     case kKeepalive:
-      repost();
+      repost(slot, deferred);
       return;
     case kGoodbye:
-      repost();
+      repost(slot, deferred);
       failLater(deferred, "rdma: rank " + std::to_string(peer_) + " shut down its process group");
       return;
     default:
-      repost();
+      repost(slot, deferred);
       failLater(deferred, protocolError("sent a message of unknown kind " + std::to_string(c.kind)));
+  }
+}
+
+void RdmaPair::repost(int slot, Deferred& deferred) {
+  try {
+    postRecv(slot);
+  } catch (const std::exception& e) {
+    failLater(deferred, e.what());
+  }
+}
+
+void RdmaPair::receiveWriteDone(uint32_t id, Deferred& deferred) {
+  // The last chunk of a rendezvous write landed; RC ordering means all of it did.
+  LargeRecv in;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = largeRecvs_.find(id);
+    if (it == largeRecvs_.end()) {
+      failLater(deferred, protocolError("wrote transfer " + std::to_string(id) +
+                                        ", which this rank never asked for"));
+      return;
+    }
+    in = std::move(it->second);
+    largeRecvs_.erase(it);
+  }
+  if (in.landing.done) deferred.push_back([done = std::move(in.landing.done)] { done(nullptr); });
+}
+
+void RdmaPair::receiveEager(const Ctrl& c, int slot, size_t payloadBytes, Deferred& deferred) {
+  const Envelope& env = c.envelope;
+  // Compared without adding to the peer's size, which could wrap.
+  if (env.nbytes > config_.eagerMax || payloadBytes != env.nbytes) {
+    repost(slot, deferred);
+    failLater(deferred, protocolError("sent " + std::to_string(payloadBytes + sizeof(Ctrl)) +
+                                      " bytes for an eager message of " +
+                                      std::to_string(env.nbytes)));
+    return;
+  }
+  Landing landing = inbox_->arrive(peer_, env);
+  if (landing.data != nullptr && landing.capacity >= env.nbytes && env.nbytes > 0) {
+    memcpy(landing.data, recvSlot(slot) + sizeof(Ctrl), env.nbytes);
+  }
+  repost(slot, deferred);  // only once the payload is out of the slot
+  if (landing.done) deferred.push_back([done = std::move(landing.done)] { done(nullptr); });
+}
+
+void RdmaPair::receiveRts(const Ctrl& rts) {
+  // The write waits on the sender until a receive matches, so it lands in the user's buffer
+  // even when the receive is posted after the message arrived (no bounce copy).
+  inbox_->arriveWhenPosted(peer_, rts.envelope, [this, rts](Landing landing) {
+    Deferred later;
+    answerRts(rts, std::move(landing), later);
+    for (auto& f : later) f();
+  });
+}
+
+void RdmaPair::receiveCts(const Ctrl& c, Deferred& deferred) {
+  // Under mu_ throughout: a failure meanwhile must find the send either here or queued.
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = largeSends_.find(c.id);
+  if (it == largeSends_.end()) {
+    if (latch_.up()) {
+      failLater(deferred, protocolError("answered transfer " + std::to_string(c.id) +
+                                        ", which this rank never announced"));
+    }
+    return;
+  }
+  LargeSend out = std::move(it->second);
+  largeSends_.erase(it);
+  if (c.status == kCtsDrop) {
+    deferred.push_back([done = std::move(out.done)] { done(nullptr); });
+    return;
+  }
+  std::string refused;
+  if (c.status != kCtsOk) {
+    refused = "rdma: rank " + std::to_string(peer_) + " could not register its receive buffer: " +
+              strerror(c.status);
+  } else if (c.envelope.nbytes != out.nbytes) {
+    refused = protocolError("answered transfer " + std::to_string(c.id) + " for " +
+                            std::to_string(c.envelope.nbytes) + " bytes, this rank announced " +
+                            std::to_string(out.nbytes));
+  }
+  if (!refused.empty()) {
+    deferred.push_back([done = std::move(out.done), e = error(refused)] { done(e); });
+    return;
+  }
+  writeRendezvous(c, std::move(out), deferred);
+}
+
+void RdmaPair::writeRendezvous(const Ctrl& cts, LargeSend out, Deferred& deferred) {
+  Pending w;
+  w.write = true;
+  w.ctrl = cts;
+  w.data = out.data;
+  w.done = std::move(out.done);
+  try {
+    w.reg = device_->cache->get(out.data, out.nbytes, kAccess);
+  } catch (const std::system_error& e) {
+    std::string cause = "rdma: ibv_reg_mr of the " + std::to_string(out.nbytes) +
+                        "-byte send buffer for rank " + std::to_string(peer_) +
+                        " failed: " + strerror(e.code().value());
+    // The receiver waits for this write; nothing can complete it now.
+    deferred.push_back([done = std::move(w.done), e = error(cause)] { done(e); });
+    failLater(deferred, cause);
+    return;
+  }
+  try {
+    enqueue(std::move(w), deferred);
+  } catch (const std::exception& e) {
+    failLater(deferred, e.what());
   }
 }
 
@@ -657,10 +668,10 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
-  if (failed_ || closing_) {
+  if (!latch_.up()) {
     // fail()/close() already swept the pending transfers: complete this one here.
     if (landing.done) {
-      auto e = error(failed_ ? failure_ : "rdma: pair to rank " + std::to_string(peer_) + " closed locally");
+      auto e = latch_.error();
       deferred.push_back([done = std::move(landing.done), e] { done(e); });
     }
     return;
@@ -685,32 +696,24 @@ void RdmaPair::answerRts(const Ctrl& rts, Landing landing, Deferred& deferred) {
 
 // ---- failure and shutdown -----------------------------------------------------------------
 
-std::string RdmaPair::rootCause(const std::string& lost) const {
-  // A peer that aborted said why first: report that rather than the broken connection.
-  std::string notice = inbox_->abortNotice(peer_);
-  return notice.empty() ? lost : notice;
-}
-
 void RdmaPair::fail(const std::string& lost) {
   {
     // Closed (maybe from a callback on the progress thread, its inbox gone since): nothing to say.
     std::lock_guard<std::mutex> lock(mu_);
-    if (failed_ || closing_) return;
+    if (!latch_.up()) return;
   }
-  const std::string cause = rootCause(lost);
+  const std::string cause = latch_.rootCause(*inbox_, lost);
   Orphans orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (failed_ || closing_) return;
-    failed_ = true;
-    failure_ = cause;
+    if (!latch_.fail(cause)) return;
     orphans = takePendingLocked();
     // Stop the NIC touching user buffers before their owners hear about the failure.
     ibv_qp_attr a{};
     a.qp_state = IBV_QPS_ERR;
     ibv_modify_qp(qp_.get(), &a, IBV_QP_STATE);
   }
-  orphans.failAll(error(cause));
+  orphans.failAll(latch_.error());
   inbox_->peerFailed(peer_, cause);
 }
 
@@ -741,23 +744,23 @@ void RdmaPair::Orphans::failAll(const std::exception_ptr& error) {
 void RdmaPair::close() {
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (closing_) return;
-    if (!failed_ && qp_ && progress_.joinable()) {
+    if (latch_.closing()) return;
+    if (!latch_.failed() && qp_ && progress_.joinable()) {
       // Let what was already sent leave, then say goodbye (both bounded).
       auto until = Clock::now() + std::chrono::seconds(2);
-      while ((!backlog_.empty() || !inFlight_.empty()) && !failed_ && Clock::now() < until) {
+      while ((!backlog_.empty() || !inFlight_.empty()) && !latch_.failed() && Clock::now() < until) {
         lock.unlock();
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         lock.lock();
       }
-      if (!failed_ && backlog_.empty()) {
+      if (!latch_.failed() && backlog_.empty()) {
         Pending bye;
         bye.ctrl.kind = kGoodbye;
         Deferred ignored;
         try {
           if (tryPost(bye, ignored)) {
             auto byeUntil = Clock::now() + std::chrono::milliseconds(500);
-            while (!inFlight_.empty() && !failed_ && Clock::now() < byeUntil) {
+            while (!inFlight_.empty() && !latch_.failed() && Clock::now() < byeUntil) {
               lock.unlock();
               std::this_thread::sleep_for(std::chrono::milliseconds(1));
               lock.lock();
@@ -767,7 +770,7 @@ void RdmaPair::close() {
         }
       }
     }
-    closing_ = true;
+    latch_.close();
     if (qp_) {
       ibv_qp_attr a{};
       a.qp_state = IBV_QPS_ERR;
@@ -782,7 +785,7 @@ void RdmaPair::close() {
     std::lock_guard<std::mutex> lock(mu_);
     orphans = takePendingLocked();
   }
-  orphans.failAll(error("rdma: pair to rank " + std::to_string(peer_) + " closed locally"));
+  orphans.failAll(latch_.error());
 }
 
 // ---- RdmaTransport ------------------------------------------------------------------------

@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/transport/FailureLatch.h"
 #include "comm/transport/Transport.h"
 #include "comm/transport/rdma/MemoryRegistry.h"
 #include "comm/transport/rdma/Verbs.h"
@@ -136,13 +137,20 @@ class RdmaPair : public Pair, public std::enable_shared_from_this<RdmaPair> {
   void enqueue(Pending p, Deferred& deferred);          // under mu_
   void progressLoop();
   void handle(const ibv_wc& wc, Deferred& deferred);
+  // A receive completion: checks the header, reposts the slot and hands the message to the
+  // handler of its kind (below).
   void handleRecv(const ibv_wc& wc, Deferred& deferred);
+  void repost(int slot, Deferred& deferred);
+  void receiveWriteDone(uint32_t id, Deferred& deferred);  // a rendezvous write landed
+  void receiveEager(const Ctrl& c, int slot, size_t payloadBytes, Deferred& deferred);
+  void receiveRts(const Ctrl& rts);
+  void receiveCts(const Ctrl& c, Deferred& deferred);
+  // After CTS: register the payload and write it into the receiver's buffer (under mu_).
+  void writeRendezvous(const Ctrl& cts, LargeSend out, Deferred& deferred);
   void handleSendCompletion(const ibv_wc& wc, Deferred& deferred);
   // A receive matched an announced (RTS) message: register its buffer and answer CTS.
   void answerRts(const Ctrl& rts, Landing landing, Deferred& deferred);
   void fail(const std::string& cause);
-  // The peer's abort notice when it sent one (the root cause), else `lost`.
-  std::string rootCause(const std::string& lost) const;
   // fail(cause) once the completions being handled are done (outside the pair's lock).
   void failLater(Deferred& deferred, std::string cause);
   // "rdma: protocol error: rank <peer> <what>".
@@ -173,6 +181,7 @@ class RdmaPair : public Pair, public std::enable_shared_from_this<RdmaPair> {
   std::unique_ptr<char[]> sendBuf_, recvBuf_;
   Owned<ibv_mr> sendMr_, recvMr_;
   int sqDepth_ = 0;
+  FailureLatch latch_;  // under mu_
 
   std::mutex mu_;
   std::vector<int> freeSlots_;
@@ -183,9 +192,6 @@ class RdmaPair : public Pair, public std::enable_shared_from_this<RdmaPair> {
   uint64_t nextWr_ = 1;
   uint32_t nextLargeId_ = 1;
   int sqUsed_ = 0;
-  bool failed_ = false;
-  bool closing_ = false;
-  std::string failure_;
   std::chrono::steady_clock::time_point lastPost_;
 
   std::atomic<bool> stop_{false};

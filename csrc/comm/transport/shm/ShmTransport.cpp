@@ -1,6 +1,8 @@
 // shm: the intra-host direct path. Control frames and small messages go over an AF_UNIX socket;
 // payloads from 64 KiB up are copied once, straight from the sender's memory into the
 // receiver's buffer, with process_vm_readv (cross-memory attach).
+#include "comm/transport/CrossMemory.h"
+#include "comm/transport/StreamConfig.h"
 #include "comm/transport/StreamTransport.h"
 
 namespace dicomm {

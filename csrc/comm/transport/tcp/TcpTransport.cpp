@@ -1,4 +1,5 @@
 // tcp: CPU-mediated transport over one TCP connection per peer; works between any two hosts.
+#include "comm/transport/StreamConfig.h"
 #include "comm/transport/StreamTransport.h"
 
 namespace dicomm {

@@ -1,0 +1,136 @@
+// Unit checks of the transport's bookkeeping objects, with no sockets: the failure latch both
+// pair kinds keep, and the receiving side's book of rendezvous transfers. Built and run by
+// tests/comm/test_transport_units.py; prints one line per failed check, exits non-zero if any.
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "comm/transport/FailureLatch.h"
+#include "comm/transport/RendezvousBook.h"
+
+namespace {
+
+int failures = 0;
+
+#define EXPECT(cond)                                                     \
+  do {                                                                  \
+    if (!(cond)) {                                                      \
+      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);       \
+      ++failures;                                                       \
+    }                                                                   \
+  } while (0)
+
+std::string message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const dicomm::TransportError& t) {
+    return std::to_string(t.peer()) + "|" + t.what();
+  } catch (...) {
+    return "not a TransportError";
+  }
+}
+
+struct NoticeInbox : dicomm::Inbox {
+  std::string notice;
+  dicomm::Landing arrive(int, const dicomm::Envelope&) override { return {}; }
+  void peerFailed(int, const std::string&) override {}
+  std::string abortNotice(int) override { return notice; }
+};
+
+void latchIsUpUntilFailedOrClosed() {
+  dicomm::FailureLatch latch("tcp", 3);
+  EXPECT(latch.up());
+  EXPECT(latch.fail("tcp: connection reset"));
+  EXPECT(!latch.up() && latch.failed() && !latch.closing());
+  EXPECT(!latch.fail("a later, lesser cause"));  // the first cause stays
+  EXPECT(message(latch.error()) == "3|tcp: connection reset");
+  EXPECT(latch.close());   // closing a failed pair still happens once
+  EXPECT(!latch.close());
+  EXPECT(message(latch.error()) == "3|tcp: connection reset");
+}
+
+void closedLatchRefusesFailure() {
+  dicomm::FailureLatch latch("rdma", 1);
+  EXPECT(latch.close());
+  EXPECT(!latch.fail("late"));
+  EXPECT(!latch.failed() && latch.closing());
+  EXPECT(message(latch.error()) == "1|rdma: pair to rank 1 closed locally");
+}
+
+void rootCausePrefersTheAbortNotice() {
+  dicomm::FailureLatch latch("shm", 2);
+  NoticeInbox inbox;
+  bool aborted = true;
+  EXPECT(latch.rootCause(inbox, "EOF", &aborted) == "EOF" && !aborted);
+  inbox.notice = "rank 2 aborted: rank 5 died";
+  EXPECT(latch.rootCause(inbox, "EOF", &aborted) == inbox.notice && aborted);
+}
+
+dicomm::Landing landingInto(std::vector<char>& buffer, int* completions) {
+  dicomm::Landing l;
+  l.data = buffer.data();
+  l.capacity = buffer.size();
+  l.done = [completions](std::exception_ptr) { ++*completions; };
+  return l;
+}
+
+bool throwsInvalid(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument&) {
+    return true;
+  }
+  return false;
+}
+
+void bookLandsPartsInPlaceOnce() {
+  dicomm::RendezvousBook book;
+  std::vector<char> buffer(100);
+  int completions = 0;
+  dicomm::Landing l = landingInto(buffer, &completions);
+  EXPECT(book.expect(7, l, 100));
+  dicomm::Landing again = landingInto(buffer, &completions);
+  EXPECT(!book.expect(7, again, 100));  // announced twice: the caller keeps its landing
+  EXPECT(again.done != nullptr);
+  EXPECT(book.partDestination(7, 40, 60) == buffer.data() + 40);
+  EXPECT(throwsInvalid([&] { book.partDestination(7, 60, 41); }));  // past the end
+  EXPECT(throwsInvalid([&] { book.partDestination(7, 101, 0); }));
+  EXPECT(throwsInvalid([&] { book.partDestination(8, 0, 1); }));    // never asked for
+  dicomm::Landing done;
+  EXPECT(!book.partLanded(7, 60, &done));
+  EXPECT(throwsInvalid([&] { book.partDestination(7, 0, 41); }));   // more than is still due
+  EXPECT(throwsInvalid([&] { book.takeWhole(7, 100); }));           // whole after parts
+  EXPECT(book.partLanded(7, 40, &done) && done.data == buffer.data());
+  EXPECT(!book.pending(7));
+  EXPECT(!book.partLanded(7, 1, &done));  // completed already (or failed meanwhile)
+}
+
+void bookDropsIntoNothingAndHandsBackTheRest() {
+  dicomm::RendezvousBook book;
+  int completions = 0;
+  dicomm::Landing dropped;  // the core refused the message: bytes are read and discarded
+  EXPECT(book.expect(1, dropped, 10));
+  EXPECT(book.partDestination(1, 0, 10) == nullptr);
+  std::vector<char> small(4);
+  dicomm::Landing tooSmall = landingInto(small, &completions);
+  EXPECT(book.expect(2, tooSmall, 10));
+  EXPECT(book.partDestination(2, 0, 4) == nullptr);
+  EXPECT(throwsInvalid([&] { book.takeWhole(2, 9); }));
+  EXPECT(book.takeWhole(2, 10).data == small.data());
+  std::vector<dicomm::Landing> left = book.takeAll();
+  EXPECT(left.size() == 1 && !book.pending(1));
+}
+
+}  // namespace
+
+int main() {
+  latchIsUpUntilFailedOrClosed();
+  closedLatchRefusesFailure();
+  rootCausePrefersTheAbortNotice();
+  bookLandsPartsInPlaceOnce();
+  bookDropsIntoNothingAndHandsBackTheRest();
+  if (failures == 0) std::printf("transport units: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}
