@@ -109,12 +109,19 @@ def _checked(handler):
     return run
 
 
-def _serve(stop_fn) -> int:
+def _serve(stop_fn, failure=lambda: None) -> int:
+    """Serve until SIGINT/SIGTERM (exit 0) or until ``failure()`` names why the server cannot go
+    on (exit 1, so that a supervisor relaunches it)."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    why = None
+    while not done.wait(0.5) and (why := failure()) is None:
+        pass
     stop_fn()
+    if why is not None:
+        print(f"ditorch ps: error: {why}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -180,7 +187,7 @@ def run_follower(args: argparse.Namespace) -> int:
                         max_unsealed_pushes=args.max_unsealed_pushes,
                         index=args.index, advertise=args.advertise,
                         tls=_tls(args), init=args.init)
-    return _serve(follower.stop)
+    return _serve(follower.stop, follower.failure)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ log = logging.getLogger("dips.follower")
 # oldest checkpoint, so bounding the interval at half that guarantees it can replay its way back.
 # (No peer could send it a checkpoint instead: followers hold disjoint slices of the model.)
 MAX_CHECKPOINT_EVERY = MAX_DECISIONS // 2
+CHECKPOINT_RETRY_S, CHECKPOINT_RETRY_MAX_S = 1.0, 60.0
 
 
 class Follower:
@@ -74,6 +75,7 @@ class Follower:
         self.data: FollowerDataServer | None = None
         self._registering = threading.Lock()  # RPCs wait for the state while registration loads it
         self._stop = threading.Event()
+        self._failure: str | None = None  # why this follower stopped serving (see failure())
         self._ckpt_wanted = threading.Event()  # a version worth checkpointing was applied
         self._threads: list[threading.Thread] = []
         handlers = {"Seal": self._seal, "Prepare": self._prepare, "Apply": self._apply,
@@ -171,18 +173,38 @@ class Follower:
 
     # ---------------------------------------------------------- checkpointing and heartbeats
     def _checkpoint_loop(self) -> None:
+        """Checkpoints in the background. A failed write (a full disk) is reported and retried with
+        growing pauses; meanwhile the sealed pushes stay on disk, so nothing is lost."""
+        pause = CHECKPOINT_RETRY_S
         while not self._stop.is_set():
             if not self._ckpt_wanted.wait(0.1):
                 continue
             self._ckpt_wanted.clear()
-            state = self._live()
-            snap = state.snapshot()
-            self.disk.save_checkpoint(snap, self.keep_checkpoints)
-            for push in state.checkpointed(snap["version"]):
-                self.disk.delete_push(push)
+            try:
+                state = self._live()
+                snap = state.snapshot()
+                self.disk.save_checkpoint(snap, self.keep_checkpoints)
+                for push in state.checkpointed(self.disk.oldest_kept_version()):
+                    self.disk.delete_push(push)
+                pause = CHECKPOINT_RETRY_S
+            except Exception as exc:
+                log.error("follower %s: checkpoint not written (%s); sealed pushes stay on disk, retrying in %.0f s",
+                          self.index, exc, pause, exc_info=not isinstance(exc, OSError))
+                self._ckpt_wanted.set()
+                self._stop.wait(pause)
+                pause = min(2 * pause, CHECKPOINT_RETRY_MAX_S)
+
+    def failure(self) -> str | None:
+        """Why this follower can no longer serve (a data thread ended), or None while it can."""
+        return self._failure
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
+            if self.data is not None and not self.data.alive():
+                # Stop heartbeating: the leader relaunches a follower whose heartbeats stop.
+                self._failure = "a data-server thread ended (see the log above)"
+                log.error("follower %s: %s; it stops heartbeating", self.index, self._failure)
+                return
             try:
                 status = self._live().status()
                 reply = self.leader.call("FollowerHeartbeat", timeout=2.0, id=self.index, version=status["version"],
@@ -198,6 +220,8 @@ class Follower:
             pass
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.rpc.stop()
         for t in self._threads:

@@ -15,6 +15,9 @@ import time
 import torch
 import zmq
 
+from diutil import untrusted
+from diutil.untrusted import BadMessage, RateLimitedLog
+
 from .auth import JobToken, push_id_issued
 from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
 from .follower_state import FollowerState
@@ -24,6 +27,8 @@ log = logging.getLogger("dips.follower")
 
 ZAP_DOMAIN = "dips-data"
 MAX_ID_CHARS = 128  # push and request ids a cluster sends are echoed back: bound them
+MAX_HEADER_BYTES = 64 * 1024  # a header names one unit's tensors: far below this
+MAX_VERSION = 2 ** 62
 
 
 class FollowerDataServer:
@@ -42,17 +47,27 @@ class FollowerDataServer:
         self._encode_q: queue.Queue = queue.Queue(maxsize=depth)
         self._pull_sock = self._ctx.socket(zmq.PULL)
         self._pull_sock.bind(self._outbox)
+        self._bad = RateLimitedLog(log)
         self._threads = [threading.Thread(target=fn, daemon=True, name=f"dips-follower-{fn.__name__}")
                          for fn in (self._network_loop, self._decode_loop, self._encode_loop)]
         for t in self._threads:
             t.start()
 
+    def alive(self) -> bool:
+        """Whether all three threads run (the follower stops heartbeating otherwise, so the
+        leader relaunches it)."""
+        return all(t.is_alive() for t in self._threads)
+
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2)
         self._auth.stop()
-        self._ctx.term()
+        # Sockets of a thread that did not end are closed here, without lingering, so that
+        # term() cannot wait for them.
+        self._ctx.destroy(linger=0)
 
     def _network_loop(self) -> None:
         poller = zmq.Poller()
@@ -62,7 +77,10 @@ class FollowerDataServer:
             events = dict(poller.poll(50))
             if self._router in events:
                 frames = self._router.recv_multipart(copy=False)
-                self._route(frames)
+                try:
+                    self._route(frames)
+                except Exception:  # a bug, not bad input (that is refused in _route): keep serving
+                    log.exception("%s: routing a data message failed", self.name)
             if self._pull_sock in events:
                 self._router.send_multipart(self._pull_sock.recv_multipart(copy=False), copy=False)
         self._router.close(0)
@@ -71,15 +89,13 @@ class FollowerDataServer:
     def _route(self, frames) -> None:
         ident = frames[0].bytes
         try:
-            header = json.loads(frames[1].bytes)
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-        except (ValueError, IndexError) as exc:
-            log.warning("%s: malformed data message: %s", self.name, exc)
-            return
-        req = header.get("req")
-        if not isinstance(req, str) or len(req) > MAX_ID_CHARS:
-            log.warning("%s: data message without a request id of at most %d characters", self.name, MAX_ID_CHARS)
+            if len(frames) < 2:
+                raise BadMessage("a data message without a header frame")
+            header = untrusted.json_object(frames[1].bytes, "data message header", MAX_HEADER_BYTES)
+            req = untrusted.text(header, "req", MAX_ID_CHARS)
+        except BadMessage as exc:  # answered without an id: the sender learns why, if it listens
+            self._bad.warning("%s: refused a data message: %s", self.name, exc)
+            self._reply_now(ident, {"ok": False, "err": str(exc)[:500], "req": None})
             return
         try:
             if header.get("op") == "push":
@@ -108,40 +124,41 @@ class FollowerDataServer:
                 self.state.drop_stale(time.monotonic())
                 continue
             try:
-                self._stage(header, payload)
-                reply = {"ok": True}
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("%s rejected push unit: %s", self.name, exc)
-                reply = {"ok": False, "err": str(exc)}
-            reply.update(req=header.get("req"), push=header.get("push"), unit=header.get("unit"))
+                unit = self._stage(header, payload)
+                reply = {"ok": True, "push": header["push"], "unit": unit}
+            except Exception as exc:  # ValueError for bad input; anything else must not end the thread
+                if not isinstance(exc, ValueError):
+                    log.exception("%s: staging a pushed unit failed", self.name)
+                self._bad.warning("%s rejected a pushed unit: %s", self.name, exc)
+                reply = {"ok": False, "err": str(exc)[:500]}
+            reply["req"] = header["req"]
             out.send_multipart([ident, json.dumps(reply).encode()])
         out.close(0)
 
-    def _stage(self, header: dict, payload) -> None:
-        """Checks one pushed unit against the layout and the leader's ids, then stages it."""
+    def _stage(self, header: dict, payload) -> int:
+        """Checks one pushed unit against the layout and the leader's ids, then stages it; the unit."""
         state = self.state
-        unit = int(header["unit"])
-        if unit not in state.unit_range:
-            raise ValueError(f"unit {unit} is not owned by {self.name} (owns {list(state.unit_range)})")
+        unit = untrusted.integer(header, "unit", state.unit_range.start, state.unit_range.stop - 1)
         spec = state.layout.units[unit]
-        names, shapes = header["names"], [tuple(s) for s in header["shapes"]]
         want = [t.name for t in spec.tensors]
-        if names != want:
-            raise ValueError(f"unit {spec.name}: tensors {names}; expected {want}")
-        if shapes != [t.shape for t in spec.tensors]:
-            raise ValueError(f"unit {spec.name}: shapes {shapes}; expected {[t.shape for t in spec.tensors]}")
+        want_shapes = [list(t.shape) for t in spec.tensors]
+        if header.get("names") != want:
+            raise BadMessage(f"unit {spec.name}: tensors {str(header.get('names'))[:200]}; expected {want}")
+        if header.get("shapes") != want_shapes:
+            raise BadMessage(f"unit {spec.name}: shapes {str(header.get('shapes'))[:200]}; expected {want_shapes}")
         if header.get("dtype") != "bfloat16":
-            raise ValueError(f"unit {spec.name}: dtype {header.get('dtype')!r}; expected 'bfloat16'")
-        push, base = header["push"], int(header["base"])
-        if not isinstance(push, str) or not 0 < len(push) <= MAX_ID_CHARS:
-            raise ValueError(f"push id {str(push)[:40]!r}; expected a string of 1..{MAX_ID_CHARS} characters")
-        if not push_id_issued(self.token, push, header.get("cluster")):
-            raise ValueError(f"push {push}: not an id the leader issued to cluster {str(header.get('cluster'))[:40]!r}")
+            raise BadMessage(f"unit {spec.name}: dtype {str(header.get('dtype'))[:40]!r}; expected 'bfloat16'")
+        push = untrusted.text(header, "push", MAX_ID_CHARS)
+        base = untrusted.integer(header, "base", 0, MAX_VERSION)
+        cluster = untrusted.text(header, "cluster", MAX_ID_CHARS)
+        if not push_id_issued(self.token, push, cluster):
+            raise BadMessage(f"push {push}: not an id the leader issued to cluster {cluster[:40]!r}")
         tensors = unpack_unit(spec, payload)
         for n, t in tensors.items():
             if not torch.isfinite(t).all():
                 raise ValueError(f"unit {spec.name}: tensor {n} has non-finite values")
-        state.stage(unit, push, base, header.get("cluster"), tensors)
+        state.stage(unit, push, base, cluster, tensors)
+        return unit
 
     def _encode_loop(self) -> None:
         out = self._sender()
@@ -150,14 +167,20 @@ class FollowerDataServer:
                 ident, header = self._encode_q.get(timeout=0.1)
             except queue.Empty:
                 continue
-            reply, payload = {"req": header.get("req")}, []
+            reply, payload = {"req": header["req"]}, []
             try:
-                version = int(header["version"])
-                units = [int(u) for u in header["units"]]
+                # A pull names each unit once, at most all of this follower's: the reply is
+                # bounded by one copy of its slice.
+                r = self.state.unit_range
+                version = untrusted.integer(header, "version", 0, MAX_VERSION)
+                units = untrusted.integers(header, "units", r.start, r.stop - 1, len(r), distinct=True)
                 tensors = self.state.pull(version, units)
                 payload = [pack_unit(ts) for ts in tensors]
                 reply.update(ok=True, version=version, units=units)
-            except (ValueError, KeyError, TypeError) as exc:
-                reply.update(ok=False, err=str(exc))
+            except Exception as exc:
+                if not isinstance(exc, ValueError):
+                    log.exception("%s: serving a pull failed", self.name)
+                self._bad.warning("%s refused a pull: %s", self.name, exc)
+                reply.update(ok=False, err=str(exc)[:500])
             out.send_multipart([ident, json.dumps(reply).encode(), *payload])
         out.close(0)

@@ -45,12 +45,14 @@ class FollowerState:
         """The newest checkpoint and the pushes sealed since, or version 0 from ``initial``
         (None: a seeded PS, zeros until the seeding round)."""
         with self.lock:
-            ckpts = self.disk.checkpoints()
-            if ckpts:
-                state = torch.load(ckpts[-1], weights_only=True)
+            found = self.disk.load_latest_checkpoint()
+            applied: dict[str, int] = {}
+            if found:
+                path, state = found
                 self.theta, self.momentum = state["theta"], state["momentum"]
                 self.bases = {int(v): b for v, b in state["bases"].items()}
                 self.version = self.ckpt_version = int(state["version"])
+                applied = {p: int(v) for p, v in state.get("applied", {}).items()}
             else:
                 mine = [t for u in self.unit_range for t in self.layout.units[u].tensors]
                 if initial is None:
@@ -59,10 +61,15 @@ class FollowerState:
                     self.theta = {t.name: initial[t.name].float().clone() for t in mine}
                 self.version = 0
                 self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
-            # pushes sealed since the checkpoint: the leader replays their rounds
-            self.sealed.update(self.disk.load_pushes())
+            # pushes sealed since the checkpoint: the leader replays their rounds; those the
+            # checkpoint already applied wait to be retired
+            for push, rec in self.disk.load_pushes().items():
+                if push in applied:
+                    self.applied_at[push] = applied[push]
+                else:
+                    self.sealed[push] = rec
             log.info("%s starts at version %d (%s, %d sealed pushes)", self.name, self.version,
-                     ckpts[-1].name if ckpts else "initial parameters", len(self.sealed))
+                     path.name if found else "initial parameters", len(self.sealed))
 
     # -- the data flow
     def stage(self, unit: int, push: str, base: int, cluster: Any, tensors: dict[str, torch.Tensor]) -> None:
@@ -110,7 +117,11 @@ class FollowerState:
             if missing:
                 return {"ok": False, "err": f"push {push} is partial: {self.name} lacks units {missing}"}
             params = {n: t for u in self.unit_range for n, t in rec["units"][u].items()}
-            self.disk.save_push(push, rec["base"], params)
+            try:
+                self.disk.save_push(push, rec["base"], params)
+            except OSError as exc:  # not sealed: the push stays staged and the leader fails it
+                log.error("%s could not seal push %s: %s", self.name, push, exc)
+                return {"ok": False, "err": f"{self.name} could not write push {push}: {exc}"}
             del self.staged[push]
             self.sealed[push] = {"base": rec["base"], "params": params}
             return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
@@ -169,10 +180,13 @@ class FollowerState:
         with self.lock:
             return {"version": self.version, "theta": {n: t.clone() for n, t in self.theta.items()},
                     "momentum": {n: t.clone() for n, t in self.momentum.items()},
-                    "bases": {str(v): b for v, b in self.bases.items()}}
+                    "bases": {str(v): b for v, b in self.bases.items()},
+                    "applied": dict(self.applied_at)}  # applied, files kept until every checkpoint covers them
 
     def checkpointed(self, version: int) -> list[str]:
-        """A checkpoint of ``version`` is on disk: the pushes it retires (their files may go)."""
+        """Every kept checkpoint covers ``version`` (the oldest kept one is of it): the pushes that
+        retires (their files may go). The leader keeps its decisions back to this version, so a
+        follower can replay from any kept checkpoint."""
         with self.lock:
             self.ckpt_version = version
             done = [p for p, v in self.applied_at.items() if v <= version]

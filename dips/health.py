@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
+
+from diutil.untrusted import RateLimitedLog
 
 from .leader_state import FollowerRecord, LeaderState
 from .rounds import RoundRunner
@@ -24,15 +27,23 @@ class HealthMonitor:
         self.state, self.cfg, self.rounds, self.supervisor, self.stop = state, state.cfg, rounds, supervisor, stop
 
     def loop(self) -> None:
+        failures = RateLimitedLog(log)
         while not self.stop.wait(min(self.cfg.heartbeat_s, self.cfg.follower_heartbeat_s) / 2):
-            dead, lagging = self.check(time.monotonic())
-            for f in dead:
-                self._restart_follower(f)
-            if lagging and len(self.state.followers) == self.cfg.n_followers:
-                try:
-                    self.rounds.sync_followers(deadline_s=0.5)
-                except TimeoutError:
-                    pass
+            try:
+                self.tick()
+            except Exception:  # a bug must not end the monitor: the next tick tries again
+                failures.warning("health check failed:\n%s", traceback.format_exc())
+
+    def tick(self) -> None:
+        """One look at the clusters and followers: remove, relaunch, bring forward."""
+        dead, lagging = self.check(time.monotonic())
+        for f in dead:
+            self._restart_follower(f)
+        if lagging and len(self.state.followers) == self.cfg.n_followers:
+            try:
+                self.rounds.sync_followers(deadline_s=0.5)
+            except TimeoutError:
+                pass
 
     def check(self, now: float) -> tuple[list[FollowerRecord], bool]:
         """Remove silent clusters; return the silent followers and whether any follower lags."""

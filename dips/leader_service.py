@@ -2,11 +2,14 @@
 changes (roles per method, names, addresses, token counts, push coverage)."""
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from diutil import untrusted
 from diutil.address import split
 from .auth import JobToken, issue_push_id
 from .layout import ModelLayout
@@ -17,6 +20,9 @@ from .schedule import greedy_schedule
 log = logging.getLogger("dips.leader")
 
 MAX_NAME_CHARS = 128
+MAX_VERSION = 2 ** 62
+MAX_WAIT_S = 30.0
+MAX_PULL_S = 24 * 3600.0
 
 
 class LeaderService:
@@ -47,19 +53,17 @@ class LeaderService:
         with st.cond:
             if st.layout is None:
                 return {"status": "wait"}  # a seeded PS learns its model from the first cluster
-            index = msg.get("index")
+            index = untrusted.integer(msg, "index", 0, self.cfg.n_followers - 1, default=None)
             if index is None:
                 free = [i for i in range(self.cfg.n_followers) if i not in st.followers]
                 if not free:
                     raise ValueError(f"all {self.cfg.n_followers} follower slots are taken")
                 index = free[0]
-            index = int(index)
             if self.cfg.init and msg.get("fingerprint") != st.layout.fingerprint:
                 raise ValueError(f"this PS serves model {st.layout.fingerprint} from --init; the follower has "
                                  f"{msg.get('fingerprint') or 'no --init'}: give it the leader's --init file")
-            if not 0 <= index < self.cfg.n_followers:
-                raise ValueError(f"follower index {index}; expected 0..{self.cfg.n_followers - 1}")
-            rec = FollowerRecord(index, _address(msg["data"]), _address(msg["ctrl"]), int(msg.get("version", -1)),
+            rec = FollowerRecord(index, _address(msg["data"]), _address(msg["ctrl"]),
+                                 untrusted.integer(msg, "version", -1, MAX_VERSION, default=-1),
                                  last_hb=time.monotonic())
             st.add_follower(rec)
             log.info("follower %d registered (data %s, version %d)", index, rec.data, rec.version)
@@ -75,11 +79,14 @@ class LeaderService:
                     "cluster_key": self.cluster_key.decode()}
 
     def follower_heartbeat(self, msg: dict) -> dict:
+        index = untrusted.integer(msg, "id", 0, self.cfg.n_followers - 1)
+        version = untrusted.integer(msg, "version", -1, MAX_VERSION)
+        ckpt = untrusted.integer(msg, "ckpt", -1, MAX_VERSION, default=-1)
         with self.state.cond:
-            rec = self.state.followers.get(int(msg["id"]))
+            rec = self.state.followers.get(index)
             if rec is None:
                 return {"known": False}
-            rec.last_hb, rec.version, rec.ckpt = time.monotonic(), int(msg["version"]), int(msg.get("ckpt", -1))
+            rec.last_hb, rec.version, rec.ckpt = time.monotonic(), version, ckpt
             return {"known": True}
 
     # ------------------------------------------------------------- clusters
@@ -96,32 +103,46 @@ class LeaderService:
                 st.set_layout(layout)
                 log.info("model of %d tensors in %d units taken from the first cluster (%s)",
                          sum(len(u.tensors) for u in layout.units), len(layout.units), layout.fingerprint)
-                st.save()
+                st.persist()
         if msg.get("fingerprint") != st.layout.fingerprint:
             raise ValueError(f"model fingerprint {msg.get('fingerprint')!r} does not match the PS model "
                              f"({st.layout.fingerprint}, {sum(len(u.tensors) for u in st.layout.units)} tensors): "
                              "the cluster's named_parameters() must have the PS's names and shapes")
-        name = msg.get("name")
-        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
-            raise ValueError(f"cluster name {str(name)[:40]!r}; expected 1..{MAX_NAME_CHARS} characters")
+        name = untrusted.text(msg, "name", MAX_NAME_CHARS, default=None)
         with st.cond:
             if not st.ready():
                 return {"status": "not_ready"}
             cid = name or uuid.uuid4().hex[:8]
+            held = st.clusters.get(cid)
+            if held is not None and not _same_secret(msg, held):
+                raise PermissionError(f"cluster name {cid!r} is held by a live cluster; a cluster re-joins under "
+                                      "its name with the secret it was given, or waits until the holder's "
+                                      "heartbeats lapse")
             seed = st.seeding()
             if seed and st.seeder not in (None, cid) and st.seeder in st.clusters:
                 return {"status": "not_ready"}  # another cluster is seeding the PS
-            st.clusters[cid] = ClusterRecord(cid, st.complete, last_hb=time.monotonic(), counted_at=time.time())
+            secret = secrets.token_hex(16)
+            st.clusters[cid] = ClusterRecord(cid, st.complete, last_hb=time.monotonic(), counted_at=time.time(),
+                                             secret=secret)
             if seed:
                 st.seeder = cid
             log.info("cluster %s joined at version %d%s", cid, st.complete, " to seed the PS" if seed else "")
-            st.save()
-            return {"status": "ok", "id": cid, "version": st.complete, "hb": self.cfg.heartbeat_s, "seed": seed,
-                    **st.data_plan()}
+            st.persist()
+            return {"status": "ok", "id": cid, "secret": secret, "version": st.complete, "hb": self.cfg.heartbeat_s,
+                    "seed": seed, **st.data_plan()}
+
+    def _caller(self, msg: dict) -> tuple[str, ClusterRecord | None]:
+        """The cluster a call speaks for, checked against its registration secret (call with
+        ``cond`` held); None when no cluster of that id is registered."""
+        cid = untrusted.text(msg, "id", MAX_NAME_CHARS)
+        rec = self.state.clusters.get(cid)
+        if rec is not None and not _same_secret(msg, rec):
+            raise PermissionError(f"cluster {cid!r}: the secret given at its registration is missing or wrong")
+        return cid, rec
 
     def heartbeat(self, msg: dict) -> dict:
         with self.state.cond:
-            rec = self.state.clusters.get(str(msg["id"]))
+            _, rec = self._caller(msg)
             if rec is None:
                 return {"known": False}
             rec.last_hb = time.monotonic()
@@ -131,14 +152,14 @@ class LeaderService:
         """A cluster departs on purpose: rounds stop waiting for it at once, not after its
         heartbeats lapse (sync DiLoCo would otherwise stall for that long)."""
         with self.state.cond:
-            known = str(msg["id"]) in self.state.clusters
-            self.state.remove_cluster(str(msg["id"]), "it left")
-            return {"known": known}
+            cid, rec = self._caller(msg)
+            self.state.remove_cluster(cid, "it left")
+            return {"known": rec is not None}
 
     def push_request(self, msg: dict) -> dict:
-        st, cid = self.state, str(msg["id"])
+        st = self.state
         with st.cond:
-            rec = st.clusters.get(cid)
+            cid, rec = self._caller(msg)
             if rec is None:
                 return {"status": "unknown"}
             rec.last_hb = time.monotonic()
@@ -147,9 +168,9 @@ class LeaderService:
             if not st.ready():
                 return {"status": "not_ready"}
             if "pull_s" in msg:
-                st.pull_s = float(msg["pull_s"])
+                st.pull_s = untrusted.number(msg, "pull_s", 0.0, MAX_PULL_S)
             workers = self._checked_workers(cid, msg["workers"])
-            base = int(msg["base"])
+            base = untrusted.integer(msg, "base", -1, MAX_VERSION)
             if base != rec.base:  # e.g. its last pull failed: it must re-join from the latest version
                 log.warning("cluster %s pushes against version %d; the PS expects %d: it re-joins", cid, base, rec.base)
                 return {"status": "unknown"}
@@ -169,7 +190,12 @@ class LeaderService:
         n = len(self.state.layout.units)
         if not isinstance(workers, dict) or not 0 < len(workers) <= n:
             raise ValueError(f"push of cluster {cid}: workers must map 1..{n} worker ids to their units")
-        out = {int(w): [int(u) for u in units] for w, units in workers.items()}
+        out = {}
+        for w, units in workers.items():
+            if not (w.isdigit() and len(w) <= 9) or not isinstance(units, list) or len(units) > n:
+                raise ValueError(f"push of cluster {cid}: worker {w[:20]!r} holding {str(units)[:40]}; expected a "
+                                 f"worker number holding a list of at most {n} units")
+            out[int(w)] = untrusted.integers(workers, w, 0, n - 1, n)
         held = sorted(u for units in out.values() for u in units)
         if held != list(range(n)):
             raise ValueError(f"push of cluster {cid} covers units {held[:8]}{'...' if len(held) > 8 else ''}; "
@@ -192,10 +218,10 @@ class LeaderService:
     def push_done(self, msg: dict) -> dict:
         st = self.state
         with st.cond:
-            push = st.pushes.get(str(msg["push"]))
-            if push is None or push.cluster != str(msg["id"]) or push.state != "requested":
-                raise ValueError(f"push {str(msg['push'])[:40]!r} of cluster {str(msg['id'])[:40]!r} "
-                                 "is not awaiting completion")
+            cid, _ = self._caller(msg)
+            push = st.pushes.get(untrusted.text(msg, "push", MAX_NAME_CHARS))
+            if push is None or push.cluster != cid or push.state != "requested":
+                raise ValueError(f"push {str(msg['push'])[:40]!r} of cluster {cid[:40]!r} is not awaiting completion")
             followers = [st.followers[i] for i in range(self.cfg.n_followers)]
         replies = list(self.pool.map(lambda f: call_follower(f, "Seal", push=push.id), followers))
         errors = [r.get("err", "unknown error") for r in replies if not r.get("ok")]
@@ -215,17 +241,19 @@ class LeaderService:
                 st.budget_reached_at = time.time()
             st.clusters[push.cluster].tokens += push.tokens
             st.clusters[push.cluster].counted_at = time.time()
-            st.save()
+            st.persist()
             st.changed()
             return {"status": "sealed"}
 
     async def wait_push(self, msg: dict) -> dict:
         """The fate of a push, waiting up to ``wait`` seconds (30 at most) for its round; the wait
         holds no thread (it sleeps on the RPC server's event loop)."""
-        deadline = time.monotonic() + min(float(msg.get("wait", 0)), 30.0)
+        wait = untrusted.number(msg, "wait", 0.0, float(2 ** 31), default=0.0)
+        deadline = time.monotonic() + min(wait, MAX_WAIT_S)
+        push = untrusted.text(msg, "push", MAX_NAME_CHARS)
         while True:
             with self.state.cond:
-                fate = self.state.fate(str(msg["push"]))
+                fate = self.state.fate(push)
             left = deadline - time.monotonic()
             if fate is not None or left <= 0:
                 return fate or {"state": "pending"}
@@ -242,6 +270,12 @@ class LeaderService:
     def status(self, msg: dict) -> dict:
         with self.state.cond:
             return self.state.status()
+
+
+def _same_secret(msg: dict, rec: ClusterRecord) -> bool:
+    """Whether ``msg`` carries the secret ``rec`` was registered with (constant-time compare)."""
+    given = msg.get("secret")
+    return isinstance(given, str) and bool(rec.secret) and hmac.compare_digest(given.encode(), rec.secret.encode())
 
 
 def _address(value) -> str:

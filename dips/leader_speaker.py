@@ -28,6 +28,7 @@ class LeaderSpeaker:
         self.name, self.layout, self.workers, self.heartbeat_s = name, layout, workers, heartbeat_s
         self.stats, self._pull_seconds = stats, pull_seconds
         self.cluster_id: str | None = None
+        self.secret: str | None = None  # the leader's proof that calls for cluster_id come from us
         self.base = -1               # the global version the cluster's parameters started from
         self.plan: dict = {}         # the leader's data plan: followers, their units, their key
         self.pending: str | None = None  # a sealed push awaiting its fate
@@ -45,7 +46,7 @@ class LeaderSpeaker:
         self._hb.join(timeout=2)
         if leave and self.cluster_id is not None:
             try:
-                self.leader.call("Leave", timeout=2.0, id=self.cluster_id)
+                self.leader.call("Leave", timeout=2.0, **self._me())
             except RpcError as exc:
                 log.warning("could not tell the leader that cluster %s leaves: %s", self.cluster_id, exc)
         self.leader.close()
@@ -61,7 +62,7 @@ class LeaderSpeaker:
         while not self._stop.is_set():
             try:
                 if self.cluster_id is not None:
-                    reply = self.leader.call("Heartbeat", timeout=1.0, id=self.cluster_id)
+                    reply = self.leader.call("Heartbeat", timeout=1.0, **self._me())
                     if not reply.get("known"):
                         log.warning("cluster %s is unknown to the leader; it will re-join", self.cluster_id)
                         self.cluster_id = None
@@ -73,16 +74,24 @@ class LeaderSpeaker:
                 self._leader_up.clear()
             self._stop.wait(self.heartbeat_s)
 
+    def _me(self) -> dict:
+        """The fields that say which cluster calls: its id and the secret it registered with."""
+        return {"id": self.cluster_id, "secret": self.secret}
+
     def join(self) -> dict:
         """Register the cluster: a pull of the global parameters, or (seeding a PS that has no
         model yet) a push of this cluster's."""
+        mine = {"name": self.name, "fingerprint": self.layout.fingerprint}
+        if self.secret is not None:
+            mine["secret"] = self.secret  # re-joining under our name
         try:
-            reply = self.leader.call("RegisterCluster", timeout=2.0, name=self.name,
-                                     fingerprint=self.layout.fingerprint)
+            reply = self.leader.call("RegisterCluster", timeout=2.0, **mine)
             if reply["status"] == "layout":  # a PS seeded from its first cluster has no model yet
-                reply = self.leader.call("RegisterCluster", timeout=2.0, name=self.name,
-                                         fingerprint=self.layout.fingerprint, layout=self.layout.to_wire())
+                reply = self.leader.call("RegisterCluster", timeout=2.0, **mine, layout=self.layout.to_wire())
         except RpcError as exc:
+            if exc.code == "PERMISSION_DENIED" and self.name is not None:
+                log.warning("%s; joining later", exc)  # our name's earlier holder has not lapsed yet
+                return self.task("none")
             if not exc.unavailable:
                 raise
             log.info("leader unreachable; training on without it for now")
@@ -90,7 +99,7 @@ class LeaderSpeaker:
         if reply["status"] != "ok":
             return self.task("none")
         self._leader_up.set()
-        self.cluster_id = reply["id"]
+        self.cluster_id, self.secret = reply["id"], reply["secret"]
         self.heartbeat_s = min(self.heartbeat_s, float(reply["hb"]))  # the leader's interval rules
         self.pending = None
         if reply.get("seed"):  # this cluster's parameters become the PS's version 1: push them, pull that
@@ -124,7 +133,7 @@ class LeaderSpeaker:
     def request_push(self) -> dict:
         self._t_push = time.monotonic()
         workers = {str(w): units for w, units in self.workers.items()}
-        reply = self.leader.call("PushRequest", id=self.cluster_id, tokens=self.cluster_tokens, base=self.base,
+        reply = self.leader.call("PushRequest", **self._me(), tokens=self.cluster_tokens, base=self.base,
                                  workers=workers, pull_s=self._pull_seconds())
         if reply["status"] == "unknown":
             self.cluster_id = None
@@ -145,7 +154,7 @@ class LeaderSpeaker:
             self.stats["failed"] += 1
             return False
         try:
-            done = self.leader.call("PushDone", id=self.cluster_id, push=push)
+            done = self.leader.call("PushDone", **self._me(), push=push)
         except RpcError as exc:
             log.warning("push %s: %s", push, exc)
             done = {"status": "unknown", "err": str(exc)}

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from diutil.durable import write_text_atomic
+from diutil.untrusted import RateLimitedLog
 
 from .auth import JobToken
 from .grace import GraceEstimator
@@ -22,6 +24,7 @@ from .penalty import PseudoGradientPenalty
 from .rpc import RpcClient, RpcError, Tls
 
 log = logging.getLogger("dips.leader")
+_disk_log = RateLimitedLog(log)
 
 DECISION_LOG = 64     # decisions always kept ...
 MAX_DECISIONS = 1024  # ... and back to the oldest follower checkpoint, up to this many (~100 B each)
@@ -47,6 +50,9 @@ class ClusterRecord:
     tokens: int = 0
     last_hb: float = 0.0
     counted_at: float = 0.0  # wall time its tokens were last counted (join or sealed push)
+    # Handed to the cluster at registration; every later call in its name must present it, so a
+    # holder of the job token cannot speak for another cluster (leave, heartbeat, push for it).
+    secret: str = ""
 
 
 @dataclasses.dataclass
@@ -159,7 +165,7 @@ class LeaderState:
         for p in self.pushes.values():
             if p.cluster == cid and p.state == "requested":
                 p.state = "failed"
-        self.save()
+        self.persist()
         self.changed()
 
     def record_decision(self, weights: dict, scale: float, drop: list[str], seed: bool = False) -> int:
@@ -186,8 +192,34 @@ class LeaderState:
             call_follower(f, "Discard", pushes=pushes)
 
     # ------------------------------------------------------------ metadata
+    def undo_point(self, pushes: list[PushRecord]) -> Callable[[], None]:
+        """What undoes a round's decision on ``pushes`` (with ``cond`` held): its commit point
+        is the metadata write, and a decision that could not be written was never made."""
+        version, decisions = self.version, dict(self.decisions)
+        fates = [(p, p.state, p.version) for p in pushes]
+        bases = {c.id: c.base for c in self.clusters.values()}
+
+        def undo() -> None:
+            self.version, self.decisions = version, decisions
+            for p, state, v in fates:
+                p.state, p.version = state, v
+            for cid, base in bases.items():
+                if cid in self.clusters:
+                    self.clusters[cid].base = base
+        return undo
+
+    def persist(self) -> None:
+        """:meth:`save` where the write is not a commit point: a failure (a full disk) is
+        reported and the leader carries on from memory; the next write saves it all."""
+        try:
+            self.save()
+        except OSError as exc:
+            _disk_log.warning("leader metadata not written (%s); carrying on from memory, the next write retries",
+                              exc)
+
     def save(self) -> None:
-        """Write the metadata file (with ``cond`` held): the commit point of a decision."""
+        """Write the metadata file (with ``cond`` held): the commit point of a decision. Raises
+        OSError (the disk is full, ...) with the file on disk unchanged."""
         if not self.cfg.metadata:
             return
         fates = [dataclasses.asdict(p) for p in self.pushes.values() if p.state != "requested"][-PUSH_FATES:]
@@ -200,16 +232,17 @@ class LeaderState:
         }
         if self.cfg.seed_from_cluster and self.layout is not None:
             meta["layout"] = self.layout.to_wire()  # the model came from a cluster: nowhere else to find it
-        path = Path(self.cfg.metadata)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, separators=(",", ":")))
-        os.replace(tmp, path)
+        write_text_atomic(self.cfg.metadata, json.dumps(meta, separators=(",", ":")))
 
     def load(self) -> None:
         """Resume from the metadata file, if there is one."""
         if not self.cfg.metadata or not Path(self.cfg.metadata).exists():
             return
-        meta = json.loads(Path(self.cfg.metadata).read_text())
+        try:
+            meta = json.loads(Path(self.cfg.metadata).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"leader metadata {self.cfg.metadata} is unreadable ({exc}); restore it from a "
+                             "backup, or move it away to start a new job") from None
         if "layout" in meta and self.layout is None:
             self.set_layout(ModelLayout.from_wire(meta["layout"]))
         self.version, self.complete = meta["version"], meta["complete"]

@@ -16,15 +16,23 @@ Two choices the paper leaves open, made here so the rule never misfires:
 - the threshold is beta * max(max(E), 1): in a healthy run the norms shrink, mu lags above them,
   every score is negative and a bare beta * max(E) would be negative and reject normal pushes;
   the floor of 1 makes the rule never stricter than a beta-sigma z-score test;
-- the first ``warmup`` rounds accept everything and seed mu and sigma with the plain mean and
-  standard deviation of the norms seen, since an EMA started from one sample has sigma = 0.
+- the first ``warmup`` rounds accept everything and seed mu and sigma from the norms seen, since
+  an EMA started from one sample has sigma = 0. The seed is robust: mu the median, sigma the
+  median absolute deviation (scaled by 1.4826 to estimate a standard deviation), at least
+  ``WARMUP_SIGMA_FLOOR`` of mu. A mean and standard deviation would let one huge push among the
+  few warm-up norms (a cluster's bad first step) inflate sigma so far that later outliers pass
+  for hundreds of rounds while the EMA slowly forgets it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections import deque
+import statistics
 from collections.abc import Mapping
+
+WARMUP_SIGMA_FLOOR = 0.05  # relative to mu: norms that agree exactly do not make every change an outlier
+MAD_TO_SIGMA = 1.4826      # the MAD of a normal distribution times this is its standard deviation
 
 
 @dataclasses.dataclass
@@ -81,9 +89,9 @@ class PseudoGradientPenalty:
         if self.mu is None:
             self.seen.append(g)
             if len(self.seen) >= self.warmup:
-                n = len(self.seen)
-                self.mu = sum(self.seen) / n
-                self.sigma = math.sqrt(sum((x - self.mu) ** 2 for x in self.seen) / max(n - 1, 1))
+                self.mu = statistics.median(self.seen)
+                mad = statistics.median(abs(x - self.mu) for x in self.seen)
+                self.sigma = max(MAD_TO_SIGMA * mad, WARMUP_SIGMA_FLOOR * abs(self.mu))
             return
         self.mu = self.alpha * g + (1 - self.alpha) * self.mu
         self.sigma = math.sqrt((1 - self.alpha) * self.sigma ** 2 + self.alpha * (g - self.mu) ** 2)

@@ -9,11 +9,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from diutil.untrusted import RateLimitedLog
+
 from .leader_state import FollowerRecord, LeaderState, PushRecord
 from .penalty import token_weights
 from .rpc import RpcError
 
 log = logging.getLogger("dips.leader")
+RETRY_S, RETRY_MAX_S = 0.2, 10.0
 
 
 class RoundRunner:
@@ -34,7 +37,7 @@ class RoundRunner:
         return not inflight and now - st.last_seal >= st.grace.grace()
 
     def loop(self) -> None:
-        st = self.state
+        st, pause, failures = self.state, RETRY_S, RateLimitedLog(log)
         while not self.stop.is_set():
             with st.cond:
                 st.cond.wait(0.005)
@@ -44,11 +47,14 @@ class RoundRunner:
                 st.collecting = []
             try:
                 self.run(pushes)
-            except Exception:  # only fails before its commit point: never let it kill the leader, retry
-                log.exception("round failed; its pushes go back to the next round")
+                pause = RETRY_S
+            except Exception as exc:  # only fails before its commit point: never let it kill the leader, retry
+                failures.warning("round failed (%s: %s); its pushes go back to the next round, retrying in %.1f s",
+                                 type(exc).__name__, exc, pause)
                 with st.cond:
                     st.collecting = [p.id for p in pushes] + st.collecting
-                time.sleep(0.2)
+                self.stop.wait(pause)
+                pause = min(2 * pause, RETRY_MAX_S)
 
     def run(self, pushes: list[PushRecord]) -> None:
         """Decide, commit and apply one round of sealed ``pushes``."""
@@ -78,12 +84,18 @@ class RoundRunner:
             stale_scale = st.penalty.staleness_scale(weights, {p.id: st.version - p.base for p in pushes
                                                                 if p.id in weights})
         with st.cond:
+            undo = st.undo_point(pushes)
             version = st.record_decision(weights, scale * stale_scale, rejected, seed) if accepted else st.version
             for p in pushes:
                 p.state, p.version = ("applied" if p.id in accepted else "rejected"), version
                 if p.cluster in st.clusters:
                     st.clusters[p.cluster].base = version
-            st.save()  # commit point
+            try:
+                st.save()  # commit point
+            except OSError:
+                undo()
+                st.penalty.load_state(penalty_before)  # the round is retried: count its norms once
+                raise
         if rejected:
             log.warning("round %d rejected pushes %s (outliers)", version, rejected)
         if accepted:
@@ -93,7 +105,7 @@ class RoundRunner:
         with st.cond:
             st.complete = version if accepted else st.complete
             st.forget_settled_pushes()
-            st.save()
+            st.persist()
             st.changed()
         st.grace.observe_cost(time.monotonic() - t0 + st.pull_s)
         # staleness: versions decided between a push's base and the one it is applied on top of

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import grpc
 
+from diutil import untrusted
 from diutil.address import join, split
+from diutil.untrusted import BadMessage, RateLimitedLog
 from .auth import JobToken
 
 log = logging.getLogger("dips.rpc")
@@ -72,10 +74,11 @@ def encode(msg: dict) -> bytes:
 
 
 def decode(data: bytes) -> dict:
-    msg = json.loads(data)
-    if not isinstance(msg, dict):
-        raise ValueError(f"control message must be a JSON object, got {type(msg).__name__}")
-    return msg
+    """A control message: a JSON object, bounded, finite (``BadMessage`` otherwise)."""
+    return untrusted.json_object(data, "control message", MAX_MESSAGE_BYTES, max_depth=MAX_DEPTH)
+
+
+MAX_DEPTH = 8  # the deepest control message (a layout on the wire) nests 4 levels
 
 
 _LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -101,6 +104,7 @@ class RpcServer:
         if missing:
             raise ValueError(f"{service}: methods {sorted(missing)} have no access rule")
         self.stats = MessageStats()
+        self._refusals = RateLimitedLog(log)  # logged, but a peer repeating them cannot fill the log
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{service}-rpc")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"{service}-grpc")
@@ -134,17 +138,26 @@ class RpcServer:
             self.stats.add(len(request))
             try:
                 msg = decode(request)
-            except ValueError as exc:
+            except BadMessage as exc:  # not logged: anyone who reaches the port could fill the log
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
             presented = msg.pop("tok", None)
             if not any(t.matches(presented) for t in tokens):
-                JobToken.log_refusal(presented, f"{service}/{name} from {context.peer()}")
+                self._refusals.warning("refused %s/%s from %s: %s token", service, name, context.peer(),
+                                  "missing" if not presented else "wrong")
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing token for this method")
+            code, why = None, ""
             try:
                 reply = encode(await fn(msg))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("%s/%s rejected: %s", service, name, exc)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except PermissionError as exc:
+                code, why = grpc.StatusCode.PERMISSION_DENIED, str(exc)
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:
+                code, why = grpc.StatusCode.INVALID_ARGUMENT, _reason(exc)
+            except Exception as exc:  # a bug, not the caller's input: say so, keep serving
+                log.exception("%s/%s failed", service, name)
+                code, why = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            if code is not None:
+                self._refusals.warning("%s/%s refused: %s", service, name, why[:300])
+                await context.abort(code, why[:1000])
             self.stats.add(len(reply))
             return reply
         return handler
@@ -172,12 +185,18 @@ class RpcServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, KeyError):
+        return f"field {exc.args[0]!r} is missing" if exc.args else "a field is missing"
+    return str(exc)
+
+
 class RpcError(RuntimeError):
     """A control call that failed; ``unavailable`` tells a peer that is down from a refusal."""
 
-    def __init__(self, message: str, unavailable: bool):
+    def __init__(self, message: str, unavailable: bool, code: str = ""):
         super().__init__(message)
-        self.unavailable = unavailable
+        self.unavailable, self.code = unavailable, code  # code: the gRPC status name
 
 
 class RpcClient:
@@ -200,7 +219,7 @@ class RpcClient:
             code = exc.code()
             unavailable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             raise RpcError(f"{self.service}/{method} at {self.address}: {code.name}: {exc.details()}",
-                           unavailable) from None
+                           unavailable, code.name) from None
         return decode(reply)
 
     def close(self) -> None:

@@ -118,3 +118,79 @@ def test_a_restart_finds_the_sealed_pushes_and_the_checkpoint(follower, tmp_path
     again.load(None)
     assert again.version == 1 and list(again.sealed) == ["p2"] and sorted(again.bases) == sorted(state.bases)
     assert all(torch.equal(again.theta[n], state.theta[n]) for n in state.theta)
+
+
+def _apply_and_checkpoint(state: FollowerState, disk: FollowerDisk, initial: dict, version: int) -> None:
+    """Round ``version`` of one push, then a checkpoint as the follower's thread writes it."""
+    push = f"p{version}"
+    stage_all(state, push, pushed(initial, 0.1 * version), base=version - 1)
+    assert state.seal(push)["ok"]
+    state.apply({"version": version, "weights": {push: 1.0}, "keep": []})
+    disk.save_checkpoint(state.snapshot(), keep=3)
+    for p in state.checkpointed(disk.oldest_kept_version()):
+        disk.delete_push(p)
+
+
+def test_a_torn_newest_checkpoint_falls_back_to_an_older_one_and_replays(follower):
+    """Power lost while the newest checkpoint was written (a disk that lied about its flush): at
+    every offset it was cut, the follower starts from the previous checkpoint, and replaying the
+    round it lost gives the same parameters as before."""
+    state, initial, directory = follower
+    disk = FollowerDisk(directory)
+    for version in (1, 2, 3):
+        _apply_and_checkpoint(state, disk, initial, version)
+    newest = disk.checkpoints()[-1]
+    whole = newest.read_bytes()
+    assert sorted(p.stem for p in (directory / "pushes").glob("*.pt")) == ["p2", "p3"]
+    offsets = sorted({0, 1, len(whole) // 2, len(whole) - 1} | set(range(7, len(whole), len(whole) // 9)))
+    for cut in offsets:
+        newest.write_bytes(whole[:cut])
+        again = FollowerState(FollowerDisk(directory), state.layout, range(0, 2), NesterovOuter(LR, MU), 2, "f")
+        again.load(None)
+        assert again.version == 2, f"cut at {cut}"
+        assert list(again.sealed) == ["p3"] and again.applied_at == {"p2": 2}
+        again.apply({"version": 3, "weights": {"p3": 1.0}, "keep": []})  # the leader's replay
+        assert all(torch.equal(again.theta[n], state.theta[n]) for n in state.theta), f"cut at {cut}"
+        assert all(torch.equal(again.momentum[n], state.momentum[n]) for n in state.momentum)
+
+
+def test_a_checkpoint_the_disk_refuses_changes_nothing_and_is_retried(follower, monkeypatch):
+    """The disk is full at a checkpoint: the follower's checkpoint thread reports it, keeps the
+    sealed pushes and the older checkpoints, and writes the checkpoint once there is room."""
+    import errno
+    import threading
+
+    from dips import follower as follower_module
+    from dips import follower_disk
+
+    state, initial, directory = follower
+    disk = FollowerDisk(directory)
+    _apply_and_checkpoint(state, disk, initial, 1)
+    stage_all(state, "p2", pushed(initial, 0.2), base=1)
+    state.seal("p2")
+    state.apply({"version": 2, "weights": {"p2": 1.0}, "keep": []})
+    real, refusals = follower_disk.write_atomic, []
+
+    def full(path, write):
+        if len(refusals) < 2:
+            refusals.append(path)
+            raise OSError(errno.ENOSPC, f"writing {path} failed: No space left on device")
+        real(path, write)
+
+    monkeypatch.setattr(follower_disk, "write_atomic", full)
+    monkeypatch.setattr(follower_module, "CHECKPOINT_RETRY_S", 0.05)
+    f = follower_module.Follower.__new__(follower_module.Follower)  # its checkpoint thread alone
+    f.state, f.disk, f.index, f.keep_checkpoints = state, disk, 0, 3
+    f._registering, f._stop, f._ckpt_wanted = threading.Lock(), threading.Event(), threading.Event()
+    f._ckpt_wanted.set()
+    thread = threading.Thread(target=f._checkpoint_loop, daemon=True)
+    thread.start()
+    deadline = 50
+    while len(disk.checkpoints()) < 2 and deadline:
+        threading.Event().wait(0.1)
+        deadline -= 1
+    f._stop.set()
+    thread.join(5)
+    assert len(refusals) == 2 and [FollowerDisk.version_of(p) for p in disk.checkpoints()] == [1, 2]
+    assert not list(directory.glob(".*.tmp")) and not list(directory.glob("*.tmp"))
+    assert (directory / "pushes" / "p2.pt").exists()  # kept: the oldest checkpoint does not cover it

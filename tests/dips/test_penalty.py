@@ -20,8 +20,8 @@ def test_ema_recurrence_and_scores_match_paper():
     warm = [10.0, 12.0, 11.0]
     for g in warm:
         pen.decide({"p": g}, {"p": 1})
-    mu0 = sum(warm) / 3
-    sigma0 = math.sqrt(sum((g - mu0) ** 2 for g in warm) / 2)
+    mu0 = 11.0                                         # the median of the warm-up norms
+    sigma0 = max(1.4826 * 1.0, 0.05 * mu0)             # 1.4826 x their median absolute deviation
     later = [10.5, 11.5, 9.8, 10.9]
     for g in later:
         expected_score = (g - pen.mu) / pen.sigma
@@ -102,3 +102,36 @@ def test_bad_values_named():
         PseudoGradientPenalty().decide({"p": float("nan")}, {"p": 1})
     with pytest.raises(ValueError, match="never negative"):
         token_weights({"a": 5, "b": -1})
+
+
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_one_huge_warmup_push_does_not_open_the_door_to_later_outliers(at):
+    """A cluster's norm of 1e6 among the three warm-up rounds (at any position) is accepted, as
+    every warm-up push is; a 100x outlier afterwards is still rejected at once, and honest norms
+    after it are not."""
+    rng = random.Random(at)
+    pen = PseudoGradientPenalty(warmup=3)
+    warm = [rng.uniform(0.9, 1.1) for _ in range(3)]
+    warm[at] = 1e6
+    for g in warm:
+        assert pen.decide({"p": g}, {"p": 1}).accepted == ["p"]
+    rejected = 0
+    for step in range(300):
+        norms = {f"c{i}": rng.uniform(0.85, 1.15) for i in range(3)}
+        if step == 5:
+            norms["bad"] = 100.0
+        rejected += len(pen.decide(norms, {p: 1 for p in norms}).rejected)
+        if step == 5:
+            assert rejected == 1, "the 100x outlier was accepted"
+    assert rejected == 1, f"{rejected - 1} honest pushes were rejected"
+
+
+def test_a_clean_run_rejects_nothing():
+    rng = random.Random(7)
+    pen = PseudoGradientPenalty(warmup=3)
+    rejected = 0
+    for step in range(1000):
+        scale = 10.0 * 0.999 ** step  # norms shrink as training converges
+        norms = {f"c{i}": scale * rng.uniform(0.8, 1.2) for i in range(4)}
+        rejected += len(pen.decide(norms, {p: 1 for p in norms}).rejected)
+    assert rejected == 0

@@ -249,7 +249,7 @@ def test_oversize_data_frame_drops_the_connection(tmp_path):
 
 def _raw_push(client, leader_version_check, units_to_send, mutate=None):
     """Request a push and send ``units_to_send`` by hand (possibly mutated); return PushDone's reply."""
-    reply = client.speaker.leader.call("PushRequest", id=client.speaker.cluster_id, tokens=1, base=client.base,
+    reply = client.speaker.leader.call("PushRequest", **client.speaker._me(), tokens=1, base=client.base,
                                workers={"0": list(range(len(client.layout.units)))})
     push = reply["push"]
     acks = []
@@ -266,7 +266,7 @@ def _raw_push(client, leader_version_check, units_to_send, mutate=None):
         addr = client.plan["followers"][0 if unit < client.plan["units"][0][1] else 1]
         client.transfer.sock(addr).send_multipart([client.transfer.header(**header), payload])
         acks += [h for h, _ in client.transfer.replies(addr, {header["req"]})]
-    return acks, client.speaker.leader.call("PushDone", id=client.speaker.cluster_id, push=push)
+    return acks, client.speaker.leader.call("PushDone", **client.speaker._me(), push=push)
 
 
 @pytest.mark.parametrize("case", ["partial", "shape", "names", "nan", "size"])
@@ -368,9 +368,9 @@ def test_bad_token_counts_refused_state_unchanged(tmp_path, caplog, tokens):
         before, meta = leader.status(), (tmp_path / "leader.json").read_bytes()
         with caplog.at_level(logging.WARNING, logger="dips.rpc"):
             with pytest.raises(RpcError, match="INVALID_ARGUMENT: .*tokens"):
-                c.speaker.leader.call("PushRequest", id=c.speaker.cluster_id, tokens=tokens, base=c.base,
+                c.speaker.leader.call("PushRequest", **c.speaker._me(), tokens=tokens, base=c.base,
                               workers={"0": list(range(len(c.layout.units)))})
-        assert any("PushRequest rejected" in r.message and "tokens" in r.message for r in caplog.records)
+        assert any("PushRequest refused" in r.message and "tokens" in r.message for r in caplog.records)
         assert leader.state.pushes == {} and leader.status() == before
         assert (tmp_path / "leader.json").read_bytes() == meta
         assert c.step(tokens=500)          # a count the rate allows goes through
@@ -427,7 +427,7 @@ def test_followers_stage_only_pushes_the_leader_issued(tmp_path):
             return next(h for h, _ in c.transfer.replies(addr, {header["req"]}))
 
         assert "not an id the leader issued" in send("made-up")["err"]
-        request = dict(id="c", tokens=1, base=0, workers={"0": list(range(len(c.layout.units)))})
+        request = dict(**c.speaker._me(), tokens=1, base=0, workers={"0": list(range(len(c.layout.units)))})
         first = c.speaker.leader.call("PushRequest", **request)["push"]
         assert "not an id the leader issued" in send(first, cluster="other")["err"]
         assert send(first)["ok"] and list(f0.state.staged) == [first]
@@ -437,7 +437,7 @@ def test_followers_stage_only_pushes_the_leader_issued(tmp_path):
         f0.state.max_unsealed_pushes = 1  # c's push is staged; another cluster's finds no room
         assert send(second)["ok"]
         d = OuterClient(build_model(MODEL, 4), leader.address, inner_steps=1, token=token, name="d")
-        other = d.speaker.leader.call("PushRequest", **{**request, "id": "d"})["push"]
+        other = d.speaker.leader.call("PushRequest", **{**request, **d.speaker._me()})["push"]
         assert "--max-unsealed-pushes" in send(other, cluster="d")["err"] and list(f0.state.staged) == [second]
         d.close()
         c.close()
