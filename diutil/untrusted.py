@@ -126,7 +126,7 @@ class RateLimitedLog:
     """At most ``per_window`` warnings per ``window_s`` seconds; the rest are counted and the count
     is reported with the next warning that gets through."""
 
-    def __init__(self, logger: logging.Logger, per_window: int = 10, window_s: float = 60.0):
+    def __init__(self, logger: logging.Logger, per_window: int = 100, window_s: float = 60.0):
         self.logger, self.per_window, self.window_s = logger, per_window, window_s
         self._lock = threading.Lock()
         self._start, self._count, self._dropped = 0.0, 0, 0

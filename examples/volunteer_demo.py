@@ -113,7 +113,8 @@ def train(args: argparse.Namespace, alloc: Path, token: Path, out: Path, env: di
     try:
         servers = [s["name"] for s in allocation["fleet"]["reliable"]]
         for name in servers:
-            start(name, "server", "--alloc", str(alloc), "--id", name, "--metrics", str(metrics))
+            start(name, "server", "--alloc", str(alloc), "--id", name, "--metrics", str(metrics),
+                  "--server-token-file", str(token.with_name("servers.key")))
         entry = allocation["fleet"]["reliable"][0]["address"]
         waiting = list(CLIENTS)
         killed, shown = False, 0
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None, step: str = "") -> int:
     devices, alloc, token = out / "devices.yaml", out / "alloc.json", out / "job.key"
     write_devices(devices, model, [f"127.0.0.1:{free_port()}" for _ in SITES])
     if run([*ditorch, "volunteer", "token", str(token)], env, label, check=False) or run(
+            [*ditorch, "volunteer", "token", str(token.with_name("servers.key"))], env, label, check=False) or run(
             [*ditorch, "volunteer", "plan", "--devices", str(devices), "--model", args.model, "--batch",
              str(args.batch), "--microbatches", "2", "--seq", str(args.seq), "--steps", str(args.steps),
              "--lr", "0.003", "--out", str(alloc)], env, label, check=False):

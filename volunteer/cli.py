@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     srv = sub.add_parser("server", help="run one reliable device's stage server")
     srv.add_argument("--alloc", required=True, help="alloc.json written by 'plan'")
     srv.add_argument("--id", required=True, help="this device's name in the allocation")
+    srv.add_argument("--server-token-file", required=True,
+                     help="file holding the servers' own secret (not given to clients): servers prove to "
+                          "each other with it that they are servers ('ditorch volunteer token' writes one)")
     srv.add_argument("--bind", default=None,
                      help="HOST:PORT to listen on (default: loopback at the port of its address in the fleet)")
     srv.add_argument("--metrics", default=None,
@@ -125,7 +128,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     _logging(args.log_level)
     job = load_job(args.alloc)
-    server = StageServer(job, args.id, JobKeys(JobToken.from_file(args.token_file)), bind=args.bind)
+    keys = JobKeys(JobToken.from_file(args.token_file), JobToken.from_file(args.server_token_file))
+    server = StageServer(job, args.id, keys, bind=args.bind)
     logger = None
     if args.metrics and hasattr(server.role, "on_loss"):
         from diutil.loss_log import LossLogger

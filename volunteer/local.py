@@ -48,8 +48,9 @@ def with_fresh_ports(job: Job) -> Job:
 class LocalJob:
     """Runs every server of ``job`` in a thread; clients are added with ``add_client``."""
 
-    def __init__(self, job: Job, token: JobToken | None = None, data: torch.Tensor | None = None):
-        self.keys = JobKeys(token or JobToken(secrets.token_hex(32)))
+    def __init__(self, job: Job, token: JobToken | None = None, data: torch.Tensor | None = None,
+                 server_token: JobToken | None = None):
+        self.keys = JobKeys(token or JobToken(secrets.token_hex(32)), server_token or JobToken(secrets.token_hex(32)))
         self.job, self.servers = self._bind_servers(job, data)
         self.threads = [threading.Thread(target=s.run, name=s.name, daemon=True) for s in self.servers]
         self.clients: list[tuple[Client, threading.Thread]] = []

@@ -3,7 +3,8 @@ plays in its stage (frontal or backward) and the parameter shard every server ho
 
 ``StageServer`` wires sockets to handlers; the handlers live in ``frontal``, ``backward`` and
 ``shard``. Messages are dispatched by op, and by whether they come from a client or from a
-server of the job (servers connect under the identity ``s:<name>``).
+server of the job: servers connect under the identity ``s:<name>`` and with the servers' key
+pair, which only holders of the server token have (``security``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dips.curve import tcp_endpoint
+from diutil.untrusted import RateLimitedLog
 
 from .backward import BackwardServer
 from .frontal import FrontalServer
@@ -51,6 +53,9 @@ class StageServer:
 
     def __init__(self, job: Job, name: str, keys: JobKeys, bind: str | None = None, data: torch.Tensor | None = None,
                  linger: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        if keys.peer is None:
+            raise ValueError(f"stage server {name}: servers speak to each other with the server token; "
+                             "give it --server-token-file")
         self.job, self.name, self.keys, self.clock, self.linger = job, name, keys, clock, linger
         self.stage, self.side, self.index = job.find(name)
         spec = job.stages[self.stage]
@@ -84,6 +89,7 @@ class StageServer:
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self._handshake_logged_at, self._handshakes_unlogged = -HANDSHAKE_LOG_INTERVAL, 0
+        self._bad = RateLimitedLog(log)  # refusals are logged, but a peer cannot fill the log
         self.peers: dict[str, zmq.Socket] = {}
         self.stop_event = threading.Event()
         self.refused = 0
@@ -102,7 +108,7 @@ class StageServer:
         if sock is None:
             address = next(s.address for st in self.job.stages for s in st.servers if s.name == name)
             sock = self.peers[name] = connecting_socket(self.context, self.keys, tcp_endpoint(address),
-                                                        f"s:{self.name}".encode(), self.max_bytes)
+                                                        f"s:{self.name}".encode(), self.max_bytes, as_server=True)
         sock.send_multipart(msg.encode(), copy=False)
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -137,11 +143,16 @@ class StageServer:
             })
         return table
 
-    def _sender_kind(self, identity: bytes) -> str:
+    def _sender_kind(self, identity: bytes, user_id: str | None) -> str:
+        """"server" for a connection that authenticated with the servers' key under the name of
+        one of the job's servers; "client" for every other."""
         if identity.startswith(b"s:"):
             name = identity[2:].decode(errors="replace")
+            if not self.keys.is_peer(user_id):
+                raise ProtocolError(f"a connection calls itself server {name[:64]!r} without the servers' key")
             if any(s.name == name for st in self.job.stages for s in st.servers):
                 return "server"
+            raise ProtocolError(f"server {name[:64]!r} is not one of this job's")
         return "client"
 
     def _on_ping(self, client: bytes, msg: Message) -> None:
@@ -150,13 +161,13 @@ class StageServer:
             raise ProtocolError(f"PING payload of {payload.numel() * payload.element_size()} bytes; at most {PING_MAX_BYTES}")
         self._to_client(client, Message("PONG", {}, [payload]))
 
-    def _handle(self, identity: bytes, msg: Message) -> None:
+    def _handle(self, identity: bytes, msg: Message, user_id: str | None = None) -> None:
         if identity.endswith(HEARTBEAT_SUFFIX):  # a client's heartbeat socket: beats only
             if msg.op != "HEARTBEAT":
                 raise ProtocolError(f"{msg.op} from a heartbeat connection")
             self.roster.heard(identity[: -len(HEARTBEAT_SUFFIX)])
             return
-        kind = self._sender_kind(identity)
+        kind = self._sender_kind(identity, user_id)
         handler = self._handlers.get((kind, msg.op))
         if handler is None:
             raise ProtocolError(f"no {msg.op!r} is expected from a {kind} by a {self.side} server")
@@ -167,13 +178,17 @@ class StageServer:
         handler(identity, msg)
 
     def _receive(self) -> None:
-        frames = self.socket.recv_multipart()
-        identity, body = frames[0], frames[1:]
+        frames = self.socket.recv_multipart(copy=False)
+        identity, body = frames[0].bytes, frames[1:]
         try:
-            self._handle(identity, Message.decode(body))
+            user_id = body[0].get("User-Id") if body else None
+            self._handle(identity, Message.decode([f.bytes for f in body]), user_id)
         except ProtocolError as exc:
             self.refused += 1
-            log.warning("%s refused a message from %s: %s", self.name, identity.decode(errors="replace")[:64], exc)
+            self._bad.warning("%s refused a message from %s: %s", self.name, identity.decode(errors="replace")[:64], exc)
+        except Exception:  # a bug, not the peer's input (that is a ProtocolError): keep serving
+            self.refused += 1
+            log.exception("%s: handling a message from %s failed", self.name, identity.decode(errors="replace")[:64])
         self._handle_local()
 
     def _handshake_failed(self) -> None:
@@ -190,9 +205,9 @@ class StageServer:
             self._handshake_logged_at, self._handshakes_unlogged = now, 0
 
     def _handle_local(self) -> None:
-        me = f"s:{self.name}".encode()
+        me, key = f"s:{self.name}".encode(), self.keys.peer.public.decode() if self.keys.peer else None
         while self._local:
-            self._handle(me, self._local.popleft())
+            self._handle(me, self._local.popleft(), key)
 
     # -- loop ----------------------------------------------------------------------------------
     @property

@@ -14,9 +14,12 @@ from typing import Any, Iterable
 
 import torch
 
+from diutil import untrusted
+
 MAX_HEADER_BYTES = 64 * 1024
 MAX_TENSORS = 4
 MAX_DIMS = 4
+MAX_DEPTH = 16  # far deeper than any header (a JOB message carries the job as a nested object)
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
 _NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -48,13 +51,11 @@ class Message:
         """Parse ``frames``; every declared size is checked against the frames that came."""
         if not frames:
             raise ProtocolError("empty message")
-        if len(frames[0]) > MAX_HEADER_BYTES:
-            raise ProtocolError(f"header of {len(frames[0])} bytes; at most {MAX_HEADER_BYTES}")
         try:
-            header = json.loads(frames[0])
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ProtocolError(f"header is not JSON: {exc}") from None
-        if not isinstance(header, dict) or not isinstance(header.get("op"), str) or \
+            header = untrusted.json_object(frames[0], "header", MAX_HEADER_BYTES, max_depth=MAX_DEPTH)
+        except untrusted.BadMessage as exc:
+            raise ProtocolError(str(exc)) from None
+        if not isinstance(header.get("op"), str) or \
                 not isinstance(header.get("fields"), dict) or not isinstance(header.get("tensors"), list):
             raise ProtocolError("header must be an object with 'op', 'fields' and 'tensors'")
         specs = header["tensors"]
@@ -111,7 +112,8 @@ class Message:
 
 
 def _tensor(spec: Any, frame: bytes) -> torch.Tensor:
-    if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES or not isinstance(spec.get("shape"), list):
+    if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) or spec["dtype"] not in DTYPES \
+            or not isinstance(spec.get("shape"), list):
         raise ProtocolError(f"tensor spec {spec!r:.80}; expected dtype in {sorted(DTYPES)} and a shape")
     shape = spec["shape"]
     if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 31 for d in shape):

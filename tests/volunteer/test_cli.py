@@ -50,6 +50,8 @@ def run_job(tmp_path: Path, addresses: list[str], on_host=lambda name: [], bind=
     model.write_text(yaml.safe_dump(MODEL))
     token = tmp_path / "job.key"
     assert ditorch("volunteer", "token", str(token), stdout=subprocess.DEVNULL).wait(60) == 0
+    servers_token = tmp_path / "servers.key"
+    assert ditorch("volunteer", "token", str(servers_token), stdout=subprocess.DEVNULL).wait(60) == 0
     plan = subprocess.run([sys.executable, "-m", "ditorch.cli", "volunteer", "plan", "--devices", str(devices),
                            "--model", str(model), "--batch", "8", "--microbatches", "2", "--steps", "4",
                            "--lr", "0.01", "--out", str(alloc)], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -73,6 +75,7 @@ def run_job(tmp_path: Path, addresses: list[str], on_host=lambda name: [], bind=
 
     try:
         servers = [start(s["name"], "server", "--alloc", str(alloc), "--id", s["name"], "--metrics", str(metrics),
+                         "--server-token-file", str(servers_token),
                          *(["--bind", bind(s["name"])] if bind else []))
                    for s in allocation["fleet"]["reliable"]]
         entry = job.stages[0].frontal[0].address

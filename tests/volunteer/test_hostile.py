@@ -1,12 +1,15 @@
 """Bad input to a stage server: refused with a logged reason, nothing applied, service goes on."""
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 
 import pytest
 import torch
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
 from dips.auth import JobToken
@@ -78,6 +81,9 @@ def test_a_client_without_the_job_token_cannot_even_connect(served, caplog):
     ([b'{"op": "HELLO"}'], "must be an object"),
     ([b'{"op": "PING", "fields": {}, "tensors": [{"dtype": "float32", "shape": [4]}]}', b"abc"], "needs 16 bytes"),
     ([b'{"op": "PING", "fields": {}, "tensors": [{"dtype": "complex64", "shape": [1]}]}', b"12345678"], "dtype"),
+    ([b'{"op": "PING", "fields": {}, "tensors": [{"dtype": [], "shape": [1]}]}', b"1234"], "dtype"),
+    ([b"[" * 20000], "nested deeper"),
+    ([b'{"op": "HELLO", "fields": {"flops": Infinity}, "tensors": []}'], "Infinity"),
     ([b'{"op": "PING", "fields": {}, "tensors": []}', b"extra"], "declares 0 tensor"),
     ([b'{"op": "SHUTDOWN", "fields": {}, "tensors": []}'], "no 'SHUTDOWN' is expected"),
     ([b'{"op": "REQ_TASK", "fields": {}, "tensors": []}'], "has not said hello"),
@@ -181,3 +187,65 @@ def test_the_message_bound_is_the_largest_stage_or_micro_batch(served):
         assert job.stage_parameters(k) == sum(p.numel() for p in job.stage_module(k).parameters())
     largest = max(job.stage_parameters(k) for k in range(len(job.stages)))
     assert max_message_bytes(job) >= 4 * largest
+
+
+@pytest.mark.parametrize("op", ["COMMITTED", "SEG_DONE", "GRAD"])
+def test_a_client_cannot_pass_for_a_server(served, caplog, op):
+    """A holder of the job token names itself s:<server>: its server-only messages are refused,
+    because it did not authenticate with the servers' key."""
+    job, lj = served
+    context = zmq.Context()
+    fake = connecting_socket(context, lj.keys, f"tcp://{address(job, 'b0.0')}", b"s:f0.0", max_message_bytes(job))
+    try:
+        with caplog.at_level(logging.WARNING, logger="volunteer.server"):
+            before = server(lj, "b0.0").refused
+            fake.send_multipart(Message(op, {"step": 0, "shard": 0, "frontal": 0, "accepted": {}}).encode())
+            honest = Raw(job, address(job, "b0.0"), lj.keys)
+            honest.send(Message("PING", {}))
+            assert honest.recv().op == "PONG"
+            honest.close()
+        assert server(lj, "b0.0").refused == before + 1
+        assert "without the servers' key" in caplog.text
+        with pytest.raises(ValueError, match="server token"):
+            connecting_socket(context, JobKeys(JobToken("x" * 32)), "tcp://127.0.0.1:1", b"s:x", 1024, as_server=True)
+    finally:
+        fake.close(0)
+        context.term()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=12),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12)
+OPS = ["JOIN", "PING", "HELLO", "LEAVE", "PUSH", "PULL", "REQ_TASK", "FWD_DONE", "BWD_DONE", "ACT", "GET_GRAD",
+       "SEG_DONE", "COMMITTED", "HEARTBEAT", "?"]
+headers = st.fixed_dictionaries({
+    "op": st.sampled_from(OPS) | json_values,
+    "fields": st.dictionaries(st.sampled_from(["step", "rows", "version", "task", "attempt", "loss", "flops", "mb",
+                                               "start", "end", "accepted", "frontal"]), json_values, max_size=5)
+              | json_values,
+    "tensors": st.lists(st.fixed_dictionaries({"dtype": st.sampled_from(["float32", "int64"]) | json_values,
+                                               "shape": st.lists(st.integers(-1, 5), max_size=3) | json_values}),
+                        max_size=2) | json_values})
+
+
+@pytest.mark.parametrize("name", ["f1.0", "b0.0"])
+def test_fuzzed_headers_never_stop_a_server(served, name):
+    """Headers drawn from the protocol's schema with any JSON in any field, from a client that said
+    hello: the server refuses or answers each, and still answers a PING after all of them."""
+    job, lj = served
+    raw = Raw(job, address(job, name), lj.keys)
+    raw.send(Message("HELLO", {"flops": 1e12}))
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(headers, st.lists(st.binary(max_size=64), max_size=2))
+    def one(header, frames):
+        raw.send([json.dumps(header).encode(), *frames])
+
+    try:
+        one()
+        raw.send(Message("PING", {}))
+        assert raw.recv_op("PONG").op == "PONG"
+        assert all(t.is_alive() for t in lj.threads)
+    finally:
+        raw.close()
