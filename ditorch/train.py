@@ -93,6 +93,7 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
 
     import ditorch  # noqa: F401  (the dipu device and the dicomm backend)
     from heteropp.plan import PlanError
+    from heteropp.runtime.checkpoint import CheckpointError
     from heteropp.runtime.trainer import PipelineTrainer
     from heteropp.runtime.training_run import TrainingRun
 
@@ -110,9 +111,13 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
         if rank == 0:
             _describe(trainer, vendors)
         TrainingRun(trainer).run(after_step=_outer_steps(trainer, ps_args) if ps_args else None)
-    except (PlanError, ValueError, KeyError) as exc:
+    except (PlanError, ValueError, KeyError, FileNotFoundError) as exc:
         print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:  # every rank learns it: the group is whole, leave it cleanly
+        print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 1
     except Exception as exc:  # a peer or transport failure: name this rank, then leave
         print(f"ditorch.train: rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # the group is broken; a clean shutdown would wait on the dead peer

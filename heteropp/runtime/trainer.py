@@ -235,13 +235,15 @@ class PipelineTrainer:
         check_replicas(self.module, self.groups.dp, f"stage {self.place.stage} TP rank {self.place.tp_index}")
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, directory: Path, step: int) -> None:
+    def save(self, directory: Path, step: int) -> Path:
+        """Collective: the complete checkpoint ``directory/step-<step>`` (checkpoint.py)."""
         from .checkpoint import save_checkpoint
 
-        save_checkpoint(directory, step, self)
+        return save_checkpoint(directory, step, self)
 
     def resume(self, directory: Path) -> int:
-        """Load a checkpoint written under any plan; training continues after its step."""
+        """Load a checkpoint written under any plan (``directory`` itself, or the newest complete
+        one in it); training continues after its step."""
         from .checkpoint import load_checkpoint
 
         self.start_step = load_checkpoint(directory, self)

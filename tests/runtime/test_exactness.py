@@ -46,7 +46,9 @@ def _reference(dp: int, clip: float) -> tuple[list[float], dict[str, torch.Tenso
 def _checkpoint_tensors(directory, tmp_path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(str(directory), str(tmp_path / "full.pt"))
+    from heteropp.runtime.checkpoint import latest_checkpoint
+
+    dcp_to_torch_save(str(latest_checkpoint(directory)), str(tmp_path / "full.pt"))
     return torch.load(tmp_path / "full.pt")
 
 
