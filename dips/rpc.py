@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from diutil import untrusted
-from diutil.address import join, split
+from diutil.address import is_loopback, join, split
 from diutil.untrusted import BadMessage, RateLimitedLog
 from .auth import JobToken
 
@@ -117,6 +117,9 @@ class RpcServer:
             self.stop()
             raise OSError(f"cannot bind gRPC server to {bind!r}")
         self.address = join(split(bind)[0], self.port)
+        if tls is None and not is_loopback(split(bind)[0]):
+            log.warning("%s listens on %s without TLS: tokens and control messages cross the network in the "
+                        "clear (give it --tls-cert/--tls-key; docs/dips.md, Security)", service, self.address)
 
     async def _start(self, service: str, methods: dict, bind: str, tls: Tls | None) -> int:
         self._changed = asyncio.Event()

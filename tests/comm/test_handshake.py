@@ -153,3 +153,42 @@ def test_shm_admits_only_the_process_its_hello_names():
         for s in held:
             s.close()
         rank1.kill()
+
+
+RANK1_FEW_FILES = """
+import datetime, os, resource, sys, time, torch, dicomm
+# Few descriptors to spare: the test's silent connections run this rank out of them.
+open_now = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+store = torch.distributed.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False,
+                                   timeout=datetime.timedelta(seconds=60))
+t0, c0 = time.monotonic(), time.process_time()
+pg = dicomm.ProcessGroupDicomm(store, 1, 2, 60.0)
+print(f"init {time.monotonic() - t0:.3f} cpu {time.process_time() - c0:.3f}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_more_half_open_connections_than_descriptors_do_not_keep_the_peer_out():
+    """150 connections that never say Hello, more than rank 1 may hold open: it neither spins on
+    the connection it cannot accept (EMFILE) nor keeps the real peer waiting for them to time out."""
+    store, port = master_store()
+    rank0 = FakeRank0(store, lanes=2, transport="tcp")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT="tcp", DICOMM_TCP_STREAMS="2")
+    proc = subprocess.Popen([sys.executable, "-c", RANK1_FEW_FILES, str(port)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    held = []
+    try:
+        rank0.rank1_address()
+        held += [rank0.connect() for _ in range(150)]
+        held += rank0.join()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        for s in held:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+    _, wall, _, cpu = out.split()
+    assert float(wall) < 5, (out, err[-2000:])
+    assert float(cpu) < 2, (out, err[-2000:])

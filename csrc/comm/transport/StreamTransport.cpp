@@ -13,6 +13,7 @@
 
 #include "comm/transport/CrossMemory.h"
 #include "comm/transport/Env.h"
+#include "comm/transport/Log.h"
 #include "comm/transport/StreamPair.h"
 
 namespace dicomm {
@@ -84,9 +85,10 @@ Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline,
 bool StreamTransport::admitOnce(Clock::time_point until) {
   // Every connection not yet admitted is read as its bytes come, beside the listener: one that
   // sends nothing (or dribbles) holds up nobody and is dropped after kHelloWindow.
-  std::vector<pollfd> fds{{listener_.fd.get(), POLLIN, 0}};
+  const bool listening = Clock::now() >= acceptRestUntil_;
+  std::vector<pollfd> fds{{listening ? listener_.fd.get() : -1, POLLIN, 0}};
   for (auto& g : greeting_) fds.push_back({g.fd.get(), POLLIN, 0});
-  auto soonest = until;
+  auto soonest = listening ? until : std::min(until, acceptRestUntil_);
   for (auto& g : greeting_) soonest = std::min(soonest, g.deadline);
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(soonest - Clock::now());
   const int n = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, left.count())));
@@ -103,20 +105,53 @@ bool StreamTransport::admitOnce(Clock::time_point until) {
       progressed = true;
     }
   }
-  if (n > 0 && (fds[0].revents & POLLIN)) {
-    const int c = ::accept4(listener_.fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (c >= 0) {
-      greeting_.push_back(Greeting{});
-      greeting_.back().fd = Fd(c);
-      greeting_.back().deadline = Clock::now() + kHelloWindow;
-      progressed = true;
-    }
-  }
   const auto now = Clock::now();
   greeting_.erase(std::remove_if(greeting_.begin(), greeting_.end(),
                                  [&](const Greeting& g) { return !g.fd || g.deadline <= now; }),
                   greeting_.end());
+  if (n > 0 && listening && (fds[0].revents & POLLIN)) {
+    const size_t before = greeting_.size();
+    acceptOne();
+    progressed = progressed || greeting_.size() != before;
+  }
   return progressed;
+}
+
+void StreamTransport::acceptOne() {
+  while (greeting_.size() >= maxGreetings()) evictOldestGreeting();
+  const int c = ::accept4(listener_.fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (c >= 0) {
+    greeting_.push_back(Greeting{});
+    greeting_.back().fd = Fd(c);
+    greeting_.back().deadline = Clock::now() + kHelloWindow;
+    acceptRest_ = std::chrono::milliseconds(0);
+    return;
+  }
+  const int err = errno;
+  if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM) return;  // e.g. the dialer gave up
+  if (!greeting_.empty()) {
+    greetingCap_ = std::max<size_t>(4, greeting_.size() / 2);
+    while (greeting_.size() > greetingCap_ - 1) evictOldestGreeting();  // their descriptors are free again
+    return;
+  }
+  // Nothing of ours to free: rest instead of polling a listener whose connection cannot be taken.
+  acceptRest_ = std::min(kAcceptRestMax, std::max(kAcceptRest, acceptRest_ * 2));
+  acceptRestUntil_ = Clock::now() + acceptRest_;
+  logLine(LogLevel::kWarn, std::string(config_.name) + ": rank " + std::to_string(ctx_.rank) +
+                               " cannot accept a connection (" + errnoString(err) + "); retrying in " +
+                               std::to_string(acceptRest_.count()) + " ms");
+}
+
+void StreamTransport::evictOldestGreeting() {
+  auto oldest = std::min_element(greeting_.begin(), greeting_.end(),
+                                 [](const Greeting& a, const Greeting& b) { return a.deadline < b.deadline; });
+  if (oldest == greeting_.end()) return;
+  greeting_.erase(oldest);
+  if (++evicted_ % 64 == 1) {
+    logLine(LogLevel::kWarn, std::string(config_.name) + ": rank " + std::to_string(ctx_.rank) +
+                                 " dropped an unauthenticated connection for room (" + std::to_string(evicted_) +
+                                 " so far): more connections than any group needs are being opened to it");
+  }
 }
 
 bool StreamTransport::advanceGreeting(Greeting& g) {

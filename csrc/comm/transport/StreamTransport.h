@@ -3,6 +3,8 @@
 // peer's connections to a StreamPair (StreamPair.h).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,6 +48,24 @@ class StreamTransport : public Transport {
   };
   std::vector<Greeting> greeting_;
   static constexpr std::chrono::seconds kHelloWindow{10};
+  // At most maxGreetings() connections are greeted at once (twice what the whole group could
+  // dial at once, and 64 more): one more evicts the oldest (a real peer completes its handshake
+  // within milliseconds of connecting, so a flood of idle connections evicts only its own). Out
+  // of descriptors (EMFILE), the bound drops to half the greetings held, the oldest go, and the
+  // descriptors they free are there for the next connection and for the pairs being set up;
+  // with nothing to evict the listener rests (kAcceptRest, doubling) instead of spinning on a
+  // connection it cannot accept.
+  size_t maxGreetings() const {
+    return std::min(greetingCap_, 64 + 2 * static_cast<size_t>(ctx_.size) * static_cast<size_t>(config_.lanes));
+  }
+  size_t greetingCap_ = SIZE_MAX;
+  static constexpr std::chrono::milliseconds kAcceptRest{1};
+  static constexpr std::chrono::milliseconds kAcceptRestMax{100};
+  Clock::time_point acceptRestUntil_{};
+  std::chrono::milliseconds acceptRest_{0};
+  size_t evicted_ = 0;  // greetings dropped for room (reported once per admitOnce call at INFO)
+  void acceptOne();
+  void evictOldestGreeting();
   // Wait until `until` for the listener and the greetings; move admitted ones to accepted_.
   // True when something arrived (the caller looks again), false on the timeout.
   bool admitOnce(Clock::time_point until);
