@@ -196,3 +196,24 @@ def test_a_commit_that_cannot_be_written_is_not_made(ps, monkeypatch):
     assert [f.version for f in followers] == [1, 1]
     after = global_params(leader, token)
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_torn_leader_metadata_is_a_clear_error_at_start(tmp_path):
+    """The leader's metadata cut at any offset (a disk that lied about a flush): the leader does
+    not start on half a state, and says which file and what to do."""
+    from dips.auth import JobToken
+    from dips.leader import Leader, LeaderConfig
+
+    with in_process_ps(tmp_path / "ps") as (leader, followers, token):
+        c = OuterClient(build_model(MODEL, 3), leader.address, inner_steps=1, token=token, name="c")
+        perturb(c.model, seed=2)
+        assert c.step(tokens=10)
+        c.close()
+    meta = tmp_path / "ps" / "leader.json"
+    whole = meta.read_bytes()
+    tokens = JobToken("j" * 32), JobToken("s" * 32)
+    for cut in sorted({0, 1, len(whole) // 2, len(whole) - 1} | set(range(5, len(whole), max(1, len(whole) // 8)))):
+        meta.write_bytes(whole[:cut])
+        cfg = LeaderConfig(model=MODEL, n_followers=2, bind="127.0.0.1:0", metadata=str(meta), restart_followers=False)
+        with pytest.raises(ValueError, match="leader metadata .* is unreadable"):
+            Leader(cfg, *tokens)
