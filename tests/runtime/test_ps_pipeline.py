@@ -79,7 +79,9 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
         assert a == pytest.approx(b, rel=5e-4), f"step {step}: through the PS {a}, plain {b}"
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(str(tmp_path / "ckpt"), str(tmp_path / "full.pt"))
+    from heteropp.runtime.checkpoint import latest_checkpoint
+
+    dcp_to_torch_save(str(latest_checkpoint(tmp_path / "ckpt")), str(tmp_path / "full.pt"))
     saved = {k[len("model/"):]: v for k, v in torch.load(tmp_path / "full.pt").items() if k.startswith("model/")}
     assert sorted(saved) == sorted(final)
     for name, value in saved.items():  # the PS holds what the cluster trained, to BF16 precision
