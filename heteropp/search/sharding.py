@@ -35,8 +35,13 @@ def shard_layers(L: int, alpha: float, b: int, opts: Sequence[StageOption], caps
     the best found; with alpha = 0 the lowest feasible level is the answer.
     """
     G = len(opts)
-    if sum(o.s * m for o, m in zip(opts, caps)) < L or sum(o.s for o in opts) > L:
+    S = sum(o.s for o in opts)
+    if sum(o.s * m for o, m in zip(opts, caps)) < L or S > L:
         return None
+    # A group never needs more layers per stage than cover what the others' one layer per stage
+    # leaves: fewer never raise T (its level and its cost only grow with k). Memory caps that do
+    # not bind (a small model on big chips) would otherwise make the levels below millions long.
+    caps = [min(c, -(-(L - S + o.s) // o.s)) for o, c in zip(opts, caps)]
     bm = b - alpha
     a = [bm * o.c + o.u for o in opts]
     p = [bm * pm for pm in pmax]
