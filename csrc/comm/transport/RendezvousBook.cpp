@@ -1,5 +1,6 @@
 #include "comm/transport/RendezvousBook.h"
 
+#include <iterator>
 #include <stdexcept>
 
 namespace dicomm {
@@ -24,16 +25,24 @@ Landing RendezvousBook::takeWhole(uint64_t seq, size_t nbytes) {
   return landing;
 }
 
-char* RendezvousBook::partDestination(uint64_t seq, size_t offset, size_t nbytes) const {
+char* RendezvousBook::claimPart(uint64_t seq, size_t offset, size_t nbytes) {
   auto it = open_.find(seq);
-  if (it == open_.end() || offset > it->second.nbytes || nbytes > it->second.nbytes - offset ||
-      nbytes > it->second.left) {
-    throw std::invalid_argument("part [" + std::to_string(offset) + ", +" +
-                                std::to_string(nbytes) + ") of sequence " + std::to_string(seq) +
-                                " was not expected");
+  const auto refuse = [&](const char* why) {
+    throw std::invalid_argument("part [" + std::to_string(offset) + ", +" + std::to_string(nbytes) +
+                                ") of sequence " + std::to_string(seq) + " " + why);
+  };
+  if (it == open_.end()) refuse("was not expected");
+  Transfer& t = it->second;
+  if (nbytes == 0 || offset > t.nbytes || nbytes > t.nbytes - offset || nbytes > t.left) refuse("was not expected");
+  if (offset % kPartAlign != 0) refuse("does not start at a page boundary");
+  auto next = t.claimed.lower_bound(offset);
+  if ((next != t.claimed.end() && next->first < offset + nbytes) ||
+      (next != t.claimed.begin() && std::prev(next)->second > offset)) {
+    refuse("overlaps a part received before");
   }
-  const Landing& l = it->second.landing;
-  return l.data && l.capacity >= it->second.nbytes ? static_cast<char*>(l.data) + offset : nullptr;
+  t.claimed.emplace_hint(next, offset, offset + nbytes);
+  const Landing& l = t.landing;
+  return l.data && l.capacity >= t.nbytes ? static_cast<char*>(l.data) + offset : nullptr;
 }
 
 bool RendezvousBook::partLanded(uint64_t seq, size_t nbytes, Landing* complete) {

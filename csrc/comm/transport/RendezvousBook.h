@@ -1,8 +1,9 @@
 // The receiving side's book of rendezvous transfers: payloads this end asked the peer to send
 // (it answered the peer's request-to-send with clear-to-send), by the peer's sequence number,
 // with where each lands and how many bytes are still due. It checks every data frame against
-// what was asked for, so a peer cannot write outside a landing or complete a transfer twice.
-// No lock of its own: the pair changes it under its lock.
+// what was asked for, so a peer cannot write outside a landing, write a byte twice (two lanes'
+// threads would race on it) or complete a transfer twice. No lock of its own: the pair changes
+// it under its lock.
 #pragma once
 
 #include <cstddef>
@@ -26,10 +27,14 @@ class RendezvousBook {
   // Throws std::invalid_argument saying what does not match when nothing of that size is due.
   Landing takeWhole(uint64_t seq, size_t nbytes);
 
-  // A part [offset, offset + nbytes) of `seq` arrived: where it goes, or nullptr when the
-  // landing dropped the message (its bytes are read and discarded). Throws
-  // std::invalid_argument when the part lies outside what is due.
-  char* partDestination(uint64_t seq, size_t offset, size_t nbytes) const;
+  // A part [offset, offset + nbytes) of `seq` arrived: claims those bytes and returns where they
+  // go, or nullptr when the landing dropped the message (its bytes are read and discarded).
+  // Throws std::invalid_argument when the part is empty, lies outside what is due, starts off a
+  // kPartAlign boundary or overlaps a part claimed before.
+  char* claimPart(uint64_t seq, size_t offset, size_t nbytes);
+  // Senders cut payloads into parts at multiples of this (StreamPair::sendRendezvousPayload),
+  // which also bounds the claims a transfer can hold to one per page.
+  static constexpr size_t kPartAlign = 4096;
   // `nbytes` of `seq` are in place. When they were the last, the landing (taken out of the book)
   // goes to `complete` and the result is true. False also when `seq` is no longer in the book
   // (the pair failed meanwhile and completed it with the failure).
@@ -43,6 +48,7 @@ class RendezvousBook {
     Landing landing;
     size_t nbytes = 0;
     size_t left = 0;
+    std::map<size_t, size_t> claimed;  // parts received or being read: offset -> end
   };
   std::map<uint64_t, Transfer> open_;
 };

@@ -205,7 +205,8 @@ void StreamPair::sendRendezvousPayload(Outgoing payload) {
     std::exception_ptr error;
     SendDone done;
   };
-  const size_t step = ((n + parts - 1) / parts + 4095) & ~size_t(4095);  // page-aligned parts
+  constexpr size_t kAlign = RendezvousBook::kPartAlign;  // the receiver refuses parts off this grid
+  const size_t step = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
   auto joint = std::make_shared<Joint>();
   joint->left = (n + step - 1) / step;  // can be fewer than the lanes for small odd sizes
   joint->done = std::move(payload.done);
@@ -456,7 +457,7 @@ void StreamPair::receivePart(Lane& lane, const Frame& frame) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     try {
-      dst = incoming_.partDestination(frame.seq, off, n);
+      dst = incoming_.claimPart(frame.seq, off, n);
     } catch (const std::invalid_argument& e) {
       throw TransportError(peer_, protocolError(e.what()));
     }

@@ -86,23 +86,27 @@ bool throwsInvalid(const std::function<void()>& f) {
 }
 
 void bookLandsPartsInPlaceOnce() {
+  constexpr size_t P = dicomm::RendezvousBook::kPartAlign;
   dicomm::RendezvousBook book;
-  std::vector<char> buffer(100);
+  std::vector<char> buffer(3 * P);
   int completions = 0;
   dicomm::Landing l = landingInto(buffer, &completions);
-  EXPECT(book.expect(7, l, 100));
+  EXPECT(book.expect(7, l, 3 * P));
   dicomm::Landing again = landingInto(buffer, &completions);
-  EXPECT(!book.expect(7, again, 100));  // announced twice: the caller keeps its landing
+  EXPECT(!book.expect(7, again, 3 * P));  // announced twice: the caller keeps its landing
   EXPECT(again.done != nullptr);
-  EXPECT(book.partDestination(7, 40, 60) == buffer.data() + 40);
-  EXPECT(throwsInvalid([&] { book.partDestination(7, 60, 41); }));  // past the end
-  EXPECT(throwsInvalid([&] { book.partDestination(7, 101, 0); }));
-  EXPECT(throwsInvalid([&] { book.partDestination(8, 0, 1); }));    // never asked for
+  EXPECT(book.claimPart(7, P, 2 * P) == buffer.data() + P);
+  EXPECT(throwsInvalid([&] { book.claimPart(7, 2 * P, P + 1); }));  // past the end
+  EXPECT(throwsInvalid([&] { book.claimPart(7, 4 * P, 0); }));
+  EXPECT(throwsInvalid([&] { book.claimPart(8, 0, 1); }));          // never asked for
+  EXPECT(throwsInvalid([&] { book.claimPart(7, 1, 10); }));         // off a page boundary
+  EXPECT(throwsInvalid([&] { book.claimPart(7, 2 * P, P); }));      // overlaps the first part
+  EXPECT(throwsInvalid([&] { book.claimPart(7, 0, P + 1); }));      // overlaps it too
   dicomm::Landing done;
-  EXPECT(!book.partLanded(7, 60, &done));
-  EXPECT(throwsInvalid([&] { book.partDestination(7, 0, 41); }));   // more than is still due
-  EXPECT(throwsInvalid([&] { book.takeWhole(7, 100); }));           // whole after parts
-  EXPECT(book.partLanded(7, 40, &done) && done.data == buffer.data());
+  EXPECT(!book.partLanded(7, 2 * P, &done));
+  EXPECT(throwsInvalid([&] { book.takeWhole(7, 3 * P); }));         // whole after parts
+  EXPECT(book.claimPart(7, 0, P) == buffer.data());
+  EXPECT(book.partLanded(7, P, &done) && done.data == buffer.data());
   EXPECT(!book.pending(7));
   EXPECT(!book.partLanded(7, 1, &done));  // completed already (or failed meanwhile)
 }
@@ -112,11 +116,11 @@ void bookDropsIntoNothingAndHandsBackTheRest() {
   int completions = 0;
   dicomm::Landing dropped;  // the core refused the message: bytes are read and discarded
   EXPECT(book.expect(1, dropped, 10));
-  EXPECT(book.partDestination(1, 0, 10) == nullptr);
+  EXPECT(book.claimPart(1, 0, 10) == nullptr);
   std::vector<char> small(4);
   dicomm::Landing tooSmall = landingInto(small, &completions);
   EXPECT(book.expect(2, tooSmall, 10));
-  EXPECT(book.partDestination(2, 0, 4) == nullptr);
+  EXPECT(book.claimPart(2, 0, 4) == nullptr);
   EXPECT(throwsInvalid([&] { book.takeWhole(2, 9); }));
   EXPECT(book.takeWhole(2, 10).data == small.data());
   std::vector<dicomm::Landing> left = book.takeAll();
