@@ -21,6 +21,8 @@ def register(subparsers) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq_len)")
     p.add_argument("--alpha", type=float, default=1.0, help="bubble coefficient (1: 1F1B, 0: zero-bubble)")
     p.add_argument("--one-stage", action="store_true", help="skip the second (sub-group) search stage")
+    p.add_argument("--allow-subset", action="store_true",
+                   help="plan the subset of chip types that trains fastest, when that is not the whole cluster")
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.set_defaults(func=plan_command)
 
@@ -61,16 +63,49 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_expectation(exp) -> str:
+    """Each chip group alone beside the whole cluster, and the HeteroSpeedupRatio expected."""
+    from .hsr import throughput
+
+    lines = [f"{'alone':>8} {'chips':>6} {'iteration s':>12} {'tokens/s':>12}"]
+    for name, plan in exp.alone.items():
+        if plan is None:
+            lines.append(f"{name:>8} {'':>6} {'cannot hold the model alone':>25}")
+        else:
+            lines.append(f"{name:>8} {plan.num_chips:>6} {plan.estimate['iteration_time_s']:>12.4f} "
+                         f"{throughput(plan):>12.1f}")
+    lines.append(f"{'together':>8} {exp.whole.num_chips:>6} {exp.whole.estimate['iteration_time_s']:>12.4f} "
+                 f"{throughput(exp.whole):>12.1f}")
+    lines.append(f"expected HeteroSpeedupRatio (constant batch): {100 * exp.ratio:.1f}% of the groups' throughputs "
+                 "summed")
+    faster = exp.faster_groups()
+    if faster:
+        lines.append(f"note: chip group(s) {', '.join(faster)} alone would train faster than the whole cluster; "
+                     "--allow-subset plans the fastest subset of chip types")
+    return "\n".join(lines)
+
+
 def plan_command(args) -> int:
+    from .hsr import expected, fastest_subset
+
     try:
         model = ModelSpec.from_yaml(args.model, seq=args.seq)
         cluster = ClusterSpec.from_yaml(args.cluster)
-        auto = HeteroAuto(model, cluster, parse_tokens(args.gbs), alpha=args.alpha)
+        gbs = parse_tokens(args.gbs)
+        auto = HeteroAuto(model, cluster, gbs, alpha=args.alpha)
         plan = auto.to_plan(auto.search(two_stage=not args.one_stage))
+        exp = expected(model, cluster, gbs, args.alpha, plan, two_stage=not args.one_stage)
+        if args.allow_subset and exp.faster_groups():
+            subset = fastest_subset(model, cluster, gbs, args.alpha, two_stage=not args.one_stage)
+            if subset is not None and subset.num_chips < plan.num_chips:
+                print(f"planning the fastest subset of chip types: {', '.join(c.name for c in subset.cluster.chips)}")
+                plan = subset
     except (NoFeasiblePlan, PlanError, ValueError, KeyError, OSError) as exc:
         print(f"ditorch plan: {exc}", file=sys.stderr)
         return 1
     print(format_plan(plan))
+    if len(cluster.chips) > 1:
+        print(format_expectation(exp))
     if args.out:
         plan.to_json(args.out)
         print(f"wrote {args.out}")

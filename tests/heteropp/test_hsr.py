@@ -1,0 +1,70 @@
+"""The HeteroSpeedupRatio's formula against hand-computed cases, and the planner's report of it:
+each chip group alone beside the whole cluster, and the fastest subset when a group alone beats
+the whole."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from heteropp.cluster import GB, ChipSpec, ClusterSpec, LinkSpec
+from heteropp.hsr import expected, fastest_subset, hetero_speedup_ratio, sub_cluster, throughput
+from heteropp.model_spec import ModelSpec
+from heteropp.search import HeteroAuto
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_ratio_is_the_mixed_throughput_over_the_groups_summed():
+    # the paper's Exp-A-2 shape: groups of 37.7k, 52.9k and 16.2k tokens/s, 115.9k together
+    assert hetero_speedup_ratio(115_900.0, [37_700.0, 52_900.0, 16_200.0]) == pytest.approx(115.9 / 106.8)
+    assert hetero_speedup_ratio(50.0, [100.0, 0.0]) == 0.5  # a group that cannot train alone counts 0
+    with pytest.raises(ValueError, match="undefined"):
+        hetero_speedup_ratio(10.0, [0.0, 0.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        hetero_speedup_ratio(-1.0, [1.0])
+
+
+MODEL = ModelSpec(n_layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, seq=512)
+
+
+def _cluster(slow_link: bool) -> ClusterSpec:
+    chips = (ChipSpec(name="F", count=4, memory=80 * GB, chips_per_node=8, tp_max=2, intra_node_bandwidth=100 * GB,
+                      hbm_bandwidth=1e12, nic_bandwidth=12.5 * GB, effective_tflops=200),
+             ChipSpec(name="S", count=1, memory=80 * GB, chips_per_node=8, tp_max=1, intra_node_bandwidth=100 * GB,
+                      hbm_bandwidth=1e12, nic_bandwidth=12.5 * GB, effective_tflops=2))
+    link = LinkSpec(0.01 * GB if slow_link else 12.5 * GB, 5e-3 if slow_link else 5e-5)
+    return ClusterSpec(chips=chips, inter_node=LinkSpec(12.5 * GB, 1e-5), inter_cluster=link)
+
+
+def test_a_slow_extra_chip_is_reported_and_left_out_on_request():
+    """One chip 100x slower behind a slow link: the fast group alone beats the whole cluster;
+    the planner says so, and the fastest subset is the fast group, whose own plan it is."""
+    cluster = _cluster(slow_link=True)
+    gbs = 8 * MODEL.seq
+    auto = HeteroAuto(MODEL, cluster, gbs)
+    whole = auto.to_plan(auto.search())
+    exp = expected(MODEL, cluster, gbs, 1.0, whole)
+    fast_alone = exp.alone["F"]
+    assert throughput(fast_alone) > throughput(whole) and "F" in exp.faster_groups()
+    best = fastest_subset(MODEL, cluster, gbs, 1.0)
+    assert [c.name for c in best.cluster.chips] == ["F"]
+    assert throughput(best) == pytest.approx(throughput(fast_alone))
+    solo = HeteroAuto(MODEL, sub_cluster(cluster, ["F"]), gbs)
+    assert best.estimate["iteration_time_s"] == pytest.approx(solo.to_plan(solo.search()).estimate["iteration_time_s"])
+
+
+def test_plan_prints_the_groups_alone_and_plans_the_subset_when_asked(tmp_path):
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(_cluster(slow_link=True).to_dict()))
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4,
+                                                         "ffn_dim": 1408, "vocab_size": 8192, "max_seq_len": 512}))
+    base = [sys.executable, "-m", "ditorch.cli", "plan", "--cluster", str(tmp_path / "cluster.yaml"),
+            "--model", str(tmp_path / "model.yaml"), "--gbs", str(8 * 512)]
+    plain = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert "expected HeteroSpeedupRatio" in plain.stdout
+    assert "chip group(s) F" in plain.stdout and "alone would train faster" in plain.stdout
+    subset = subprocess.run(base + ["--allow-subset"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert subset.returncode == 0, subset.stderr
+    assert "planning the fastest subset of chip types: F" in subset.stdout
