@@ -9,7 +9,9 @@ out=build/comm_rdma
 bin=$out/transport_check
 srcs=(tests/comm_rdma/transport_check.cpp csrc/comm/transport/Transport.cpp csrc/comm/transport/Env.cpp csrc/comm/transport/Socket.cpp
       csrc/comm/transport/Log.cpp csrc/comm/transport/Spin.cpp csrc/comm/transport/ListenAddress.cpp csrc/comm/transport/Handshake.cpp
-      csrc/comm/transport/StreamTransport.cpp csrc/comm/transport/tcp/TcpTransport.cpp
+      csrc/comm/transport/StreamTransport.cpp csrc/comm/transport/StreamPair.cpp csrc/comm/transport/StreamConfig.cpp
+      csrc/comm/transport/CrossMemory.cpp csrc/comm/transport/FailureLatch.cpp csrc/comm/transport/RendezvousBook.cpp
+      csrc/comm/transport/tcp/TcpTransport.cpp
       csrc/comm/transport/rdma/Verbs.cpp csrc/comm/transport/rdma/MemoryRegistry.cpp
       csrc/comm/transport/rdma/RdmaTransport.cpp)
 [ -f /usr/include/infiniband/verbs.h ] || { echo "build_transport_check: libibverbs-dev is not installed" >&2; exit 2; }
