@@ -56,15 +56,15 @@ class JobToken:
         return isinstance(presented, bytes) and hmac.compare_digest(presented, self._bytes)
 
     @staticmethod
-    def log_refusal(presented: object, what: str) -> None:
-        """Log a refused request (never the token presented)."""
-        log.warning("refused %s: %s token", what, "missing" if not presented else "wrong")
+    def refusal(presented: object, what: str) -> str:
+        """The log line for a refused request (it never holds the token presented)."""
+        return f"refused {what}: {'missing' if not presented else 'wrong'} token"
 
     def verify(self, presented: object, what: str = "message") -> bool:
         """True when ``presented`` is the token; a refusal is logged (never the token itself)."""
         ok = self.matches(presented)
         if not ok:
-            self.log_refusal(presented, what)
+            log.warning("%s", self.refusal(presented, what))
         return ok
 
 

@@ -191,10 +191,9 @@ class LeaderService:
         if not isinstance(workers, dict) or not 0 < len(workers) <= n:
             raise ValueError(f"push of cluster {cid}: workers must map 1..{n} worker ids to their units")
         out = {}
-        for w, units in workers.items():
-            if not (w.isdigit() and len(w) <= 9) or not isinstance(units, list) or len(units) > n:
-                raise ValueError(f"push of cluster {cid}: worker {w[:20]!r} holding {str(units)[:40]}; expected a "
-                                 f"worker number holding a list of at most {n} units")
+        for w in workers:
+            if not (w.isdigit() and len(w) <= 9):
+                raise ValueError(f"push of cluster {cid}: worker {w[:20]!r}; expected a worker number")
             out[int(w)] = untrusted.integers(workers, w, 0, n - 1, n)
         held = sorted(u for units in out.values() for u in units)
         if held != list(range(n)):

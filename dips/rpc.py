@@ -30,6 +30,7 @@ log = logging.getLogger("dips.rpc")
 
 CONTROL_LIMIT = 1024            # the size control messages are meant to stay under
 MAX_MESSAGE_BYTES = 256 * 1024  # the size gRPC refuses beyond, either way
+MAX_DEPTH = 8                   # the deepest control message (a layout on the wire) nests 4 levels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +77,6 @@ def encode(msg: dict) -> bytes:
 def decode(data: bytes) -> dict:
     """A control message: a JSON object, bounded, finite (``BadMessage`` otherwise)."""
     return untrusted.json_object(data, "control message", MAX_MESSAGE_BYTES, max_depth=MAX_DEPTH)
-
-
-MAX_DEPTH = 8  # the deepest control message (a layout on the wire) nests 4 levels
 
 
 _LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -145,8 +143,7 @@ class RpcServer:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
             presented = msg.pop("tok", None)
             if not any(t.matches(presented) for t in tokens):
-                self._refusals.warning("refused %s/%s from %s: %s token", service, name, context.peer(),
-                                  "missing" if not presented else "wrong")
+                self._refusals.warning("%s", JobToken.refusal(presented, f"{service}/{name} from {context.peer()}"))
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing token for this method")
             code, why = None, ""
             try:

@@ -67,12 +67,10 @@ def json_object(data: bytes | str, what: str, max_bytes: int, max_depth: int = 8
     return value
 
 
-def _field(msg: dict, key: str, default: Any) -> Any:
-    if key in msg:
-        return msg[key]
-    if default is _MISSING:
+def _required(msg: dict, key: str) -> Any:
+    if key not in msg:
         raise BadMessage(f"field {key!r} is missing")
-    return default
+    return msg[key]
 
 
 def _shown(value: Any) -> str:
@@ -81,9 +79,9 @@ def _shown(value: Any) -> str:
 
 def integer(msg: dict, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
     """Field ``key``: a JSON integer in [lo, hi] (a bool or a float is refused)."""
-    v = _field(msg, key, default)
-    if v is default and default is not _MISSING:
-        return v
+    if msg.get(key) is None and default is not _MISSING:  # absent or null: the default
+        return default
+    v = _required(msg, key)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise BadMessage(f"field {key!r} is {_shown(v)}; expected an integer in [{lo}, {hi}]")
     return v
@@ -91,9 +89,9 @@ def integer(msg: dict, key: str, lo: int, hi: int, default: Any = _MISSING) -> i
 
 def number(msg: dict, key: str, lo: float, hi: float, default: Any = _MISSING) -> float:
     """Field ``key``: a finite JSON number in [lo, hi]."""
-    v = _field(msg, key, default)
-    if v is default and default is not _MISSING:
-        return v
+    if msg.get(key) is None and default is not _MISSING:  # absent or null: the default
+        return default
+    v = _required(msg, key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
         raise BadMessage(f"field {key!r} is {_shown(v)}; expected a number in [{lo:g}, {hi:g}]")
     return float(v)
@@ -101,9 +99,9 @@ def number(msg: dict, key: str, lo: float, hi: float, default: Any = _MISSING) -
 
 def text(msg: dict, key: str, max_chars: int, default: Any = _MISSING, min_chars: int = 1) -> str:
     """Field ``key``: a string of min_chars..max_chars characters."""
-    v = _field(msg, key, default)
-    if v is default and default is not _MISSING:
-        return v
+    if msg.get(key) is None and default is not _MISSING:  # absent or null: the default
+        return default
+    v = _required(msg, key)
     if not isinstance(v, str) or not min_chars <= len(v) <= max_chars:
         raise BadMessage(f"field {key!r} is {_shown(v)}; expected a string of {min_chars}..{max_chars} characters")
     return v
@@ -111,7 +109,7 @@ def text(msg: dict, key: str, max_chars: int, default: Any = _MISSING, min_chars
 
 def integers(msg: dict, key: str, lo: int, hi: int, max_len: int, distinct: bool = False) -> list[int]:
     """Field ``key``: a list of at most ``max_len`` integers in [lo, hi] (``distinct``: no repeats)."""
-    v = _field(msg, key, _MISSING)
+    v = _required(msg, key)
     if not isinstance(v, list) or len(v) > max_len:
         raise BadMessage(f"field {key!r} is {_shown(v)}; expected a list of at most {max_len} integers")
     for x in v:

@@ -96,7 +96,7 @@ def plan_command(args) -> int:
         plan = auto.to_plan(auto.search(two_stage=not args.one_stage))
         exp = expected(model, cluster, gbs, args.alpha, plan, two_stage=not args.one_stage)
         if args.allow_subset and exp.faster_groups():
-            subset = fastest_subset(model, cluster, gbs, args.alpha, two_stage=not args.one_stage)
+            subset = fastest_subset(model, cluster, gbs, args.alpha, exp, two_stage=not args.one_stage)
             if subset is not None and subset.num_chips < plan.num_chips:
                 print(f"planning the fastest subset of chip types: {', '.join(c.name for c in subset.cluster.chips)}")
                 plan = subset

@@ -78,16 +78,19 @@ def expected(model: ModelSpec, cluster: ClusterSpec, gbs_tokens: int, alpha: flo
     return Expectation(whole, alone)
 
 
-def fastest_subset(model: ModelSpec, cluster: ClusterSpec, gbs_tokens: int, alpha: float,
+def fastest_subset(model: ModelSpec, cluster: ClusterSpec, gbs_tokens: int, alpha: float, known: Expectation,
                    two_stage: bool = True) -> Plan | None:
-    """The plan of the subset of chip types that trains fastest (every non-empty subset is tried;
-    clusters have a handful of chip types)."""
+    """The plan of the subset of chip types that trains fastest. The whole cluster and each type
+    alone come from ``known``; every other non-empty subset is planned here (clusters have a
+    handful of chip types). Of equally fast subsets the one with fewer types wins."""
     names = [c.name for c in cluster.chips]
+    candidates: list[Plan | None] = [known.alone.get(n) for n in names]
+    for r in range(2, len(names)):
+        candidates += [best_plan(model, sub_cluster(cluster, subset), gbs_tokens, alpha, two_stage)
+                       for subset in itertools.combinations(names, r)]
+    candidates.append(known.whole)
     best: Plan | None = None
-    for r in range(1, len(names) + 1):
-        for subset in itertools.combinations(names, r):
-            plan = best_plan(model, sub_cluster(cluster, subset) if r < len(names) else cluster, gbs_tokens, alpha,
-                             two_stage)
-            if plan is not None and (best is None or throughput(plan) > throughput(best) * (1 + 1e-12)):
-                best = plan
+    for plan in candidates:
+        if plan is not None and (best is None or throughput(plan) > throughput(best) * (1 + 1e-12)):
+            best = plan
     return best

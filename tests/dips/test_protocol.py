@@ -161,7 +161,7 @@ def test_a_cluster_that_leaves_is_not_waited_for(tmp_path):
 
 def test_wrong_token_refused_and_logged(tmp_path, caplog):
     with in_process_ps(tmp_path) as (leader, followers, token):
-        with caplog.at_level(logging.WARNING, logger="dips.auth"):
+        with caplog.at_level(logging.WARNING, logger="dips.rpc"):
             bad = RpcClient("dips.Leader", leader.address, JobToken("x" * 32))
             with pytest.raises(RpcError, match="PERMISSION_DENIED"):
                 bad.call("Status")
@@ -178,7 +178,7 @@ def test_cluster_credentials_cannot_act_as_a_server(tmp_path, caplog):
     with in_process_ps(tmp_path) as (leader, followers, token):
         wait_for(lambda: len(leader.status()["followers"]) == 2, 30, "followers")
         as_cluster = RpcClient("dips.Leader", leader.address, token)
-        with caplog.at_level(logging.WARNING, logger="dips.auth"):
+        with caplog.at_level(logging.WARNING, logger="dips.rpc"):
             for method, fields in [("RegisterFollower", {"index": 0, "data": "127.0.0.1:1", "ctrl": "127.0.0.1:2"}),
                                    ("FollowerHeartbeat", {"id": 0, "version": 99})]:
                 with pytest.raises(RpcError, match="PERMISSION_DENIED"):

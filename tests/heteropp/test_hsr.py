@@ -48,7 +48,7 @@ def test_a_slow_extra_chip_is_reported_and_left_out_on_request():
     exp = expected(MODEL, cluster, gbs, 1.0, whole)
     fast_alone = exp.alone["F"]
     assert throughput(fast_alone) > throughput(whole) and "F" in exp.faster_groups()
-    best = fastest_subset(MODEL, cluster, gbs, 1.0)
+    best = fastest_subset(MODEL, cluster, gbs, 1.0, exp)
     assert [c.name for c in best.cluster.chips] == ["F"]
     assert throughput(best) == pytest.approx(throughput(fast_alone))
     solo = HeteroAuto(MODEL, sub_cluster(cluster, ["F"]), gbs)
