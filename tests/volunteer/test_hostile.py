@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 
 import pytest
 import torch
@@ -200,6 +201,10 @@ def test_a_client_cannot_pass_for_a_server(served, caplog, op):
         with caplog.at_level(logging.WARNING, logger="volunteer.server"):
             before = server(lj, "b0.0").refused
             fake.send_multipart(Message(op, {"step": 0, "shard": 0, "frontal": 0, "accepted": {}}).encode())
+            # the fake's message and the honest PING travel on two connections: no order between them
+            deadline = time.monotonic() + 10
+            while server(lj, "b0.0").refused == before and time.monotonic() < deadline:
+                time.sleep(0.01)
             honest = Raw(job, address(job, "b0.0"), lj.keys)
             honest.send(Message("PING", {}))
             assert honest.recv().op == "PONG"
