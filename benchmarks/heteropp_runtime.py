@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
 from heteropp.measured import read_trace  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
@@ -43,15 +44,16 @@ def _env() -> dict:
     return dict(os.environ, DITORCH_MEMORY_SCALE=SCALE, PYTHONPATH=str(REPO))
 
 
-def profile_chips(out: Path, chips: list[str], reuse: bool = False) -> None:
+def profile_chips(out: Path, chips: list[str], time_scale: float, reuse: bool = False, model: Path = MODEL) -> None:
     """Profiles each chip on this machine now (the build and the machine's speed both move the
-    profiles), or, with `reuse`, keeps a profile an earlier run left in `out`."""
+    profiles) under `time_scale`, or, with `reuse`, keeps a profile an earlier run left in `out`."""
     for chip in chips:
         path = out / f"chip-{chip}.yaml"
         if not (reuse and path.exists()):
-            print(f"profiling chip {chip} ...", flush=True)
-            subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", str(MODEL),
-                            "--tp", "1,2", "--out", str(path)], env=_env(), check=True, capture_output=True)
+            print(f"profiling chip {chip} at time scale {time_scale:g} ...", flush=True)
+            subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", str(model),
+                            "--tp", "1,2", "--time-scale", str(time_scale), "--out", str(path)],
+                           env=_env(), check=True, capture_output=True)
 
 
 def cluster(out: Path, counts: dict[str, int]) -> ClusterSpec:
@@ -142,10 +144,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=str(REPO / "out/bench-heteropp"))
     ap.add_argument("--reuse-profiles", action="store_true", help="keep chip profiles an earlier run left in --out")
+    ap.add_argument("--time-scale", type=float, default=time_scale_for(4),
+                    help="emulation time scale of profiles and runs (default: 4 ranks per core of this host)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile_chips(out, ["A", "B", "C"], args.reuse_profiles)
+    print(f"emulation time scale {args.time_scale:g} (4 ranks on {os.cpu_count()} cores)")
+    profile_chips(out, ["A", "B", "C"], args.time_scale, args.reuse_profiles)
     plans = {f"heteroauto {' '.join(f'{c}{n}' for c, n in counts.items())}": heteroauto(out, counts)
              for counts in ({"A": 1, "B": 1, "C": 2}, {"A": 2, "B": 1, "C": 1}, {"A": 2, "C": 2})}
     main_name, main_plan = next(iter(plans.items()))

@@ -11,11 +11,11 @@ import os
 # The device layer. A build without it (a laptop that only plans, a failed compile) still gives
 # what needs no device: the planner, the simulator, the MRE check, the parameter server. The
 # device names then raise, saying why the layer did not load.
-_DEVICE_NAMES = ("ChipProfile", "cpu_fallback_counts", "current_chip", "set_chip", "vendor_name")
+_DEVICE_NAMES = ("ChipProfile", "cpu_fallback_counts", "current_chip", "set_chip", "time_scale", "vendor_name")
 device_unavailable: ImportError | None = None
 try:
     import ditorch_ext
-    from ditorch_ext import ChipProfile, cpu_fallback_counts, current as current_chip, set_chip, vendor_name
+    from ditorch_ext import ChipProfile, cpu_fallback_counts, current as current_chip, set_chip, time_scale, vendor_name
 except ImportError as exc:
     if exc.name not in ("ditorch_ext", "ditorch_ext._C"):
         raise

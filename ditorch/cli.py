@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "profile": "heteropp.runtime.profiler",
     "plan": "heteropp.cli",
     "simulate": "heteropp.cli",
+    "hsr": "ditorch.hsr",
     "ps": "dips.cli",
     "volunteer": "volunteer.cli",
     "mre": "ditorch.tools.cli",

@@ -13,7 +13,7 @@ import ditorch_ext._C as _C  # noqa: E402  (needs torch loaded first; an ImportE
 _C._init()
 
 from ditorch_ext import device_module  # noqa: E402
-from ditorch_ext.chip import configure_from_env, current, set_chip  # noqa: E402
+from ditorch_ext.chip import configure_from_env, current, set_chip, time_scale  # noqa: E402
 from ditorch_ext.profiles import BUILTIN, ChipProfile, known_profiles, load_profile_file  # noqa: E402
 
 
@@ -52,5 +52,5 @@ def set_unsupported_ops(ops: list[str] | str) -> None:
 
 __all__ = [
     "BUILTIN", "ChipProfile", "cpu_fallback_counts", "current", "known_profiles", "load_profile_file",
-    "reset_cpu_fallback_counts", "set_chip", "set_unsupported_ops", "vendor_name",
+    "reset_cpu_fallback_counts", "set_chip", "set_unsupported_ops", "time_scale", "vendor_name",
 ]

@@ -1,7 +1,8 @@
 """Chip profiles: what makes one process behave like chip A, B, C or D of the H2 paper.
 
 A profile sets the emulated chip's memory capacity (enforced by the allocator), its speed
-(every kernel is slowed so that wall time scales like the chip's throughput), its numerics
+(every kernel is slowed so that wall time scales like the chip's throughput; a job-wide *time
+scale* slows every chip alike so that ranks sharing cores keep their profiles' speed), its numerics
 (matmul input rounding, denormal flushing) and its node shape (chips and NICs per node, used by
 HeteroPP's planner and DiComm's topology).
 
@@ -175,6 +176,35 @@ def resolve(chip: str | ChipProfile) -> ChipProfile:
     if chip not in profiles:
         raise ValueError(f"unknown chip {chip!r}; known chips: {', '.join(sorted(profiles))}")
     return profiles[chip]
+
+
+TIME_SCALE_ENV = "DITORCH_TIME_SCALE"
+
+
+def check_time_scale(value: Any, source: str = "time_scale") -> float:
+    """A time scale is a finite number >= 1: every emulated chip runs that many times slower."""
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        scale = float("nan")
+    if isinstance(value, bool) or not (math.isfinite(scale) and scale >= 1):
+        raise ValueError(f"{source}={value!r} is invalid; expected a number >= 1 (every emulated chip runs that "
+                         f"many times slower than its profile, so that ranks sharing cores keep their speed)")
+    return scale
+
+
+def time_scale_from_env() -> float | None:
+    """``$DITORCH_TIME_SCALE``, or None when unset."""
+    raw = os.environ.get(TIME_SCALE_ENV)
+    return None if raw in (None, "") else check_time_scale(raw, TIME_SCALE_ENV)
+
+
+def time_scale_for(ranks_per_host: int, cores: int | None = None) -> float:
+    """The time scale that keeps ``ranks_per_host`` emulated chips faithful on ``cores`` cores
+    (default: this host's): ranks per core, at least 1. A chip's host work then fits in its
+    emulated time even when every rank computes at once."""
+    cores = cores or os.cpu_count() or 1
+    return max(1.0, ranks_per_host / cores)
 
 
 def memory_scale_from_env() -> float:

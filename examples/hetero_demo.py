@@ -8,10 +8,12 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
 4. ``python -m ditorch.train --reference``: the same model and batches in one CPU process, fp32;
 5. ``ditorch mre``: the loss curves' Mean Relative Error against the H2 paper's 1.5%;
 6. ``ditorch simulate --measured``: the measured pipeline timeline beside the simulated one;
-7. ``ditorch ps leader`` + two clusters: the heterogeneous pipeline of step 3 and a one-chip
+7. ``ditorch hsr``: each chip group trains alone on its own best plan, and the HeteroSpeedupRatio
+   of the whole cluster (at the same global batch) is measured against them;
+8. ``ditorch ps leader`` + two clusters: the heterogeneous pipeline of step 3 and a one-chip
    cluster of another plan train one model together through Di-PS (each pipeline stage pushes
    its own units), and their loss curves are plotted;
-8. ``ditorch volunteer``: devices that come and go (examples/volunteer_demo.py): clients on
+9. ``ditorch volunteer``: devices that come and go (examples/volunteer_demo.py): clients on
    chips A, B and C join parameter-server stages, one is killed, one leaves, one joins late,
    and the loss curve still equals single-process training's.
 
@@ -23,6 +25,7 @@ Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG, Di-P
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -36,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
+from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from heteropp.runtime.profiler import write_cluster  # noqa: E402
 
 NOISE = ("rdma transport not usable", "FutureWarning", "return func(", "OMP_NUM_THREADS", "*****")
@@ -55,16 +59,19 @@ def run(cmd: list[str], env: dict, step: str, check: bool = True) -> int:
     return proc.returncode
 
 
-def usable_profile(path: Path, chip: str) -> bool:
-    """Whether a profile measured before exists and is one the planner accepts (else measure again)."""
+def usable_profile(path: Path, chip: str, time_scale: float) -> bool:
+    """Whether a profile measured before exists, is one the planner accepts and was taken at this
+    run's time scale (else measure again)."""
     from heteropp.cluster import ChipSpec
 
     if not path.exists():
         return False
     try:
-        ChipSpec.from_dict(chip, yaml.safe_load(path.read_text())["chips"][chip])
+        spec = ChipSpec.from_dict(chip, yaml.safe_load(path.read_text())["chips"][chip])
+        if spec.emulated_time_scale != time_scale:
+            raise ValueError(f"taken at time scale {spec.emulated_time_scale}, this run's is {time_scale:g}")
     except (ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
-        print(f"\n[1/8] chip {chip}: the profile measured before ({path}) is not usable ({exc}); measuring again")
+        print(f"\n[1/9] chip {chip}: the profile measured before ({path}) is not usable ({exc}); measuring again")
         return False
     return True
 
@@ -78,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-scale", default="0.01", help="chip memory scale (0.01: a 32 GB chip holds 328 MiB)")
     p.add_argument("--reprofile", action="store_true", help="measure the chips again even if profiles exist")
     p.add_argument("--ps-steps", type=int, default=24, help="steps of each cluster in the Di-PS phase")
-    p.add_argument("--no-ps", action="store_true", help="skip the Di-PS phase (step 7)")
-    p.add_argument("--no-volunteer", action="store_true", help="skip the devices-that-come-and-go phase (step 8)")
+    p.add_argument("--no-hsr", action="store_true", help="skip measuring each chip group alone (step 7)")
+    p.add_argument("--no-ps", action="store_true", help="skip the Di-PS phase (step 8)")
+    p.add_argument("--no-volunteer", action="store_true", help="skip the devices-that-come-and-go phase (step 9)")
     p.add_argument("--out", default="out/hetero")
     args = p.parse_args(argv)
     try:
@@ -92,40 +100,80 @@ def main(argv: list[str] | None = None) -> int:
     py = sys.executable
     ditorch = [py, "-m", "ditorch.cli"]
     world = sum(counts.values())
+    # Ranks outnumber cores here: every chip runs this many times slower than its profile so
+    # that its host work fits in its emulated time (docs/device.md, "Speed").
+    time_scale = time_scale_for(world)
     started = time.perf_counter()
 
     for chip in counts:
         profile = out / f"chip-{chip}.yaml"
-        if args.reprofile or not usable_profile(profile, chip):
-            run([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp", "1,2", "--out", str(profile)],
-                env, "1/8")
+        if args.reprofile or not usable_profile(profile, chip, time_scale):
+            run([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp", "1,2", "--time-scale",
+                 f"{time_scale:g}", "--out", str(profile)], env, "1/9")
         else:
-            print(f"\n[1/8] chip {chip}: using the profile measured before ({profile}; --reprofile to measure again)")
+            print(f"\n[1/9] chip {chip}: using the profile measured before ({profile}; --reprofile to measure again)")
     cluster = write_cluster(out / "cluster-emu.yaml", counts)
     plan = out / "plan.json"
     run([*ditorch, "plan", "--cluster", str(cluster), "--model", args.model, "--gbs", args.gbs, "--out", str(plan)],
-        env, "2/8")
+        env, "2/9")
     run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "ditorch.train",
          "--plan", str(plan), "--steps", str(args.steps), "--loss-log", str(out / "run.jsonl"),
-         "--trace", str(out / "trace.json")], env, "3/8")
+         "--trace", str(out / "trace.json")], env, "3/9")
     run([py, "-m", "ditorch.train", "--plan", str(plan), "--reference", "--steps", str(args.steps), "--quiet",
-         "--loss-log", str(out / "reference.jsonl")], env, "4/8")
+         "--loss-log", str(out / "reference.jsonl")], env, "4/9")
     verdict = run([*ditorch, "mre", str(out / "reference.jsonl"), str(out / "run.jsonl"), "--threshold", "1.5",
-                   "--plot", str(out / "loss_curves.png")], env, "5/8", check=False)
+                   "--plot", str(out / "loss_curves.png")], env, "5/9", check=False)
     run([*ditorch, "simulate", str(plan), "--measured", str(out / "trace.json"), "--timeline",
-         str(out / "timeline.png")], env, "6/8")
+         str(out / "timeline.png")], env, "6/9")
+    hsr = None
+    if len(counts) > 1 and not args.no_hsr:
+        run([*ditorch, "hsr", "--cluster", str(cluster), "--model", args.model, "--gbs", args.gbs, "--batch",
+             "constant", "--steps", "4", "--out", str(out / "hsr")], env, "7/9")
+        hsr = json.loads((out / "hsr" / "hsr.json").read_text())
     if not args.no_ps:
         verdict = two_clusters_through_dips(args, counts, plan, out, env) or verdict
     if not args.no_volunteer:
         import volunteer_demo
 
-        verdict = volunteer_demo.main(["--model", args.model], step="8/8") or verdict
+        verdict = volunteer_demo.main(["--model", args.model], step="9/9") or verdict
+    summarize(out, plan, hsr)
     print(f"\nhetero demo: {'PASS' if verdict == 0 else 'FAIL'} in {time.perf_counter() - started:.0f} s; "
           f"loss curves {out / 'loss_curves.png'}, timeline {out / 'timeline.png'}, "
           f"trace {out / 'trace.json'} (open in https://ui.perfetto.dev)"
           + ("" if args.no_ps else f", Di-PS clusters {out / 'dips_clusters.png'}")
           + ("" if args.no_volunteer else f", volunteer loss curves {REPO / 'out/volunteer/loss_curves.png'}"))
     return verdict
+
+
+def summarize(out: Path, plan_path: Path, hsr: dict | None) -> None:
+    """The heterogeneous run in three verdicts: its loss against the fp32 reference, its speed
+    against the simulation, and its throughput against each chip group alone."""
+    from diutil.loss_log import load_losses
+    from ditorch.hsr import simulated_iteration
+    from ditorch.tools.mre import mean_relative_error
+    from heteropp.measured import read_trace
+    from heteropp.plan import Plan
+
+    plan = Plan.from_json(plan_path)
+    mre = mean_relative_error(load_losses(out / "reference.jsonl"), load_losses(out / "run.jsonl")).mre_percent
+    measured, simulated = read_trace(out / "trace.json", plan.num_stages).iteration_time, simulated_iteration(plan)
+    print("\nthe heterogeneous run:")
+    print(f"  loss curve against the fp32 CPU reference: MRE {mre:.3f}% ({'within' if mre < 1.5 else 'above'} "
+          f"the H2 paper's 1.5%)")
+    print(f"  iteration: measured {measured:.3f} s, simulated {simulated:.3f} s, measured/simulated {measured / simulated:.3f}")
+    if hsr is None:
+        return
+    print(f"  {'run':<20} {'chips':>5} {'tokens/s':>9} {'simulated':>9}")
+    for r in [*hsr["alone"], *hsr["together"].values()]:
+        print(f"  {r['name']:<20} {r['chips']:>5} {r['tokens'] / r['measured_s']:>9.0f} "
+              f"{r['tokens'] / r['simulated_s']:>9.0f}")
+    ratio = hsr["hsr"]["constant"]
+    together = hsr["together"]["constant"]
+    best = max(hsr["alone"], key=lambda r: r["tokens"] / r["measured_s"])
+    gain = (together["tokens"] / together["measured_s"]) / (best["tokens"] / best["measured_s"])
+    print(f"  HeteroSpeedupRatio at constant batch: measured {100 * ratio['measured']:.1f}%, simulated "
+          f"{100 * ratio['simulated']:.1f}%; all chips together train {gain:.2f}x as fast as the fastest group "
+          f"alone ({best['name']})")
 
 
 def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Path, env: dict) -> int:
@@ -140,7 +188,7 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
     single = out / "plan-single.json"
     first = next(iter(counts))
     run([*ditorch, "plan", "--cluster", str(write_cluster(out / "cluster-single.yaml", {first: 1})), "--model",
-         args.model, "--gbs", args.gbs, "--out", str(single)], env, "7/8")
+         args.model, "--gbs", args.gbs, "--out", str(single)], env, "8/9")
     leader_addr = f"127.0.0.1:{free_port()}"
     followers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
     leader_cmd = [*ditorch, "ps", "leader", "--bind", leader_addr, "--followers", "2", "--launch-followers",
@@ -149,7 +197,7 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
                   "--metadata", str(out / "ps-leader.json"), "--log-level", "WARNING"]
     (out / "ps-leader.json").unlink(missing_ok=True)  # a rerun starts a fresh job
     shutil.rmtree(out / "ps-followers", ignore_errors=True)
-    print(f"\n[7/8] $ {' '.join(leader_cmd)}", flush=True)
+    print(f"\n[8/9] $ {' '.join(leader_cmd)}", flush=True)
     leader = subprocess.Popen(leader_cmd, env=env, cwd=REPO, stdout=open(out / "ps-leader.log", "w"),
                               stderr=subprocess.STDOUT)
     try:
@@ -161,7 +209,7 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
                    "-m", "ditorch.train", "--plan", str(cluster_plan),
                    "--steps", str(args.ps_steps), "--seed", str(seed), "--ps", leader_addr, "--inner-steps", "4", "--ps-token-file",
                    str(out / "job.key"), "--ps-name", name, "--quiet", "--loss-log", str(out / f"ps-{name}.jsonl")]
-            print(f"[7/8] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+            print(f"[8/9] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
             procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(out / f"ps-{name}.log", "w"),
                                            stderr=subprocess.STDOUT)
         failed = [n for n, p in procs.items() if p.wait() != 0]

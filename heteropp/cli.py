@@ -85,6 +85,21 @@ def format_expectation(exp) -> str:
     return "\n".join(lines)
 
 
+def emulation_note(plan: Plan, cores: int | None = None) -> str | None:
+    """A warning when the plan's emulated chips, all on this host, would outnumber its cores by
+    more than the time scale they were profiled at: their host work would then not fit in their
+    emulated time, and the run would be slower than the plan says."""
+    import os
+
+    profiled = plan.cluster.emulated_time_scale
+    cores = cores or os.cpu_count() or 1
+    if profiled is None or plan.num_chips <= cores * profiled:
+        return None
+    return (f"note: the chips were profiled at emulation time scale {profiled:g}, but {plan.num_chips} emulated ranks "
+            f"on this host's {cores} cores need at least {plan.num_chips / cores:g} to run as fast as planned; "
+            f"profile with --time-scale {plan.num_chips / cores:g}")
+
+
 def plan_command(args) -> int:
     from .hsr import expected, fastest_subset
 
@@ -106,6 +121,9 @@ def plan_command(args) -> int:
     print(format_plan(plan))
     if len(cluster.chips) > 1:
         print(format_expectation(exp))
+    note = emulation_note(plan)
+    if note:
+        print(note)
     if args.out:
         plan.to_json(args.out)
         print(f"wrote {args.out}")

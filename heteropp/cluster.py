@@ -76,6 +76,9 @@ class ChipSpec:
     measured_ms: dict | None = None  # {tp: {"fwd":..,"bwd":..,"recompute":..,"update":.., END_TIME_KEYS..}}
     peak_tflops: float | None = None  # nominal, for reporting MFU only
     activation_mb: dict | None = None  # measured {tp: MiB one micro-batch leaves per layer}
+    # The emulation time scale the layer times were measured under (`ditorch profile --time-scale`);
+    # runs of a plan use it too. None: not an emulated measurement.
+    emulated_time_scale: float | None = None
 
     def __post_init__(self) -> None:
         def positive(field: str, value: Any, integer: bool = False) -> None:
@@ -139,6 +142,8 @@ class ChipSpec:
             d["peak_tflops"] = self.peak_tflops
         if self.activation_mb is not None:
             d["activation_mb"] = dict(self.activation_mb)
+        if self.emulated_time_scale is not None:
+            d["emulated_time_scale"] = self.emulated_time_scale
         return d
 
     @classmethod
@@ -149,7 +154,7 @@ class ChipSpec:
             {
                 "count", "memory_gb", "chips_per_node", "tp_max", "intra_node_gbps", "hbm_gbps", "nic_gbps",
                 "usable_memory_fraction", "effective_tflops", "calibrate", "layer_times_ms", "peak_tflops",
-                "activation_mb",
+                "activation_mb", "emulated_time_scale",
             },
             {"count", "memory_gb", "chips_per_node", "intra_node_gbps", "hbm_gbps", "nic_gbps"},
             where,
@@ -185,6 +190,7 @@ class ChipSpec:
             measured_ms=measured,
             peak_tflops=None if "peak_tflops" not in d else float(d["peak_tflops"]),
             activation_mb=None if "activation_mb" not in d else _activation_mb(d["activation_mb"], where),
+            emulated_time_scale=None if "emulated_time_scale" not in d else _time_scale(d["emulated_time_scale"], where),
         )
 
 
@@ -203,6 +209,15 @@ class ClusterSpec:
         names = [c.name for c in self.chips]
         if len(set(names)) != len(names):
             raise ValueError(f"cluster: duplicate chip type names in {names}")
+        scales = {c.name: c.emulated_time_scale for c in self.chips if c.emulated_time_scale is not None}
+        if len(set(scales.values())) > 1:
+            raise ValueError(f"cluster: chips were profiled under different emulation time scales {scales}; "
+                             f"their layer times do not compare: profile them all with the same --time-scale")
+
+    @property
+    def emulated_time_scale(self) -> float | None:
+        """The time scale its chips were profiled under (None: no emulated measurement)."""
+        return next((c.emulated_time_scale for c in self.chips if c.emulated_time_scale is not None), None)
 
     def chip(self, name: str) -> ChipSpec:
         for c in self.chips:
@@ -313,6 +328,12 @@ def parse_tokens(value: Any) -> int:
     if n <= 0:
         raise ValueError(f"token count must be positive, got {value!r}")
     return n
+
+
+def _time_scale(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
+        raise ValueError(f"{where}: emulated_time_scale must be a number >= 1, got {value!r}")
+    return float(value)
 
 
 def _check_keys(d: Any, allowed: set, required: set, where: str) -> None:

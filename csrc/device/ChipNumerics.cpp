@@ -53,58 +53,36 @@ at::Tensor narrowTo(const at::Tensor& x, at::ScalarType dtype, bool toward_zero)
   return roundMantissa(x, dtype == at::kBFloat16 ? 7 : 10, Rounding::TowardZero).to(dtype);
 }
 
-// The running sum over `blocks` partial sums (laid out [batch][block][element]), truncated to
-// `bits` mantissa bits after every addition, as a narrow accumulator keeps it.
-at::Tensor truncatingSum(const at::Tensor& partials, int bits) {
-  const int64_t batch = partials.size(0), blocks = partials.size(1), elements = partials.size(2);
-  at::Tensor out = at::empty({batch, elements}, partials.options());
-  const uint32_t mask = bits >= 23 ? ~0u : ~((1u << (23 - bits)) - 1);
-  const float* in = partials.const_data_ptr<float>();
-  float* res = out.mutable_data_ptr<float>();
-  auto truncate = [mask](float v) {
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof u);
-    if ((u & 0x7f800000u) != 0x7f800000u) u &= mask;  // inf and nan pass through
-    std::memcpy(&v, &u, sizeof v);
-    return v;
-  };
-  // Block-major over a run of elements of one batch entry: every block's row is read contiguously
-  // (element-major walks blocks `elements` apart, a cache miss per term).
-  constexpr int64_t kRun = 1024;
-  const int64_t runs_per_batch = (elements + kRun - 1) / kRun;
-  at::parallel_for(0, batch * runs_per_batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / runs_per_batch, e0 = (r % runs_per_batch) * kRun, e1 = std::min(elements, e0 + kRun);
-      const float* p = in + b * blocks * elements;
-      float* sum = res + b * elements;
-      for (int64_t e = e0; e < e1; ++e) sum[e] = truncate(p[e]);
-      for (int64_t j = 1; j < blocks; ++j) {
-        const float* row = p + j * elements;
-        for (int64_t e = e0; e < e1; ++e) sum[e] = truncate(sum[e] + row[e]);
-      }
+// `sum` truncated in place to `bits` mantissa bits, as a narrow accumulator keeps it.
+void truncateInPlace(at::Tensor& sum, int bits) {
+  if (bits >= 23) return;
+  const uint32_t mask = ~((1u << (23 - bits)) - 1);
+  uint32_t* data = reinterpret_cast<uint32_t*>(sum.mutable_data_ptr<float>());
+  at::parallel_for(0, sum.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t u = data[i];
+      data[i] = (u & 0x7f800000u) == 0x7f800000u ? u : u & mask;  // inf and nan pass through
     }
   });
-  return out;
 }
 
 // a @ b (batched or not) with the chip's K-reduction: each block of K-terms summed in fp32, the
-// running sum truncated to the accumulator's mantissa after every block. All blocks' partial
-// sums come from one batched matmul (K zero-padded to whole blocks: zeros add nothing).
+// running sum truncated to the accumulator's mantissa after every block. The running sum stays
+// one output's size (cache-resident) and each block is added to it by one GEMM: the
+// emulation's host work is what the chip's accumulator does, not a copy of every partial sum.
 at::Tensor accumulate(const at::Tensor& a, const at::Tensor& b, const Numerics& n) {
   const at::Tensor af = a.to(at::kFloat), bf = b.to(at::kFloat);
   const int64_t k = af.size(-1);
   if (k == 0) return at::matmul(af, bf);
   const int64_t block = n.accumulation_block > 0 ? std::min<int64_t>(n.accumulation_block, k) : k;
-  const int64_t blocks = (k + block - 1) / block, padded = blocks * block;
-  const at::Tensor ap = padded == k ? af : at::constant_pad_nd(af, {0, padded - k});
-  const at::Tensor bp = padded == k ? bf : at::constant_pad_nd(bf, {0, 0, 0, padded - k});
   const int64_t m = af.size(-2), cols = bf.size(-1);
-  const at::Tensor a3 = ap.reshape({-1, m, padded}), b3 = bp.reshape({-1, padded, cols});
-  const int64_t batch = a3.size(0);
-  // [batch, blocks, m, block] @ [batch, blocks, block, cols] -> [batch, blocks, m, cols]
-  const at::Tensor partials = at::matmul(a3.view({batch, m, blocks, block}).transpose(1, 2),
-                                         b3.view({batch, blocks, block, cols}));
-  at::Tensor sum = truncatingSum(partials.reshape({batch, blocks, m * cols}).contiguous(), n.accumulator_bits);
+  const at::Tensor a3 = af.reshape({-1, m, k}), b3 = bf.reshape({-1, k, cols});
+  at::Tensor sum = at::zeros({a3.size(0), m, cols}, af.options());
+  for (int64_t k0 = 0; k0 < k; k0 += block) {
+    const int64_t width = std::min(block, k - k0);
+    sum.baddbmm_(a3.narrow(2, k0, width), b3.narrow(1, k0, width));
+    truncateInPlace(sum, n.accumulator_bits);
+  }
   std::vector<int64_t> shape(af.sizes().begin(), af.sizes().end() - 1);
   shape.push_back(cols);
   return sum.view(shape);

@@ -78,6 +78,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("name"), py::arg("memory_bytes"), py::arg("slowdown"), py::arg("matmul_mantissa_bits"),
       py::arg("accumulator_bits"), py::arg("accumulation_block"), py::arg("round_toward_zero"),
       py::arg("special_function_bits"), py::arg("flush_denormals"));
+  m.def("occupy_device", [](double seconds) { occupyDevice(int64_t(seconds * 1e9)); },
+        "put `seconds` of device time, launched now, on the emulated device's timeline (as a kernel would)");
+  m.def("chip_slowdown", [] { return chipProfile().slowdown; }, "how many times slower than the host the active chip runs");
   m.def("memory_stats", &memoryStats);
   m.def("reset_peak_memory_stats", [](int d) {
     checkDevice(d);

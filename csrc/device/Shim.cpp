@@ -118,12 +118,13 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
     op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()),
                        stack);
   }
-  chargeKernel(start, chip.slowdown);  // the chip's speed is charged for the kernel, not for its numerics below
+  chargeKernel(start, chip.slowdown);  // the device time is the kernel's; the numerics below overlap it
 
   if (!inputs.empty() && stack->back().isTensor()) reproduceChipResult(role, op, inputs, stack->back().toTensor(), numerics);
   call.syncWritten();
   call.adoptResults(op.schema().returns().size(), *stack);
   if (numerics.flush_denormals) flushProducedDenormals(call);
+  if (start.read) paceHost();
 }
 
 }  // namespace ditorch

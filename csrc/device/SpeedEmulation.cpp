@@ -2,17 +2,18 @@
 
 #include <ATen/Parallel.h>
 
-#include <atomic>
-#include <ctime>
+#include <algorithm>
+#include <mutex>
 
 namespace ditorch {
 namespace {
 
-constexpr int64_t kSleepQuantumNs = 1000000;  // sleep's overshoot (~60 us) is small against 1 ms
-
-// One device per process and one stream per device: the debt is the device's, not a thread's
-// (autograd runs backward kernels on its own device thread).
-std::atomic<int64_t> debt_ns{0};
+// The host may run this far ahead of the device before it sleeps, and sleeps down to half of it:
+// host work between kernels is hidden while it stays within the device's time and the remaining
+// lead (as behind an accelerator's launch queue), so a rank preempted for a few milliseconds by
+// its neighbours does not fall behind its profile; a sleep's overshoot (~60 us) is small against it.
+constexpr int64_t kMaxLeadNs = 10000000;
+constexpr int64_t kLeadAfterSleepNs = kMaxLeadNs / 2;
 
 int64_t clockNs(clockid_t clock) {
   timespec ts;
@@ -20,18 +21,35 @@ int64_t clockNs(clockid_t clock) {
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-// Take all debt and sleep it; what sleep overshoots is credited back, so the total is exact.
-void sleepOffDebt() {
-  int64_t owed = debt_ns.exchange(0);
-  if (owed <= 0) {
-    debt_ns.fetch_add(owed);
-    return;
+// One device per process and one stream per device: the timeline is the device's, not a
+// thread's (autograd runs backward kernels on its own device thread).
+class DeviceTimeline {
+ public:
+  // Queue `busy_ns` of device time launched at `launch_ns`; returns when the device will be idle.
+  int64_t enqueue(int64_t launch_ns, int64_t busy_ns) {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_at_ns_ = std::max(idle_at_ns_, launch_ns) + busy_ns;
+    return idle_at_ns_;
   }
-  const int64_t start = clockNs(CLOCK_MONOTONIC);
-  timespec ts{time_t(owed / 1000000000), long(owed % 1000000000)};
-  while (nanosleep(&ts, &ts) != 0) {
+  int64_t idleAt() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return idle_at_ns_;
   }
-  debt_ns.fetch_add(owed - (clockNs(CLOCK_MONOTONIC) - start));
+
+ private:
+  mutable std::mutex mu_;
+  int64_t idle_at_ns_ = 0;  // CLOCK_MONOTONIC
+};
+
+DeviceTimeline& timeline() {
+  static DeviceTimeline t;
+  return t;
+}
+
+void sleepUntil(int64_t deadline_ns) {
+  timespec ts{time_t(deadline_ns / 1000000000), long(deadline_ns % 1000000000)};
+  while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, nullptr) != 0) {
+  }
 }
 
 }  // namespace
@@ -39,20 +57,31 @@ void sleepOffDebt() {
 KernelClock kernelClockNow(double slowdown) {
   if (slowdown <= 1.0) return {};
   const clockid_t clock = at::get_num_threads() == 1 ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
-  return {clockNs(clock), clock, true};
+  const int64_t launch = clockNs(CLOCK_MONOTONIC);
+  return {launch, clock == CLOCK_MONOTONIC ? launch : clockNs(clock), clock, true};
 }
 
 void chargeKernel(const KernelClock& start, double slowdown) {
   if (!start.read || slowdown <= 1.0) return;
-  const int64_t host_ns = clockNs(start.clock) - start.start_ns;
-  const int64_t extra = int64_t(double(host_ns) * (slowdown - 1.0));
-  if (debt_ns.fetch_add(extra) + extra >= kSleepQuantumNs) sleepOffDebt();
+  const int64_t host_ns = clockNs(start.cost_clock) - start.cost_start_ns;
+  timeline().enqueue(start.launch_ns, int64_t(double(host_ns) * slowdown));
+}
+
+void paceHost() {
+  const int64_t idle_at = timeline().idleAt();
+  if (idle_at - clockNs(CLOCK_MONOTONIC) > kMaxLeadNs) sleepUntil(idle_at - kLeadAfterSleepNs);
+}
+
+void occupyDevice(int64_t device_ns) {
+  timeline().enqueue(clockNs(CLOCK_MONOTONIC), device_ns);
+  paceHost();
 }
 
 void settleEmulatedTime() {
-  if (debt_ns.load() > 0) sleepOffDebt();
+  const int64_t idle_at = timeline().idleAt();
+  if (idle_at > clockNs(CLOCK_MONOTONIC)) sleepUntil(idle_at);
 }
 
-int64_t emulatedTimeDebtNs() { return debt_ns.load(); }
+int64_t emulatedTimeDebtNs() { return std::max<int64_t>(0, timeline().idleAt() - clockNs(CLOCK_MONOTONIC)); }
 
 }  // namespace ditorch

@@ -1,11 +1,20 @@
 #pragma once
 // How an emulated chip is made slower than the host without holding a core.
 //
-// A kernel on a chip with slowdown k should take k times its host time. The extra (k - 1) parts
-// accrue as the device's time debt, which is slept off once it reaches a millisecond and in full
-// at every synchronisation point (synchronize, a copy to the host). Ranks outnumber cores here,
-// so a spin would steal the core another rank's kernel needs and the emulated speeds would stop
-// meaning anything; a sleep leaves the core to them.
+// The emulated device is a timeline. A kernel on a chip with slowdown k (the profile's speed
+// against the host, times the job's time scale) occupies the device for k times its host CPU
+// time, from the moment the host launched it or the device came free, whichever is later.
+// The host's own work (the kernel's real run, the chip-numerics recompute, Python and autograd
+// between kernels) happens while the device is busy, as a host's launches do on an
+// accelerator: it is charged against the device's time, not added to it. So the emulated time
+// dominates and a chip runs at its profile's speed whether or not its neighbours contend for
+// the cores, as long as the host work fits inside the device time (the time scale makes it
+// fit when ranks outnumber cores).
+//
+// The host may run ahead of the device by at most a few milliseconds; past that it sleeps,
+// and every synchronisation point (synchronize, a copy to the host, a collective reading the
+// device's memory) sleeps until the device is idle. Ranks outnumber cores here, so a spin
+// would steal the core another rank's kernel needs; a sleep leaves it to them.
 //
 // The host time of a kernel is the calling thread's CPU time when ATen runs one intra-op thread
 // (each pipeline rank does), so a rank preempted by its neighbours is not charged for their
@@ -15,21 +24,28 @@
 
 namespace ditorch {
 
-// A kernel's start on the one clock its charge is measured with.
+// A kernel's start: the wall clock (when it was launched) and the clock its cost is measured on.
 struct KernelClock {
-  int64_t start_ns = 0;
-  clockid_t clock = CLOCK_MONOTONIC;
+  int64_t launch_ns = 0;  // CLOCK_MONOTONIC
+  int64_t cost_start_ns = 0;
+  clockid_t cost_clock = CLOCK_MONOTONIC;
   bool read = false;  // false: the chip is not slower than the host, so no clock was read
 };
 
 // Read before a kernel runs. Reads nothing when `slowdown` <= 1: every op pays for this read,
 // and the thread CPU clock is a system call (no vDSO path), a sizeable part of a small op.
 KernelClock kernelClockNow(double slowdown);
-// After the kernel: charge its host time times (slowdown - 1) and sleep off whole milliseconds.
+// After the kernel: put it on the device's timeline for its host time times `slowdown`.
 void chargeKernel(const KernelClock& start, double slowdown);
-// Sleep off all outstanding debt (the device is idle once this returns).
+// Put `device_ns` of device time, launched now, on the timeline and pace the host, as a kernel
+// of that cost would (the timeline's own checks use it: a real kernel's host time varies).
+void occupyDevice(int64_t device_ns);
+// After the host's work for an op (the kernel and what follows it, such as the chip's numerics):
+// sleep while the host is too far ahead of the device.
+void paceHost();
+// Sleep until the device is idle.
 void settleEmulatedTime();
-// Outstanding debt in nanoseconds (for tests and traces).
+// How far the device's timeline runs ahead of now, in nanoseconds (for tests and traces).
 int64_t emulatedTimeDebtNs();
 
 }  // namespace ditorch

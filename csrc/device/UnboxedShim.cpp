@@ -105,6 +105,7 @@ struct UnboxedShim<Op, Ret(Args...)> {
       }
       chargeKernel(start, chip.slowdown);
       call.syncWritten();
+      if (start.read) paceHost();
       return call.adoptResult(result);
     } else {
       static_assert(std::is_same_v<Ret, at::Tensor&>, "unboxed shim ops return a tensor or a written argument");
@@ -115,6 +116,7 @@ struct UnboxedShim<Op, Ret(Args...)> {
       }
       chargeKernel(start, chip.slowdown);
       call.syncWritten();
+      if (start.read) paceHost();
       return callerArgument(written, kernel_args, std::index_sequence_for<Args...>{}, args...);
     }
   }

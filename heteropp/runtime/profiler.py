@@ -43,7 +43,7 @@ def _timed(fn, sync, repeats: int) -> float:
 
 
 def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: str, memory_scale: float,
-            repeats: int, sequence_parallel: bool, out: str) -> None:
+            time_scale: float, repeats: int, sequence_parallel: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -53,7 +53,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     from heteropp.runtime.tensor_parallel import TPGroup
 
     torch.set_num_threads(1)
-    ditorch_ext.set_chip(chip, memory_scale=memory_scale)
+    ditorch_ext.set_chip(chip, memory_scale=memory_scale, time_scale=time_scale)
     device = torch.device("dipu", rank % torch.dipu.device_count())
     torch.dipu.set_device(device)
     dist.init_process_group("dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
@@ -171,7 +171,7 @@ def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, rep
 
 
 def profile_tp(chip: str, config: LlamaConfig, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
-               repeats: int = 5, sequence_parallel: bool = True) -> dict:
+               repeats: int = 5, sequence_parallel: bool = True, time_scale: float = 1.0) -> dict:
     """Measure one layer at TP size ``tp`` on ``tp`` spawned ranks; returns rank 0's numbers."""
     import torch.multiprocessing as mp
 
@@ -183,12 +183,13 @@ def profile_tp(chip: str, config: LlamaConfig, tp: int, precision: str = "bf16",
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, nprocs=tp, start_method="spawn",
-                           args=(tp, free_port(), chip, config.__dict__, precision, memory_scale, repeats,
+                           args=(tp, free_port(), chip, config.__dict__, precision, memory_scale, time_scale, repeats,
                                  sequence_parallel, out))
         return json.loads(Path(out).read_text())
 
 
-def chip_description(chip: str, results: dict[int, dict], memory_scale: float, default_gbps: float = 1.0) -> dict:
+def chip_description(chip: str, results: dict[int, dict], memory_scale: float, default_gbps: float = 1.0,
+                     time_scale: float = 1.0) -> dict:
     """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results."""
     from ditorch_ext.profiles import resolve
 
@@ -206,6 +207,7 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
         "layer_times_ms": {tp: {k: round(r[k], 4) for k in ("fwd", "bwd", "recompute", "update", *END_TIME_KEYS)}
                            for tp, r in sorted(results.items())},
         "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},
+        "emulated_time_scale": time_scale,
     }
 
 
@@ -229,6 +231,9 @@ def register(subparsers) -> None:
     p.add_argument("--tp", default="1", help="TP sizes, comma-separated (each spawns that many ranks)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE or 0.001)")
+    p.add_argument("--time-scale", default=None,
+                   help="run the chip this many times slower than its profile (default $DITORCH_TIME_SCALE or 1); "
+                        "the plan's runs use the same, so take ranks per core of the run, e.g. 2 for 4 ranks on 2 cores")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="measure the layer as ditorch.train --no-sequence-parallel runs it")
@@ -245,9 +250,11 @@ def profile_command(args) -> int:
             raise ValueError(f"--tp {args.tp}: expected powers of two like 1,2,4")
         config = LlamaConfig.from_yaml(args.model)
         scale = args.memory_scale or float(os.environ.get("DITORCH_MEMORY_SCALE", "0.001"))
-        from ditorch_ext.profiles import resolve
+        from ditorch_ext.profiles import check_time_scale, resolve, time_scale_from_env
 
         resolve(args.chip)
+        stretch = (time_scale_from_env() or 1.0) if args.time_scale is None else check_time_scale(args.time_scale,
+                                                                                                     "--time-scale")
     except (ValueError, OSError) as exc:
         print(f"ditorch profile: {exc}", file=sys.stderr)
         return 2
@@ -256,12 +263,13 @@ def profile_command(args) -> int:
     print(f"{'TP':>3} {'fwd ms':>8} {'bwd ms':>8} {'recomp ms':>9} {'update ms':>9} {'act MiB':>8} {'p2p GB/s':>8} "
           f"{'embed f/b ms':>13} {'head f/b ms':>13}")
     for tp in tps:
-        r = results[tp] = profile_tp(args.chip, config, tp, args.precision, scale, args.repeats, args.sequence_parallel)
+        r = results[tp] = profile_tp(args.chip, config, tp, args.precision, scale, args.repeats, args.sequence_parallel,
+                                     stretch)
         p2p = f"{r['p2p_bytes_per_s'] / 1e9:.2f}" if r["p2p_bytes_per_s"] else "-"
         print(f"{tp:>3} {r['fwd']:>8.2f} {r['bwd']:>8.2f} {r['recompute']:>9.2f} {r['update']:>9.2f} "
               f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "
               f"{r['head_fwd']:>6.2f}/{r['head_bwd']:<6.2f}", flush=True)
-    desc = {"chips": {args.chip: chip_description(args.chip, results, scale)}}
+    desc = {"chips": {args.chip: chip_description(args.chip, results, scale, time_scale=stretch)}}
     try:  # what the planner will read: a measurement it would refuse is not written
         ChipSpec.from_dict(args.chip, desc["chips"][args.chip])
     except ValueError as exc:
@@ -269,7 +277,7 @@ def profile_command(args) -> int:
         return 1
     header = (f"# ditorch profile --chip {args.chip} --model {args.model} --tp {args.tp} --precision {args.precision}\n"
               f"# measured one layer per micro-batch of {config.max_seq_len} tokens; memory is the emulated "
-              f"capacity at memory scale {scale:g}\n")
+              f"capacity at memory scale {scale:g}, time at time scale {stretch:g}\n")
     Path(args.out).write_text(header + yaml.safe_dump(desc, sort_keys=False))
     print(f"wrote {args.out}")
     return 0

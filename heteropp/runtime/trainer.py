@@ -114,6 +114,18 @@ def check_stage_memory(plan: Plan, stage: int, capacity_bytes: int, scale: float
                         f"{capacity_bytes / 2**20:.2f} MiB (memory scale {scale:g})")
 
 
+def run_time_scale(plan: Plan) -> float:
+    """The emulation time scale of this run: the one the plan's chips were profiled under, so the
+    run is as slow as the plan's layer times say ($DITORCH_TIME_SCALE may restate it, not change it)."""
+    from ditorch_ext.profiles import TIME_SCALE_ENV, time_scale_from_env
+
+    profiled, asked = plan.cluster.emulated_time_scale, time_scale_from_env()
+    if profiled is not None and asked is not None and asked != profiled:
+        raise PlanError(f"{TIME_SCALE_ENV}={asked:g} but the plan's chips were profiled at time scale {profiled:g}; "
+                        f"run at the profiles' scale or profile again with --time-scale {asked:g}")
+    return profiled if profiled is not None else asked or 1.0
+
+
 def check_plan_fits(plan: Plan, options: TrainOptions) -> None:
     """Every stage's chip can be emulated here and holds the stage, its TP size splits the model,
     and each boundary's resharding splits the sequence. Each rank checks all stages, so a bad
@@ -123,6 +135,7 @@ def check_plan_fits(plan: Plan, options: TrainOptions) -> None:
     from .boundary import routes
 
     scale = memory_scale_from_env() if options.memory_scale is None else options.memory_scale
+    run_time_scale(plan)
     config = model_config(plan)
     for i, s in enumerate(plan.stages):
         try:
@@ -152,7 +165,7 @@ class PipelineTrainer:
         self.stage_plan = plan.stages[self.place.stage]
         self.config = model_config(plan)
         check_plan_fits(plan, options)
-        ditorch_ext.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale)
+        ditorch_ext.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale, time_scale=run_time_scale(plan))
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
         torch.dipu.set_device(self.device)

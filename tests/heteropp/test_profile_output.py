@@ -25,7 +25,7 @@ def _measured(activation_bytes: float) -> dict:
 def _profile(monkeypatch, tmp_path, activation_bytes: float) -> tuple[int, Path]:
     monkeypatch.setattr(profiler, "profile_tp", lambda *a, **k: _measured(activation_bytes))
     out = tmp_path / "chip-B.yaml"
-    args = argparse.Namespace(chip="B", model=str(MODEL), tp="1", precision="bf16", memory_scale=0.001, repeats=1,
+    args = argparse.Namespace(chip="B", model=str(MODEL), tp="1", precision="bf16", memory_scale=0.001, time_scale=None, repeats=1,
                               sequence_parallel=True, out=str(out))
     return profiler.profile_command(args), out
 
@@ -49,11 +49,12 @@ def test_the_demo_measures_again_when_its_cached_profile_is_unusable(monkeypatch
         import hetero_demo
     finally:
         sys.path.remove(str(ROOT / "examples"))
-    _, good = _profile(monkeypatch, tmp_path, 5 * 2**20)
-    assert hetero_demo.usable_profile(good, "B")
+    _, good = _profile(monkeypatch, tmp_path, 5 * 2**20)  # at time scale 1 ($DITORCH_TIME_SCALE unset)
+    assert hetero_demo.usable_profile(good, "B", 1.0)
+    assert not hetero_demo.usable_profile(good, "B", 2.0)  # taken at another time scale
     bad = tmp_path / "bad.yaml"
     desc = yaml.safe_load(good.read_text())
     desc["chips"]["B"]["activation_mb"] = {1: -1.6}
     bad.write_text(yaml.safe_dump(desc))
-    assert not hetero_demo.usable_profile(bad, "B")
-    assert not hetero_demo.usable_profile(tmp_path / "missing.yaml", "B")
+    assert not hetero_demo.usable_profile(bad, "B", 1.0)
+    assert not hetero_demo.usable_profile(tmp_path / "missing.yaml", "B", 1.0)

@@ -31,7 +31,10 @@ HostView::HostView(const at::Tensor& tensor, const StagingPolicy& policy, bool l
     if (type == at::kCPU) {
       host_ = contiguous_;
     } else {
-      // The device's memory is host memory: a CPU tensor over the same bytes.
+      // The device's memory is host memory: a CPU tensor over the same bytes, read or written
+      // once the device's queued work on it is done.
+      const c10::impl::VirtualGuardImpl guard(type);
+      guard.synchronizeStream(guard.getStream(tensor.device()));
       host_ = at::from_blob(contiguous_.data_ptr(), contiguous_.sizes(),
                             at::TensorOptions().dtype(contiguous_.scalar_type()).device(at::kCPU));
     }

@@ -1,0 +1,149 @@
+"""The HeteroSpeedupRatio (the H2 paper, section 6.2) measured on the runtime.
+
+Each chip group trains alone on its own best homogeneous plan (HeteroAuto over that group), then
+all groups train together on HeteroAuto's plan for the whole cluster: once at the same global
+batch as each group alone (constant batch), once at the sum of the groups' batches (sum batch).
+Every run is ``torchrun -m ditorch.train --trace`` on dicomm; throughputs come from the traces,
+predictions from the simulator with the layer times ``ditorch profile`` measured at the start.
+
+    HSR = tokens/s of the heterogeneous run / sum over groups of each group's tokens/s alone
+
+    python benchmarks/hsr.py [--chips A:2,B:2,C:2] [--gbs 2K] [--steps 4] [--out out/bench-hsr]
+
+The chips' *speed and memory* are the built-in profiles'. Their emulated *numerics* (bf16
+accumulation in narrow blocks) cost the host far more than the kernel they round (docs/device.md),
+which would make the slower-numerics chips host-bound and their speed a property of the
+emulation, not of the profile; so by default each chip type here keeps its profile's speed,
+memory and node shape with the host's IEEE numerics (``--numerics chip`` keeps them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import yaml  # noqa: E402
+
+from ditorch_ext.profiles import BUILTIN, time_scale_for  # noqa: E402
+from ditorch.hsr import measure, ratio_table  # noqa: E402
+from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
+from heteropp.model_spec import ModelSpec  # noqa: E402
+from heteropp.runtime.profiler import write_cluster  # noqa: E402
+from program_results import Measurement, save_run  # noqa: E402
+
+MODEL = REPO / "examples/configs/llama-deep.yaml"
+MEMORY_SCALE = "0.01"
+
+
+def speed_only_profiles(path: Path, chips: list[str]) -> dict[str, str]:
+    """A profile file whose chip ``X_ieee`` is built-in ``X`` with the host's numerics; returns
+    each chip's emulated name."""
+    fields = ("memory_gb", "relative_speed", "chips_per_node", "nics_per_node")
+    entries = {f"{c}_ieee": {f: getattr(BUILTIN[c], f) for f in fields} for c in chips}
+    path.write_text("# chips of benchmarks/hsr.py: built-in speed, memory and node shape; the host's numerics\n"
+                    + yaml.safe_dump({"emulated_chips": entries}, sort_keys=False))
+    return {c: f"{c}_ieee" for c in chips}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chips", default="A:2,B:2,C:2", help="chip type:count pairs, one group per type")
+    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--gbs", default="2K", help="each group's global batch alone, in tokens")
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
+    ap.add_argument("--numerics", choices=("host", "chip"), default="host",
+                    help="host: the chips' speed and memory with IEEE numerics (default); chip: their own numerics")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="emulation time scale (default: the largest run's ranks per core of this host)")
+    ap.add_argument("--out", default=str(REPO / "out/bench-hsr"))
+    ap.add_argument("--reuse-profiles", action="store_true", help="keep chip profiles an earlier run left in --out")
+    args = ap.parse_args()
+    counts = {name: int(n) for name, n in (pair.split(":") for pair in args.chips.split(","))}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, DITORCH_MEMORY_SCALE=MEMORY_SCALE, PYTHONPATH=str(REPO))
+    names = {c: c for c in counts}
+    if args.numerics == "host":
+        profile_file = out / "chips.yaml"
+        names = speed_only_profiles(profile_file, list(counts))
+        env["DITORCH_PROFILE_FILE"] = str(profile_file)
+    time_scale = args.time_scale or time_scale_for(sum(counts.values()))
+    print(f"{len(counts)} chip groups {args.chips} ({args.numerics} numerics), model {Path(args.model).name}, "
+          f"time scale {time_scale:g} ({sum(counts.values())} ranks on {os.cpu_count()} cores)", flush=True)
+    for chip in names.values():
+        path = out / f"chip-{chip}.yaml"
+        if not (args.reuse_profiles and path.exists()):
+            print(f"profiling chip {chip} ...", flush=True)
+            subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", args.model,
+                            "--tp", "1,2", "--time-scale", str(time_scale), "--out", str(path)],
+                           env=env, check=True, capture_output=True)
+    cluster = ClusterSpec.from_yaml(write_cluster(out / "cluster.yaml", {names[c]: n for c, n in counts.items()}))
+    model, gbs = ModelSpec.from_yaml(args.model), parse_tokens(args.gbs)
+    m = measure(model, cluster, gbs, out, args.steps, env=env, progress=lambda line: print(line, flush=True))
+    goals = {"sum": 1.05, "constant": 0.90}
+    paper = {"sum": "104-109%", "constant": "77-90%"}
+    print(f"\n{ratio_table(m)}\n  goals: sum >= 105% (paper {paper['sum']}), constant >= 90% (paper {paper['constant']})")
+    for kind, goal in goals.items():
+        if m.ratio(kind) < goal:
+            print(f"  {kind} batch: measured {100 * m.ratio(kind):.1f}% is short of the goal")
+    summary = {"chips": args.chips, "numerics": args.numerics, "time_scale": time_scale, "model": Path(args.model).name,
+               "gbs_tokens": gbs, **m.to_dict()}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    _plot(m, out / "hsr.png")
+    runs = [*m.alone, *m.together.values()]
+    kind_of = {id(r): k for k, r in m.together.items()}
+    save_run("hsr", [
+        Measurement("hsr: seconds per iteration, each chip group alone and all together", r.name, [r.measured_s],
+                    {"stages": r.stages(), "tokens": r.tokens, "tokens_per_s": round(r.throughput()),
+                     "simulated_s": round(r.simulated_s, 3), "measured/simulated": round(r.measured_s / r.simulated_s, 2),
+                     "cpu_s_per_step": round(r.cpu_s, 2),
+                     "note": (f"HSR measured {100 * m.ratio(kind_of[id(r)]):.1f}%, simulated "
+                              f"{100 * m.ratio(kind_of[id(r)], True):.1f}%") if id(r) in kind_of else "",
+                     "peer": r is runs[0]})
+        for r in runs])
+    print(f"\nresults: {out / 'results.json'}, plot: {out / 'hsr.png'}")
+    return 0
+
+
+def _plot(m, path: Path) -> None:
+    """Tokens/s: the groups alone stacked into one bar (their sum) beside each heterogeneous run,
+    measured and simulated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ticks, labels = [], []
+    for col, simulated in enumerate((False, True)):
+        x0 = col * (len(m.together) + 2)
+        bottom = 0.0
+        for i, a in enumerate(m.alone):
+            ax.bar(x0, a.throughput(simulated), 0.7, bottom=bottom, color=f"C{i}", label=a.name if col == 0 else None)
+            bottom += a.throughput(simulated)
+        ticks.append(x0)
+        labels.append(f"groups alone\n({'simulated' if simulated else 'measured'})")
+        for i, (kind, r) in enumerate(m.together.items(), 1):
+            ax.bar(x0 + i, r.throughput(simulated), 0.7, color="0.35")
+            ax.text(x0 + i, r.throughput(simulated), f"HSR {100 * m.ratio(kind, simulated):.0f}%", ha="center",
+                    va="bottom", fontsize=8)
+            ticks.append(x0 + i)
+            labels.append(f"together, {kind}\n({'simulated' if simulated else 'measured'})")
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("tokens per second")
+    ax.set_title("HeteroSpeedupRatio on emulated chips (benchmarks/hsr.py)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

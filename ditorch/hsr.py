@@ -1,0 +1,190 @@
+"""``ditorch hsr``: the HeteroSpeedupRatio of a cluster, measured by training on it.
+
+Each chip group (chip type) trains alone on its own best plan (HeteroAuto over that group), then
+the whole cluster trains on HeteroAuto's plan for all of it, at the same global batch
+(*constant*) and, if asked, at the groups' batches summed (*sum*). Every run is
+``torchrun -m ditorch.train --trace`` on this host; throughputs come from the traces, and the
+simulator's prediction for each plan is printed beside them. ``heteropp.hsr`` holds the formula
+and the planner's expectation; this module runs the jobs.
+
+    ditorch hsr --cluster cluster.yaml --model model.yaml --gbs 1K [--batch constant,sum] [--steps 4]
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from heteropp.cluster import ClusterSpec, parse_tokens
+from heteropp.hsr import best_plan, hetero_speedup_ratio, sub_cluster
+from heteropp.model_spec import ModelSpec
+from heteropp.plan import Plan
+
+BATCHES = ("constant", "sum")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One training run of the measurement."""
+
+    name: str
+    plan: Plan
+    measured_s: float  # median seconds per iteration after the first
+    simulated_s: float
+    cpu_s: float  # CPU seconds of all ranks per iteration
+
+    @property
+    def tokens(self) -> int:
+        return self.plan.global_batch_tokens
+
+    def throughput(self, simulated: bool = False) -> float:
+        return self.tokens / (self.simulated_s if simulated else self.measured_s)
+
+    def stages(self) -> str:
+        return " ".join(f"{s.chip}/tp{s.tp}/dp{s.dp}/{s.layers}L{'/rc' if s.recompute else ''}" for s in self.plan.stages)
+
+
+@dataclasses.dataclass
+class Measurement:
+    """Every group alone and the whole cluster at each batch asked for."""
+
+    alone: list[RunResult]
+    together: dict[str, RunResult]  # batch kind -> run
+
+    def ratio(self, batch: str, simulated: bool = False) -> float:
+        return hetero_speedup_ratio(self.together[batch].throughput(simulated),
+                                    [r.throughput(simulated) for r in self.alone])
+
+    def to_dict(self) -> dict:
+        def run(r: RunResult) -> dict:
+            return {"name": r.name, "stages": r.stages(), "chips": r.plan.num_chips, "tokens": r.tokens,
+                    "microbatches": r.plan.num_microbatches, "measured_s": r.measured_s,
+                    "simulated_s": r.simulated_s, "cpu_s": r.cpu_s}
+
+        return {"alone": [run(r) for r in self.alone], "together": {k: run(r) for k, r in self.together.items()},
+                "hsr": {k: {"measured": self.ratio(k), "simulated": self.ratio(k, True)} for k in self.together}}
+
+
+def simulated_iteration(plan: Plan) -> float:
+    """The simulator's iteration time for ``plan`` under its schedule."""
+    from heteropp.schedule import fine_grained, gpipe, one_f_one_b
+    from heteropp.simulator import pipeline_from_plan, simulate
+
+    S, b, rc = plan.num_stages, plan.num_microbatches, [s.recompute for s in plan.stages]
+    schedules = {"1f1b": one_f_one_b, "gpipe": gpipe, "fine-grained": fine_grained}
+    if plan.schedule not in schedules:
+        raise ValueError(f"plan schedule {plan.schedule!r}: expected one of {', '.join(schedules)}")
+    return simulate(pipeline_from_plan(plan), schedules[plan.schedule](S, b, rc)).iteration_time
+
+
+def train_and_time(name: str, plan: Plan, out: Path, steps: int, env: dict | None = None) -> RunResult:
+    """Train ``plan`` for ``steps`` steps under torchrun on this host and read its trace."""
+    from heteropp.measured import read_trace
+
+    tag = name.replace(" ", "_").replace(",", "")
+    plan_path, trace = out / f"{tag}.json", out / f"{tag}.trace.json"
+    plan.to_json(plan_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.num_chips),
+         "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--trace", str(trace)],
+        env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    measured = read_trace(trace, plan.num_stages)
+    return RunResult(name, plan, measured.iteration_time, simulated_iteration(plan), measured.cpu_per_step)
+
+
+def plans(model: ModelSpec, cluster: ClusterSpec, gbs: int, batches: tuple[str, ...], alpha: float = 1.0
+          ) -> tuple[dict[str, Plan], dict[str, Plan]]:
+    """Each chip type's best plan alone at ``gbs``, and the whole cluster's at each batch kind."""
+    alone = {}
+    for chip in cluster.chips:
+        plan = best_plan(model, sub_cluster(cluster, [chip.name]), gbs, alpha)
+        if plan is None:
+            raise ValueError(f"chip group {chip.name} cannot train the model alone at {gbs} tokens; the "
+                             f"HeteroSpeedupRatio needs every group to")
+        alone[chip.name] = plan
+    together = {}
+    for kind in batches:
+        tokens = gbs if kind == "constant" else gbs * len(cluster.chips)
+        plan = best_plan(model, cluster, tokens, alpha)
+        if plan is None:
+            raise ValueError(f"the whole cluster cannot train the model at {tokens} tokens")
+        together[kind] = plan
+    return alone, together
+
+
+def measure(model: ModelSpec, cluster: ClusterSpec, gbs: int, out: Path, steps: int = 4,
+            batches: tuple[str, ...] = BATCHES, env: dict | None = None, progress=print) -> Measurement:
+    """Train every group alone and the whole cluster; ``progress`` gets one table row per run."""
+    out.mkdir(parents=True, exist_ok=True)
+    alone_plans, together_plans = plans(model, cluster, gbs, batches)
+    progress(header())
+    alone = []
+    for chip, plan in alone_plans.items():
+        alone.append(train_and_time(f"{chip} alone", plan, out, steps, env))
+        progress(row(alone[-1]))
+    together = {}
+    for kind, plan in together_plans.items():
+        together[kind] = train_and_time(f"all, {kind} batch", plan, out, steps, env)
+        progress(row(together[kind]))
+    return Measurement(alone, together)
+
+
+def header() -> str:
+    return (f"{'run':<20} {'stages (chip/TP/DP/layers)':<52} {'tokens':>6} {'mb':>3} {'measured s':>10} "
+            f"{'simulated s':>11} {'meas/sim':>8} {'tok/s':>7} {'CPU s/it':>8}")
+
+
+def row(r: RunResult) -> str:
+    return (f"{r.name:<20} {r.stages():<52} {r.tokens:>6} {r.plan.num_microbatches:>3} {r.measured_s:>10.3f} "
+            f"{r.simulated_s:>11.3f} {r.measured_s / r.simulated_s:>8.3f} {r.throughput():>7.0f} {r.cpu_s:>8.2f}")
+
+
+def ratio_table(m: Measurement) -> str:
+    lines = ["HeteroSpeedupRatio (all chip groups together against the sum of each group alone):",
+             f"  {'batch':<9} {'measured':>9} {'simulated':>9}"]
+    for kind in m.together:
+        lines.append(f"  {kind:<9} {100 * m.ratio(kind):>8.1f}% {100 * m.ratio(kind, True):>8.1f}%")
+    best_alone = max(m.alone, key=lambda r: r.throughput())
+    if "constant" in m.together:
+        gain = m.together["constant"].throughput() / best_alone.throughput()
+        lines.append(f"  together at constant batch: {gain:.2f}x the fastest group alone ({best_alone.name})")
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("hsr", help="measure the HeteroSpeedupRatio: train each chip group alone and all together")
+    p.add_argument("--cluster", required=True, help="cluster.yaml (ditorch plan's)")
+    p.add_argument("--model", required=True, help="model.yaml")
+    p.add_argument("--gbs", required=True, help="each group's global batch alone, in tokens (e.g. 1K)")
+    p.add_argument("--batch", default="constant,sum", help="constant, sum or both (comma-separated)")
+    p.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
+    p.add_argument("--out", default="out/hsr", help="plans, traces and hsr.json land here")
+    p.set_defaults(func=hsr_command)
+
+
+def hsr_command(args) -> int:
+    try:
+        batches = tuple(b.strip() for b in args.batch.split(","))
+        if not batches or any(b not in BATCHES for b in batches):
+            raise ValueError(f"--batch {args.batch!r}: expected constant, sum or both")
+        if args.steps < 2:
+            raise ValueError(f"--steps {args.steps}: expected at least 2 (the first step is not timed)")
+        model, cluster, gbs = ModelSpec.from_yaml(args.model), ClusterSpec.from_yaml(args.cluster), parse_tokens(args.gbs)
+        if len(cluster.chips) < 2:
+            raise ValueError(f"{args.cluster}: one chip type; the HeteroSpeedupRatio compares two or more")
+        out = Path(args.out)
+        start = time.perf_counter()
+        m = measure(model, cluster, gbs, out, args.steps, batches, env=dict(os.environ))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"ditorch hsr: {exc}", file=sys.stderr)
+        return 1
+    print(ratio_table(m))
+    (out / "hsr.json").write_text(json.dumps(m.to_dict(), indent=1))
+    print(f"wrote {out / 'hsr.json'} ({time.perf_counter() - start:.0f} s)")
+    return 0
