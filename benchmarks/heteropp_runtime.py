@@ -34,14 +34,18 @@ from heteropp.runtime.profiler import write_cluster  # noqa: E402
 from heteropp.schedule import fine_grained, one_f_one_b  # noqa: E402
 from heteropp.search import HeteroAuto  # noqa: E402
 from heteropp.simulator import pipeline_from_plan, simulate  # noqa: E402
+from emulated_chips import speed_only_profiles  # noqa: E402
 from program_results import Measurement, save_run  # noqa: E402
 
 MODEL = REPO / "examples/configs/llama-small.yaml"
 SCALE = "0.01"
 
 
+ENV = dict(os.environ, DITORCH_MEMORY_SCALE=SCALE, PYTHONPATH=str(REPO))
+
+
 def _env() -> dict:
-    return dict(os.environ, DITORCH_MEMORY_SCALE=SCALE, PYTHONPATH=str(REPO))
+    return ENV
 
 
 def profile_chips(out: Path, chips: list[str], time_scale: float, reuse: bool = False, model: Path = MODEL) -> None:
@@ -146,12 +150,20 @@ def main() -> int:
     ap.add_argument("--reuse-profiles", action="store_true", help="keep chip profiles an earlier run left in --out")
     ap.add_argument("--time-scale", type=float, default=time_scale_for(4),
                     help="emulation time scale of profiles and runs (default: 4 ranks per core of this host)")
+    ap.add_argument("--numerics", choices=("host", "chip"), default="host",
+                    help="host: chips A, B, C's speed and memory with IEEE numerics (default; "
+                         "benchmarks/emulated_chips.py says why); chip: their own numerics")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"emulation time scale {args.time_scale:g} (4 ranks on {os.cpu_count()} cores)")
-    profile_chips(out, ["A", "B", "C"], args.time_scale, args.reuse_profiles)
-    plans = {f"heteroauto {' '.join(f'{c}{n}' for c, n in counts.items())}": heteroauto(out, counts)
+    names = {c: c for c in "ABC"}
+    if args.numerics == "host":
+        names = speed_only_profiles(out / "chips.yaml", list(names))
+        ENV["DITORCH_PROFILE_FILE"] = str(out / "chips.yaml")
+    print(f"emulation time scale {args.time_scale:g} (4 ranks on {os.cpu_count()} cores), {args.numerics} numerics")
+    profile_chips(out, list(names.values()), args.time_scale, args.reuse_profiles)
+    plans = {f"heteroauto {' '.join(f'{c}{n}' for c, n in counts.items())}":
+             heteroauto(out, {names[c]: n for c, n in counts.items()})
              for counts in ({"A": 1, "B": 1, "C": 2}, {"A": 2, "B": 1, "C": 1}, {"A": 2, "C": 2})}
     main_name, main_plan = next(iter(plans.items()))
     runs = [Run(name, plan) for name, plan in plans.items()]

@@ -8,13 +8,10 @@ predictions from the simulator with the layer times ``ditorch profile`` measured
 
     HSR = tokens/s of the heterogeneous run / sum over groups of each group's tokens/s alone
 
-    python benchmarks/hsr.py [--chips A:2,B:2,C:2] [--gbs 2K] [--steps 4] [--out out/bench-hsr]
+    python benchmarks/hsr.py [--chips A:2,B:2,C:4] [--gbs 1.5K] [--steps 4] [--out out/bench-hsr]
 
-The chips' *speed and memory* are the built-in profiles'. Their emulated *numerics* (bf16
-accumulation in narrow blocks) cost the host far more than the kernel they round (docs/device.md),
-which would make the slower-numerics chips host-bound and their speed a property of the
-emulation, not of the profile; so by default each chip type here keeps its profile's speed,
-memory and node shape with the host's IEEE numerics (``--numerics chip`` keeps them).
+The chips' *speed and memory* are the built-in profiles'; their numerics are the host's by
+default (``benchmarks/emulated_chips.py`` says why; ``--numerics chip`` keeps the chips' own).
 """
 from __future__ import annotations
 
@@ -28,34 +25,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import yaml  # noqa: E402
-
-from ditorch_ext.profiles import BUILTIN, time_scale_for  # noqa: E402
+from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from ditorch.hsr import measure, ratio_table  # noqa: E402
 from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.runtime.profiler import write_cluster  # noqa: E402
+from emulated_chips import speed_only_profiles  # noqa: E402
 from program_results import Measurement, save_run  # noqa: E402
 
 MODEL = REPO / "examples/configs/llama-deep.yaml"
-MEMORY_SCALE = "0.01"
-
-
-def speed_only_profiles(path: Path, chips: list[str]) -> dict[str, str]:
-    """A profile file whose chip ``X_ieee`` is built-in ``X`` with the host's numerics; returns
-    each chip's emulated name."""
-    fields = ("memory_gb", "relative_speed", "chips_per_node", "nics_per_node")
-    entries = {f"{c}_ieee": {f: getattr(BUILTIN[c], f) for f in fields} for c in chips}
-    path.write_text("# chips of benchmarks/hsr.py: built-in speed, memory and node shape; the host's numerics\n"
-                    + yaml.safe_dump({"emulated_chips": entries}, sort_keys=False))
-    return {c: f"{c}_ieee" for c in chips}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chips", default="A:2,B:2,C:2", help="chip type:count pairs, one group per type")
+    ap.add_argument("--chips", default="A:2,B:2,C:4", help="chip type:count pairs, one group per type")
     ap.add_argument("--model", default=str(MODEL))
-    ap.add_argument("--gbs", default="2K", help="each group's global batch alone, in tokens")
+    ap.add_argument("--gbs", default="1.5K", help="each group's global batch alone, in tokens")
+    ap.add_argument("--memory-scale", default="0.002",
+                    help="chip memory scale (0.002: no single chip holds the model and its AdamW state, each group "
+                         "does, as for the paper's 100B model)")
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
     ap.add_argument("--numerics", choices=("host", "chip"), default="host",
                     help="host: the chips' speed and memory with IEEE numerics (default); chip: their own numerics")
@@ -67,7 +55,7 @@ def main() -> int:
     counts = {name: int(n) for name, n in (pair.split(":") for pair in args.chips.split(","))}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, DITORCH_MEMORY_SCALE=MEMORY_SCALE, PYTHONPATH=str(REPO))
+    env = dict(os.environ, DITORCH_MEMORY_SCALE=args.memory_scale, PYTHONPATH=str(REPO))
     names = {c: c for c in counts}
     if args.numerics == "host":
         profile_file = out / "chips.yaml"
@@ -92,7 +80,8 @@ def main() -> int:
     for kind, goal in goals.items():
         if m.ratio(kind) < goal:
             print(f"  {kind} batch: measured {100 * m.ratio(kind):.1f}% is short of the goal")
-    summary = {"chips": args.chips, "numerics": args.numerics, "time_scale": time_scale, "model": Path(args.model).name,
+    summary = {"chips": args.chips, "numerics": args.numerics, "time_scale": time_scale, "memory_scale": args.memory_scale,
+               "model": Path(args.model).name,
                "gbs_tokens": gbs, **m.to_dict()}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     _plot(m, out / "hsr.png")

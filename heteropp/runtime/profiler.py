@@ -29,6 +29,10 @@ from dimodel.llama import LlamaConfig
 from heteropp.cluster import END_TIME_KEYS, ChipSpec
 
 
+# Layers timed back to back per sample (see _worker).
+CHAIN = 4
+
+
 def _timed(fn, sync, repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs after two warm-ups; device synced around each."""
     samples = []
@@ -80,16 +84,31 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     def backward():
         torch.autograd.backward(holder.pop("out"), grad)
 
+    # A stage runs its layers back to back, the host launching the next while the device still
+    # computes; timed alone between two synchronisations, a layer would also pay the host's
+    # work before its first kernel and a device gone cold. So CHAIN layers run back to back
+    # per sample (each on its own input and graph) and each is charged its share.
+    chain = [{} for _ in range(CHAIN)]
+
+    def forwards():
+        for h in chain:
+            with autocast:
+                h["out"] = stage(x.detach().requires_grad_())
+
+    def backwards():
+        for h in chain:
+            torch.autograd.backward(h.pop("out"), grad)
+
     # Forward and backward alternate, as in training; the first rounds warm the allocator up.
     fwd_samples, bwd_samples = [], []
     for i in range(repeats + 3):
-        for fn, samples in ((forward, fwd_samples), (backward, bwd_samples)):
+        for fn, samples in ((forwards, fwd_samples), (backwards, bwd_samples)):
             sync()
             start = time.perf_counter()
             fn()
             sync()
             if i >= 3:
-                samples.append(time.perf_counter() - start)
+                samples.append((time.perf_counter() - start) / CHAIN)
     fwd, bwd = statistics.median(fwd_samples), statistics.median(bwd_samples)
     update = _timed(optimizer.step, sync, repeats)
     ends = _end_times(cfg, tp, rank, device, autocast, sync, repeats, sequence_parallel)
