@@ -94,6 +94,26 @@ void flushProducedDenormals(const KernelArguments& call) {
   for (const at::Tensor& t : call.freshResults()) flushDenormals(asKernelTensor(t));
 }
 
+// The op and the arguments on the stack that its cost depends on.
+KernelSignature signatureOf(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  KernelSignature signature(&op.schema());
+  const size_t n = op.schema().arguments().size();
+  for (auto it = stack.end() - n; it != stack.end(); ++it) {
+    if (it->isTensor()) {
+      signature.addTensor(it->toTensor());
+    } else if (it->isTensorList()) {
+      for (const at::Tensor& t : it->toTensorList().vec()) signature.addTensor(t);
+    } else if (it->isInt()) {
+      signature.addInt(it->toInt());
+    } else if (it->isIntList()) {
+      for (const int64_t v : it->toIntList()) signature.addInt(v);
+    } else if (it->isBool()) {
+      signature.addInt(it->toBool());
+    }
+  }
+  return signature;
+}
+
 }  // namespace
 
 void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -113,12 +133,13 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
   if (recomputes(role, numerics)) inputs.assign(stack->end() - op.schema().arguments().size(), stack->end());
 
   const KernelClock start = kernelClockNow(chip.slowdown);
+  const KernelSignature signature = start.read ? signatureOf(op, *stack) : KernelSignature(nullptr);
   {
     KernelAllocationScope scope(device);
     op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()),
                        stack);
   }
-  chargeKernel(start, chip.slowdown);  // the device time is the kernel's; the numerics below overlap it
+  chargeKernel(start, chip.slowdown, signature);  // the device time is the kernel's; the numerics below overlap it
 
   if (!inputs.empty() && stack->back().isTensor()) reproduceChipResult(role, op, inputs, stack->back().toTensor(), numerics);
   call.syncWritten();

@@ -19,10 +19,31 @@
 // The host time of a kernel is the calling thread's CPU time when ATen runs one intra-op thread
 // (each pipeline rank does), so a rank preempted by its neighbours is not charged for their
 // work; with more intra-op threads it is the wall time, which a thread's CPU time undercounts.
+// Neighbours also share caches and memory bandwidth, which lengthen a kernel's CPU time too, and
+// the chip's slowdown would magnify that into device time. So a kernel is charged the least host
+// time its op has taken on tensors of the same dtypes, shapes and layout in this process:
+// contention only ever adds host time, so the least is the kernel's own cost, the same inside a
+// pipeline as when the chip was profiled alone.
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <ctime>
 
 namespace ditorch {
+
+// What a kernel's cost depends on: its op, its tensors' dtypes, shapes and contiguity, and its
+// integer arguments (dims, sizes).
+class KernelSignature {
+ public:
+  explicit KernelSignature(const void* op) { mix(reinterpret_cast<uintptr_t>(op)); }
+  void addTensor(const at::Tensor& t);
+  void addInt(int64_t v) { mix(uint64_t(v)); }
+  uint64_t value() const { return hash_; }
+
+ private:
+  void mix(uint64_t v) { hash_ ^= v + 0x9e3779b97f4a7c15ull + (hash_ << 6) + (hash_ >> 2); }
+  uint64_t hash_ = 0;
+};
 
 // A kernel's start: the wall clock (when it was launched) and the clock its cost is measured on.
 struct KernelClock {
@@ -35,8 +56,9 @@ struct KernelClock {
 // Read before a kernel runs. Reads nothing when `slowdown` <= 1: every op pays for this read,
 // and the thread CPU clock is a system call (no vDSO path), a sizeable part of a small op.
 KernelClock kernelClockNow(double slowdown);
-// After the kernel: put it on the device's timeline for its host time times `slowdown`.
-void chargeKernel(const KernelClock& start, double slowdown);
+// After the kernel: put it on the device's timeline for its cost (the least host time seen for
+// `signature`, this run's included) times `slowdown`.
+void chargeKernel(const KernelClock& start, double slowdown, const KernelSignature& signature);
 // Put `device_ns` of device time, launched now, on the timeline and pace the host, as a kernel
 // of that cost would (the timeline's own checks use it: a real kernel's host time varies).
 void occupyDevice(int64_t device_ns);

@@ -69,6 +69,22 @@ void joinDevice(int& device, const T& arg) {
   }
 }
 
+// Folds one argument into the kernel's signature (see SpeedEmulation.h).
+template <class T>
+void addToSignature(KernelSignature& signature, const T& arg) {
+  using D = std::decay_t<T>;
+  if constexpr (kIsTensor<T>) {
+    signature.addTensor(arg);
+  } else if constexpr (std::is_integral_v<D>) {
+    signature.addInt(int64_t(arg));
+  } else if constexpr (std::is_same_v<D, at::IntArrayRef>) {
+    for (const int64_t v : arg) signature.addInt(v);
+  } else if constexpr (std::is_same_v<D, at::OptionalIntArrayRef>) {
+    if (arg.has_value())
+      for (const int64_t v : *arg) signature.addInt(v);
+  }
+}
+
 template <class Arg, class T>
 auto toKernel(KernelArguments& call, T& arg) {
   if constexpr (kIsTensor<Arg>)
@@ -97,13 +113,15 @@ struct UnboxedShim<Op, Ret(Args...)> {
     KernelArguments call(device);
     std::tuple<std::decay_t<Args>...> kernel_args{toKernel<Args>(call, args)...};
     const KernelClock start = kernelClockNow(chip.slowdown);
+    KernelSignature signature(&handle().schema());
+    if (start.read) (addToSignature(signature, args), ...);
     if constexpr (std::is_same_v<Ret, at::Tensor>) {
       at::Tensor result;
       {
         KernelAllocationScope scope(device);
         result = runKernel(kernel_args);
       }
-      chargeKernel(start, chip.slowdown);
+      chargeKernel(start, chip.slowdown, signature);
       call.syncWritten();
       if (start.read) paceHost();
       return call.adoptResult(result);
@@ -114,7 +132,7 @@ struct UnboxedShim<Op, Ret(Args...)> {
         KernelAllocationScope scope(device);
         written = &runKernel(kernel_args);
       }
-      chargeKernel(start, chip.slowdown);
+      chargeKernel(start, chip.slowdown, signature);
       call.syncWritten();
       if (start.read) paceHost();
       return callerArgument(written, kernel_args, std::index_sequence_for<Args...>{}, args...);

@@ -83,3 +83,24 @@ def test_host_work_longer_than_the_device_time_is_what_the_step_takes():
     # A host-bound chip: the device idles between kernels, so the host's 8 ms per item is the time.
     elapsed = _items(20, 0.002, 0.008)
     assert 0.160 <= elapsed < 0.160 + 0.045
+
+
+def _timed_kernel(a: torch.Tensor) -> float:
+    torch.dipu.synchronize()
+    start = time.perf_counter()
+    a @ a
+    torch.dipu.synchronize()
+    return time.perf_counter() - start
+
+
+@pytest.mark.synchronous_vendor
+def test_a_kernel_is_charged_its_own_shapes_cost():
+    # Kernels are charged the least host time their op took on the same shapes (SpeedEmulation.h);
+    # a 512x512 matmul after many 16x16 ones must still cost what 512x512 does, ~8000x the flops.
+    ditorch.set_chip(ChipProfile("slow", memory_gb=8, relative_speed=0.2, chips_per_node=8, nics_per_node=8))
+    small, big = torch.randn(16, 16, device="dipu"), torch.randn(512, 512, device="dipu")
+    for _ in range(50):
+        small @ small
+    small_s = min(_timed_kernel(small) for _ in range(5))
+    big_s = min(_timed_kernel(big) for _ in range(3))
+    assert big_s > 20 * small_s, (small_s, big_s)

@@ -68,3 +68,43 @@ def test_plan_prints_the_groups_alone_and_plans_the_subset_when_asked(tmp_path):
     subset = subprocess.run(base + ["--allow-subset"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert subset.returncode == 0, subset.stderr
     assert "planning the fastest subset of chip types: F" in subset.stdout
+
+
+def test_the_measured_ratio_is_the_runs_tokens_over_their_seconds():
+    """`ditorch hsr`'s arithmetic on hand-made runs: groups of 2048 tokens in 4 s and 8 s
+    (512 + 256 tokens/s) against all chips at 2048 tokens in 3 s and 6144 in 7 s."""
+    from ditorch.hsr import Measurement, RunResult
+
+    cluster = _cluster(slow_link=False)
+    gbs = 2048
+
+    def plan(tokens: int):
+        auto = HeteroAuto(MODEL, cluster, tokens)
+        return auto.to_plan(auto.search())
+
+    alone = [RunResult("F alone", plan(gbs), 4.0, 5.0, 1.0), RunResult("S alone", plan(gbs), 8.0, 8.0, 1.0)]
+    together = {"constant": RunResult("all, constant batch", plan(gbs), 3.0, 2.0, 1.0),
+                "sum": RunResult("all, sum batch", plan(3 * gbs), 7.0, 7.0, 1.0)}
+    m = Measurement(alone, together)
+    assert m.ratio("constant") == pytest.approx((2048 / 3) / 768)
+    assert m.ratio("sum") == pytest.approx((6144 / 7) / 768)
+    assert m.ratio("constant", simulated=True) == pytest.approx((2048 / 2) / (2048 / 5 + 2048 / 8))
+    assert m.to_dict()["hsr"]["sum"]["measured"] == pytest.approx(m.ratio("sum"))
+
+
+def test_hsr_refuses_a_bad_batch_and_a_cluster_of_one_chip_type(tmp_path, capsys):
+    from ditorch.cli import main
+
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(_cluster(slow_link=False).to_dict()))
+    one = _cluster(slow_link=False).to_dict()
+    one["chips"].pop("S")
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4,
+                                                         "ffn_dim": 1408, "vocab_size": 8192, "max_seq_len": 512}))
+    common = ["--model", str(tmp_path / "model.yaml"), "--gbs", "4K", "--out", str(tmp_path / "out")]
+    assert main(["hsr", "--cluster", str(tmp_path / "cluster.yaml"), "--batch", "double", *common]) == 1
+    assert "--batch 'double': expected constant, sum or both" in capsys.readouterr().err
+    assert main(["hsr", "--cluster", str(tmp_path / "one.yaml"), *common]) == 1
+    assert "one chip type; the HeteroSpeedupRatio compares two or more" in capsys.readouterr().err
+    assert main(["hsr", "--cluster", str(tmp_path / "cluster.yaml"), "--steps", "1", *common]) == 1
+    assert "--steps 1: expected at least 2" in capsys.readouterr().err
