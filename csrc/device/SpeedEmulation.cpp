@@ -53,16 +53,30 @@ void sleepUntil(int64_t deadline_ns) {
   }
 }
 
-// The least host time seen per kernel signature. Per thread (the autograd thread runs the
-// backward's kernels), so no lock; bounded, as a model's distinct kernels are a few hundred.
-int64_t leastHostTime(uint64_t signature, int64_t host_ns) {
+// The least host time of a kernel signature's last kWindow runs. A window, not all history: the
+// least of more samples is lower, so a pipeline running a kernel thousands of times would be
+// charged less for it than the profile that ran it dozens. Per thread (the autograd thread runs
+// the backward's kernels), so no lock; bounded, as a model's distinct kernels are a few hundred.
+class RecentHostTimes {
+ public:
+  static constexpr int kWindow = 16;
+  int64_t add(int64_t host_ns) {
+    times_[next_] = host_ns;
+    next_ = (next_ + 1) % kWindow;
+    count_ = std::min(count_ + 1, kWindow);
+    return *std::min_element(times_, times_ + count_);
+  }
+
+ private:
+  int64_t times_[kWindow] = {};
+  int next_ = 0, count_ = 0;
+};
+
+int64_t leastRecentHostTime(uint64_t signature, int64_t host_ns) {
   constexpr size_t kMaxSignatures = 1 << 14;
-  thread_local std::unordered_map<uint64_t, int64_t> least;
-  auto [it, fresh] = least.try_emplace(signature, host_ns);
-  if (!fresh) it->second = std::min(it->second, host_ns);
-  const int64_t cost = it->second;
-  if (least.size() > kMaxSignatures) least.clear();
-  return cost;
+  thread_local std::unordered_map<uint64_t, RecentHostTimes> recent;
+  if (recent.size() >= kMaxSignatures) recent.clear();
+  return recent[signature].add(host_ns);
 }
 
 }  // namespace
@@ -82,7 +96,7 @@ KernelClock kernelClockNow(double slowdown) {
 
 void chargeKernel(const KernelClock& start, double slowdown, const KernelSignature& signature) {
   if (!start.read || slowdown <= 1.0) return;
-  const int64_t host_ns = leastHostTime(signature.value(), clockNs(start.cost_clock) - start.cost_start_ns);
+  const int64_t host_ns = leastRecentHostTime(signature.value(), clockNs(start.cost_clock) - start.cost_start_ns);
   timeline().enqueue(start.launch_ns, int64_t(double(host_ns) * slowdown));
 }
 

@@ -21,7 +21,7 @@
 // work; with more intra-op threads it is the wall time, which a thread's CPU time undercounts.
 // Neighbours also share caches and memory bandwidth, which lengthen a kernel's CPU time too, and
 // the chip's slowdown would magnify that into device time. So a kernel is charged the least host
-// time its op has taken on tensors of the same dtypes, shapes and layout in this process:
+// time of the last 16 runs of its op on tensors of the same dtypes, shapes and layout:
 // contention only ever adds host time, so the least is the kernel's own cost, the same inside a
 // pipeline as when the chip was profiled alone.
 #include <ATen/core/Tensor.h>
@@ -56,8 +56,8 @@ struct KernelClock {
 // Read before a kernel runs. Reads nothing when `slowdown` <= 1: every op pays for this read,
 // and the thread CPU clock is a system call (no vDSO path), a sizeable part of a small op.
 KernelClock kernelClockNow(double slowdown);
-// After the kernel: put it on the device's timeline for its cost (the least host time seen for
-// `signature`, this run's included) times `slowdown`.
+// After the kernel: put it on the device's timeline for its cost (the least host time of
+// `signature`'s last runs, this one included) times `slowdown`.
 void chargeKernel(const KernelClock& start, double slowdown, const KernelSignature& signature);
 // Put `device_ns` of device time, launched now, on the timeline and pace the host, as a kernel
 // of that cost would (the timeline's own checks use it: a real kernel's host time varies).

@@ -95,7 +95,7 @@ def _timed_kernel(a: torch.Tensor) -> float:
 
 @pytest.mark.synchronous_vendor
 def test_a_kernel_is_charged_its_own_shapes_cost():
-    # Kernels are charged the least host time their op took on the same shapes (SpeedEmulation.h);
+    # Kernels are charged the least host time of their op's recent runs on the same shapes (SpeedEmulation.h);
     # a 512x512 matmul after many 16x16 ones must still cost what 512x512 does, ~8000x the flops.
     ditorch.set_chip(ChipProfile("slow", memory_gb=8, relative_speed=0.2, chips_per_node=8, nics_per_node=8))
     small, big = torch.randn(16, 16, device="dipu"), torch.randn(512, 512, device="dipu")
