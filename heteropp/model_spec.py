@@ -152,15 +152,14 @@ class ModelSpec:
         per_token = BF16 * self.hidden if recompute else self.activation_bytes_per_token()
         return layers * self.seq * per_token / tp
 
-    def working_bytes(self, tp: int, recompute: bool, last_stage: bool) -> float:
-        """Transient memory on top of the stored activations.
+    def working_bytes(self, tp: int, last_stage: bool) -> float:
+        """Transient memory on top of the stored activations: the last stage's fp32 logits."""
+        return self.seq * self.vocab * FP32 / tp if last_stage else 0.0
 
-        Recompute re-materialises one layer at a time; the last stage holds fp32 logits.
-        """
-        extra = self.seq * self.activation_bytes_per_token() / tp if recompute else 0.0
-        if last_stage:
-            extra += self.seq * self.vocab * FP32 / tp
-        return extra
+    def recompute_bytes(self, layers: int, tp: int, measured_per_layer: float | None = None) -> float:
+        """What a recomputing stage re-materialises at once: the runtime's R re-runs the stage's
+        whole forward for one micro-batch, so that micro-batch's activations of every layer."""
+        return self.activation_bytes(layers, tp, False, measured_per_layer)
 
     def state_bytes(self, layers: int, tp: int, dp: int, first_stage: bool, last_stage: bool) -> float:
         """Weights, gradients and ZeRO-1 optimizer states of one chip of a stage."""
@@ -191,7 +190,8 @@ class ModelSpec:
         return (
             self.state_bytes(layers, tp, dp, first_stage, last_stage)
             + inflight_microbatches * self.activation_bytes(layers, tp, recompute, activation_per_layer)
-            + self.working_bytes(tp, recompute, last_stage)
+            + (self.recompute_bytes(layers, tp, activation_per_layer) if recompute else 0.0)
+            + self.working_bytes(tp, last_stage)
         )
 
     def p2p_bytes(self, tp: int) -> float:

@@ -82,9 +82,13 @@ class SearchSpace:
             u = prof.update_time(tp, dp)
             for r in (False, True):
                 c = lt.compute(r)
+                # per layer: its state, and when recomputing, its share of one micro-batch's
+                # activations that the stage's recompute re-materialises at once
                 state = m.state_bytes(1, tp, dp, False, False)
+                if r:
+                    state += m.recompute_bytes(1, tp, chip.activation_per_layer(tp))
                 act = m.activation_bytes(1, tp, r, chip.activation_per_layer(tp))
-                work = m.working_bytes(tp, r, False)
+                work = m.working_bytes(tp, False)
                 cap = chip.usable_memory - work
                 m_ub = int(cap // (state + act)) if cap > 0 else 0
                 if m_ub < 1:
@@ -107,12 +111,12 @@ class SearchSpace:
         b = self.batch // dp
         inflight = min(suffix + o.s, b)
         head_here = last and o.s == 1
-        fixed = o.work + (m.working_bytes(o.tp, o.r, True) - o.work if head_here else 0.0)
+        fixed = o.work + (m.working_bytes(o.tp, True) - o.work if head_here else 0.0)
         fixed += (m.embedding_params if first else 0) / o.tp * (6 + 12 / dp)
         fixed += (m.head_params if head_here else 0) / o.tp * (6 + 12 / dp)
         k = int((cap - fixed) // (o.state + inflight * o.act)) if cap > fixed else 0
         if last and o.s > 1:  # the pipeline's last stage: one micro-batch in flight, but the head
-            fixed_l = m.working_bytes(o.tp, o.r, True) + m.head_params / o.tp * (6 + 12 / dp)
+            fixed_l = m.working_bytes(o.tp, True) + m.head_params / o.tp * (6 + 12 / dp)
             k = min(k, int((cap - fixed_l) // (o.state + o.act)) if cap > fixed_l else 0)
         return k
 

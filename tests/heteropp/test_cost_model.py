@@ -37,3 +37,16 @@ def test_table4_model_is_about_100b():
     m = ModelSpec.from_yaml(CONFIGS / "model-100b.yaml")
     assert m.kv_heads == 8 and m.head_dim == 128
     assert 100e9 < m.total_params < 105e9
+
+
+def test_a_recomputing_stage_holds_one_micro_batch_of_every_layer_at_once():
+    """The runtime's R re-runs a recomputing stage's whole forward for one micro-batch (F kept
+    only inputs), so its peak is that micro-batch's activations of all its layers on top of the
+    kept inputs: by hand for 8 layers at TP 2, 3 micro-batches in flight, 5 MiB measured a layer."""
+    m = ModelSpec(n_layers=16, hidden=256, heads=4, kv_heads=2, ffn=704, vocab=256, seq=128)
+    measured = 5 * 2**20
+    state = m.state_bytes(8, 2, 1, False, False)
+    kept = 3 * 8 * 128 * 256 * 2 / 2  # each layer's bf16 input, per micro-batch in flight
+    assert m.stage_memory_bytes(8, 2, 1, True, 3, False, False, measured) == pytest.approx(state + kept + 8 * measured)
+    # without recompute: every layer's activations of each micro-batch in flight, nothing re-made
+    assert m.stage_memory_bytes(8, 2, 1, False, 3, False, False, measured) == pytest.approx(state + 3 * 8 * measured)
