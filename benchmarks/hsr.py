@@ -8,7 +8,7 @@ predictions from the simulator with the layer times ``ditorch profile`` measured
 
     HSR = tokens/s of the heterogeneous run / sum over groups of each group's tokens/s alone
 
-    python benchmarks/hsr.py [--chips A:2,B:2,C:4] [--gbs 1.5K] [--steps 4] [--out out/bench-hsr]
+    python benchmarks/hsr.py [--chips A:2,B:2,C:2] [--gbs 2K] [--steps 4] [--out out/bench-hsr]
 
 The chips' *speed and memory* are the built-in profiles'; their numerics are the host's by
 default (``benchmarks/emulated_chips.py`` says why; ``--numerics chip`` keeps the chips' own).
@@ -38,12 +38,10 @@ MODEL = REPO / "examples/configs/llama-deep.yaml"
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chips", default="A:2,B:2,C:4", help="chip type:count pairs, one group per type")
+    ap.add_argument("--chips", default="A:2,B:2,C:2", help="chip type:count pairs, one group per type")
     ap.add_argument("--model", default=str(MODEL))
-    ap.add_argument("--gbs", default="1.5K", help="each group's global batch alone, in tokens")
-    ap.add_argument("--memory-scale", default="0.0018",
-                    help="chip memory scale (0.0018: each chip group holds the model alone only with recomputation, "
-                         "and all of them together without, as for the paper's 100B model)")
+    ap.add_argument("--gbs", default="2K", help="each group's global batch alone, in tokens")
+    ap.add_argument("--memory-scale", default="0.01", help="chip memory scale (0.01: a 32 GB chip holds 328 MiB)")
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
     ap.add_argument("--numerics", choices=("host", "chip"), default="host",
                     help="host: the chips' speed and memory with IEEE numerics (default); chip: their own numerics")

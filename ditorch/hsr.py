@@ -88,9 +88,12 @@ def train_and_time(name: str, plan: Plan, out: Path, steps: int, env: dict | Non
     tag = name.replace(" ", "_").replace(",", "")
     plan_path, trace = out / f"{tag}.json", out / f"{tag}.trace.json"
     plan.to_json(plan_path)
+    # ZeRO-1, as the plan's memory estimate assumes for its DP sizes (it shards the optimizer's
+    # state over DP; without it a DP-2 stage the plan fits can run out of memory)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.num_chips),
-         "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--trace", str(trace)],
+         "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--zero1",
+         "--trace", str(trace)],
         env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -38,8 +38,12 @@ void registerShimBeforeComposites() {
   if (!handles().empty()) return;
   c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
   const c10::DispatchKey kernel_key = kernelDispatchKey();
+  // Composites that choose a kernel by the device type (or refuse other types) themselves: the
+  // convolution entry points, and mode's out= overload (which torch.mode and torch.mode(out=)
+  // reach), whose composite checks for CPU, CUDA or XPU before its DispatchStub. Through the
+  // shim, the composite runs on the vendor's device type.
   const std::set<std::string> device_selecting = {"aten::convolution", "aten::convolution_backward",
-                                                  "aten::_convolution"};
+                                                  "aten::_convolution", "aten::mode.values"};
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
     std::optional<c10::OperatorHandle> op = dispatcher.findOp(name);
     if (!op || !op->hasSchema() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
@@ -47,8 +51,8 @@ void registerShimBeforeComposites() {
       continue;
     const bool composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
                            op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
-    const bool route = (composite && op->hasKernelForDispatchKey(kernel_key)) ||
-                       (device_selecting.count(name.name) && name.overload_name.empty());
+    const std::string full = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+    const bool route = (composite && op->hasKernelForDispatchKey(kernel_key)) || device_selecting.count(full);
     if (!route) continue;
     handles().push_back(dispatcher.registerImpl(name, c10::DispatchKey::PrivateUse1,
                                                 c10::KernelFunction::makeFromBoxedFunction<&shimKernel>(), std::nullopt,
