@@ -83,7 +83,7 @@ def main() -> int:
                "gbs_tokens": gbs, **m.to_dict()}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     _plot(m, out / "hsr.png")
-    runs = [*m.alone, *m.together.values()]
+    runs = [*m.alone, *m.together.values()]  # a group that ran out of memory alone is in the table, not saved
     kind_of = {id(r): k for k, r in m.together.items()}
     save_run("hsr", [
         Measurement("hsr: seconds per iteration, each chip group alone and all together", r.name, [r.measured_s],
@@ -93,7 +93,7 @@ def main() -> int:
                      "note": (f"HSR measured {100 * m.ratio(kind_of[id(r)]):.1f}%, simulated "
                               f"{100 * m.ratio(kind_of[id(r)], True):.1f}%") if id(r) in kind_of else "",
                      "peer": r is runs[0]})
-        for r in runs])
+        for r in runs if not r.failure])
     print(f"\nresults: {out / 'results.json'}, plot: {out / 'hsr.png'}")
     return 0
 

@@ -33,9 +33,10 @@ class RunResult:
 
     name: str
     plan: Plan
-    measured_s: float  # median seconds per iteration after the first
+    measured_s: float  # median seconds per iteration after the first (inf: the run failed)
     simulated_s: float
     cpu_s: float  # CPU seconds of all ranks per iteration
+    failure: str = ""  # why the run did not train (a group alone then counts 0, as the HSR defines)
 
     @property
     def tokens(self) -> int:
@@ -62,8 +63,8 @@ class Measurement:
     def to_dict(self) -> dict:
         def run(r: RunResult) -> dict:
             return {"name": r.name, "stages": r.stages(), "chips": r.plan.num_chips, "tokens": r.tokens,
-                    "microbatches": r.plan.num_microbatches, "measured_s": r.measured_s,
-                    "simulated_s": r.simulated_s, "cpu_s": r.cpu_s}
+                    "microbatches": r.plan.num_microbatches, "measured_s": r.measured_s if not r.failure else None,
+                    "simulated_s": r.simulated_s, "cpu_s": r.cpu_s, "failure": r.failure}
 
         return {"alone": [run(r) for r in self.alone], "together": {k: run(r) for k, r in self.together.items()},
                 "hsr": {k: {"measured": self.ratio(k), "simulated": self.ratio(k, True)} for k in self.together}}
@@ -96,6 +97,9 @@ def train_and_time(name: str, plan: Plan, out: Path, steps: int, env: dict | Non
          "--trace", str(trace)],
         env=env, capture_output=True, text=True)
     if proc.returncode != 0:
+        out_of_memory = next((line.strip() for line in proc.stderr.splitlines() if "OutOfMemoryError" in line), None)
+        if out_of_memory:  # the plan fits by its estimate, the run does not: reported, not fatal
+            return RunResult(name, plan, float("inf"), simulated_iteration(plan), 0.0, failure=out_of_memory)
         raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     measured = read_trace(trace, plan.num_stages)
     return RunResult(name, plan, measured.iteration_time, simulated_iteration(plan), measured.cpu_per_step)
@@ -135,6 +139,8 @@ def measure(model: ModelSpec, cluster: ClusterSpec, gbs: int, out: Path, steps: 
     for kind, plan in together_plans.items():
         together[kind] = train_and_time(f"all, {kind} batch", plan, out, steps, env)
         progress(row(together[kind]))
+        if together[kind].failure:
+            raise RuntimeError(f"all chips at {kind} batch did not train: {together[kind].failure}")
     return Measurement(alone, together)
 
 
@@ -144,6 +150,8 @@ def header() -> str:
 
 
 def row(r: RunResult) -> str:
+    if r.failure:
+        return f"{r.name:<20} {r.stages():<52} {r.tokens:>6} {r.plan.num_microbatches:>3} did not train: {r.failure}"
     return (f"{r.name:<20} {r.stages():<52} {r.tokens:>6} {r.plan.num_microbatches:>3} {r.measured_s:>10.3f} "
             f"{r.simulated_s:>11.3f} {r.measured_s / r.simulated_s:>8.3f} {r.throughput():>7.0f} {r.cpu_s:>8.2f}")
 
@@ -153,6 +161,10 @@ def ratio_table(m: Measurement) -> str:
              f"  {'batch':<9} {'measured':>9} {'simulated':>9}"]
     for kind in m.together:
         lines.append(f"  {kind:<9} {100 * m.ratio(kind):>8.1f}% {100 * m.ratio(kind, True):>8.1f}%")
+    for r in m.alone:
+        if r.failure:
+            lines.append(f"  {r.name} did not train on this runtime and counts 0 (the plan's memory estimate "
+                         f"fits the chips, the run did not)")
     best_alone = max(m.alone, key=lambda r: r.throughput())
     if "constant" in m.together:
         gain = m.together["constant"].throughput() / best_alone.throughput()

@@ -163,14 +163,17 @@ def summarize(out: Path, plan_path: Path, hsr: dict | None) -> None:
     print(f"  iteration: measured {measured:.3f} s, simulated {simulated:.3f} s, measured/simulated {measured / simulated:.3f}")
     if hsr is None:
         return
+    def tokens_per_s(r: dict) -> float:
+        return 0.0 if r["failure"] else r["tokens"] / r["measured_s"]
+
     print(f"  {'run':<20} {'chips':>5} {'tokens/s':>9} {'simulated':>9}")
     for r in [*hsr["alone"], *hsr["together"].values()]:
-        print(f"  {r['name']:<20} {r['chips']:>5} {r['tokens'] / r['measured_s']:>9.0f} "
-              f"{r['tokens'] / r['simulated_s']:>9.0f}")
+        print(f"  {r['name']:<20} {r['chips']:>5} {tokens_per_s(r):>9.0f} {r['tokens'] / r['simulated_s']:>9.0f}"
+              + (f"  (did not train: {r['failure']})" if r["failure"] else ""))
     ratio = hsr["hsr"]["constant"]
     together = hsr["together"]["constant"]
-    best = max(hsr["alone"], key=lambda r: r["tokens"] / r["measured_s"])
-    gain = (together["tokens"] / together["measured_s"]) / (best["tokens"] / best["measured_s"])
+    best = max(hsr["alone"], key=tokens_per_s)
+    gain = tokens_per_s(together) / tokens_per_s(best)
     print(f"  HeteroSpeedupRatio at constant batch: measured {100 * ratio['measured']:.1f}%, simulated "
           f"{100 * ratio['simulated']:.1f}%; all chips together train {gain:.2f}x as fast as the fastest group "
           f"alone ({best['name']})")

@@ -108,3 +108,24 @@ def test_hsr_refuses_a_bad_batch_and_a_cluster_of_one_chip_type(tmp_path, capsys
     assert "one chip type; the HeteroSpeedupRatio compares two or more" in capsys.readouterr().err
     assert main(["hsr", "--cluster", str(tmp_path / "cluster.yaml"), "--steps", "1", *common]) == 1
     assert "--steps 1: expected at least 2" in capsys.readouterr().err
+
+
+def test_a_group_that_runs_out_of_memory_alone_counts_zero_and_says_why(monkeypatch, tmp_path):
+    import types
+
+    from ditorch import hsr as hsr_command
+
+    oom = "ditorch.train: rank 0 failed: OutOfMemoryError: DIPU out of memory. Tried to allocate 68.62 MiB"
+    monkeypatch.setattr(hsr_command.subprocess, "run",
+                        lambda *a, **k: types.SimpleNamespace(returncode=1, stderr=f"noise\n{oom}\nmore noise"))
+    auto = HeteroAuto(MODEL, _cluster(slow_link=False), 2048)
+    r = hsr_command.train_and_time("S alone", auto.to_plan(auto.search()), tmp_path, 4)
+    assert r.failure == oom and r.throughput() == 0.0 and "did not train: " + oom in hsr_command.row(r)
+    m = hsr_command.Measurement([r, hsr_command.RunResult("F alone", r.plan, 4.0, 4.0, 1.0)],
+                                {"constant": hsr_command.RunResult("all", r.plan, 2.0, 2.0, 1.0)})
+    assert m.ratio("constant") == pytest.approx((2048 / 2) / (2048 / 4))
+    assert "S alone did not train on this runtime and counts 0" in hsr_command.ratio_table(m)
+    monkeypatch.setattr(hsr_command.subprocess, "run",
+                        lambda *a, **k: types.SimpleNamespace(returncode=1, stderr="Segmentation fault"))
+    with pytest.raises(RuntimeError, match="S alone: the run failed .exit 1.:\nSegmentation fault"):
+        hsr_command.train_and_time("S alone", r.plan, tmp_path, 4)
