@@ -89,8 +89,8 @@ def train_and_time(name: str, plan: Plan, out: Path, steps: int, env: dict | Non
     tag = name.replace(" ", "_").replace(",", "")
     plan_path, trace = out / f"{tag}.json", out / f"{tag}.trace.json"
     plan.to_json(plan_path)
-    # ZeRO-1, as the plan's memory estimate assumes for its DP sizes (it shards the optimizer's
-    # state over DP; without it a DP-2 stage the plan fits can run out of memory)
+    # ZeRO-1, as the plan's memory estimate assumes for its DP sizes (the optimizer's state
+    # sharded over DP)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.num_chips),
          "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--zero1",

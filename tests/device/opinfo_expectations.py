@@ -24,8 +24,6 @@ FORWARD_FAILURES: dict[str, str] = {
 
 # (op, variant, dtype) combinations whose forward result on dipu does not agree with CPU, keyed
 # "name[variant,dtype]" (tests/device/opinfo_sweep.py's VariantResult.key).
-_MODE_OUT = ("PyTorch's mode.values (out=) kernel refuses devices other than CPU, CUDA and XPU by name "
-             "('mode only supports CPU, CUDA and XPU device type, got: dipu') before any kernel runs")
 _LCE = ("torch_nn._linear_cross_entropy_batch_chunked_no_reduction is defined after ditorch registers the "
         "shim ahead of composites (at import, for the ops that exist then), so on dipu its composite Python "
         "implementation runs where CPU runs its own kernel: their bf16/fp16 casts differ in the last bit "
@@ -36,7 +34,6 @@ COMBINATION_FAILURES: dict[str, str] = {
     "sparse.sampled_addmm[function,float32]": _SPARSE_INPUT.format("sparse_sampled_addmm"),
     "sparse.sampled_addmm[out,float32]": _SPARSE_INPUT.format("sparse_sampled_addmm.out"),
     **{f"to_sparse[function,{d}]": FORWARD_FAILURES["to_sparse"] for d in ("float32", "bfloat16", "float16")},
-    **{f"mode[out,{d}]": _MODE_OUT for d in ("float32", "bfloat16", "float16")},
     **{f"nn.functional.linear_cross_entropy.{v}[function,{d}]": _LCE for v in ("chunked", "chunked_none")
        for d in ("bfloat16", "float16")},
     **{f"fft.{name}[out,float32]": (
