@@ -25,15 +25,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from ditorch.hsr import simulated_iteration  # noqa: E402
 from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
 from heteropp.measured import read_trace  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.plan import Plan  # noqa: E402
 from heteropp.runtime.profiler import write_cluster  # noqa: E402
-from heteropp.schedule import fine_grained, one_f_one_b  # noqa: E402
 from heteropp.search import HeteroAuto  # noqa: E402
-from heteropp.simulator import pipeline_from_plan, simulate  # noqa: E402
+from heteropp.simulator import pipeline_from_plan  # noqa: E402
 from emulated_chips import speed_only_profiles  # noqa: E402
 from program_results import Measurement, save_run  # noqa: E402
 
@@ -48,14 +48,14 @@ def _env() -> dict:
     return ENV
 
 
-def profile_chips(out: Path, chips: list[str], time_scale: float, reuse: bool = False, model: Path = MODEL) -> None:
+def profile_chips(out: Path, chips: list[str], time_scale: float, reuse: bool = False) -> None:
     """Profiles each chip on this machine now (the build and the machine's speed both move the
     profiles) under `time_scale`, or, with `reuse`, keeps a profile an earlier run left in `out`."""
     for chip in chips:
         path = out / f"chip-{chip}.yaml"
         if not (reuse and path.exists()):
             print(f"profiling chip {chip} at time scale {time_scale:g} ...", flush=True)
-            subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", str(model),
+            subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", str(MODEL),
                             "--tp", "1,2", "--time-scale", str(time_scale), "--out", str(path)],
                            env=_env(), check=True, capture_output=True)
 
@@ -79,12 +79,6 @@ def uniform(plan: Plan) -> Plan:
         stages.append(dataclasses.replace(s, layers=n, first_layer=first))
         first += n
     return dataclasses.replace(plan, stages=tuple(stages), estimate={})
-
-
-def simulated(plan: Plan, schedule: str) -> float:
-    S, b, rc = plan.num_stages, plan.num_microbatches, [s.recompute for s in plan.stages]
-    sched = fine_grained(S, b, rc) if schedule == "fine-grained" else one_f_one_b(S, b, rc)
-    return simulate(pipeline_from_plan(plan), sched).iteration_time
 
 
 def _busy() -> None:
@@ -122,7 +116,7 @@ def execute(run: Run, out: Path, steps: int) -> dict:
     if proc.returncode != 0:
         sys.exit(f"{run.name}: the run failed:\n{proc.stderr[-3000:]}")
     m = read_trace(trace, run.plan.num_stages)
-    sim = simulated(run.plan, run.schedule)
+    sim = simulated_iteration(run.plan, run.schedule)
     return {"name": run.name, "stages": " ".join(f"{s.chip}/tp{s.tp}/{s.layers}L" for s in run.plan.stages),
             "schedule": run.schedule, "reshard": run.reshard, "loaded": run.loaded,
             "measured_s": m.iteration_time, "simulated_s": sim, "cpu_s": m.cpu_per_step,

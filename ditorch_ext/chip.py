@@ -4,8 +4,7 @@ from __future__ import annotations
 import os
 
 from ditorch_ext import _C
-from ditorch_ext.profiles import (HOST, NUMERICS_FIELDS, ChipProfile, check_time_scale, memory_scale_from_env,
-                                  resolve, time_scale_from_env)
+from ditorch_ext.profiles import HOST, NUMERICS_FIELDS, ChipProfile, memory_scale_from_env, resolve, time_scale_or_default
 
 _current: tuple[ChipProfile, float] = (HOST, 1.0)
 _time_scale = 1.0
@@ -25,7 +24,7 @@ def set_chip(chip: str | ChipProfile, memory_scale: float | None = None, time_sc
     scale = memory_scale_from_env() if memory_scale is None else float(memory_scale)
     if not scale > 0:
         raise ValueError(f"memory_scale={memory_scale!r} is invalid; expected a positive number")
-    stretch = (time_scale_from_env() or 1.0) if time_scale is None else check_time_scale(time_scale)
+    stretch = time_scale_or_default(time_scale)
     capacity = 0 if profile is HOST else profile.capacity_bytes(scale)
     _C.set_chip_profile(
         name=profile.name, memory_bytes=capacity, slowdown=1.0 if profile is HOST else profile.slowdown * stretch,

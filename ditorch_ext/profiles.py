@@ -199,6 +199,11 @@ def time_scale_from_env() -> float | None:
     return None if raw in (None, "") else check_time_scale(raw, TIME_SCALE_ENV)
 
 
+def time_scale_or_default(value: Any, source: str = "time_scale") -> float:
+    """``value`` checked, or when it is None ``$DITORCH_TIME_SCALE``, else 1."""
+    return (time_scale_from_env() or 1.0) if value is None else check_time_scale(value, source)
+
+
 def time_scale_for(ranks_per_host: int, cores: int | None = None) -> float:
     """The time scale that keeps ``ranks_per_host`` emulated chips faithful on ``cores`` cores
     (default: this host's): ranks per core, at least 1. A chip's host work then fits in its

@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 
 #include <cfloat>
-#include <cstring>
 #include <unordered_map>
 #include <unordered_set>
 

@@ -81,9 +81,6 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
         with autocast:
             holder["out"] = stage(x.detach().requires_grad_())
 
-    def backward():
-        torch.autograd.backward(holder.pop("out"), grad)
-
     # A stage runs its layers back to back, the host launching the next while the device still
     # computes; timed alone between two synchronisations, a layer would also pay the host's
     # work before its first kernel and a device gone cold. So CHAIN layers run back to back
@@ -269,11 +266,10 @@ def profile_command(args) -> int:
             raise ValueError(f"--tp {args.tp}: expected powers of two like 1,2,4")
         config = LlamaConfig.from_yaml(args.model)
         scale = args.memory_scale or float(os.environ.get("DITORCH_MEMORY_SCALE", "0.001"))
-        from ditorch_ext.profiles import check_time_scale, resolve, time_scale_from_env
+        from ditorch_ext.profiles import resolve, time_scale_or_default
 
         resolve(args.chip)
-        stretch = (time_scale_from_env() or 1.0) if args.time_scale is None else check_time_scale(args.time_scale,
-                                                                                                     "--time-scale")
+        stretch = time_scale_or_default(args.time_scale, "--time-scale")
     except (ValueError, OSError) as exc:
         print(f"ditorch profile: {exc}", file=sys.stderr)
         return 2
