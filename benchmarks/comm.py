@@ -18,6 +18,16 @@ busbw = algbw * 2 (n - 1) / n. The table prints dicomm/gloo ratios and the issue
 PNG plot goes to --out. The same ping-pong over one plain blocking socket (raw-tcp, no torch
 framing) shows what a single loopback TCP stream moves on this machine.
 
+Real traffic is not back to back, so 8 B round trips are also timed after a pause: a barrier on
+the same group, or 1 ms or 10 ms of compute on the calling thread of both ranks (DDP's allreduce
+after a backward, a pipeline's send after a forward). The latency is half the round trip, as in
+the hot loop; beside it, the first message's own one-way time, read on the one clock both ranks
+share (CLOCK_MONOTONIC; emulated hosts are namespaces of one kernel): from the later of the
+send's start and the receive's start to the receive's end, so it leaves out how much later
+rank 1 comes back from the pause (after a barrier, the barrier's own last message). Beside
+them, the CPU time a rank spends per second while it waits 0.5 s in a receive (a rank that waits
+long must not burn a core).
+
 Every contender runs in the same processes, on groups side by side (gloo, dicomm over tcp, over
 shm, and the raw socket), and they take turns: each size is timed in ROUNDS rounds, each round
 running every contender once in an order rotated from round to round. A shared VM drifts by 2x
@@ -49,6 +59,7 @@ from program_results import save_run  # noqa: E402  (beside this file)
 MiB = 1 << 20
 MEMCPY_BYTES = 64 * MiB  # the size of the memcpy target, timed beside the allreduces
 ROUNDS = 5
+PAUSES = {"a barrier": 0.0, "1 ms compute": 1e-3, "10 ms compute": 1e-2}  # 0: the barrier
 
 
 def _iters(nbytes: int, budget_s: float, lo: int, hi: int, est_bw: float = 1e9) -> int:
@@ -93,6 +104,62 @@ def _ping_pong_sampler(round_trip: Callable, nbytes: int, budget: float) -> Call
         return rtts, (time.process_time() - c0) / timed / 2  # per one-way message
 
     return sample
+
+
+PAUSE_BYTES = 8
+IDLE_WAIT_S = 0.5
+
+
+def _compute(seconds: float) -> Callable[[], None]:
+    """`seconds` of compute on the calling thread: small matmuls, as a training step's kernels
+    (they also take the caches the messaging code had)."""
+    import torch
+
+    a = torch.rand(96, 96)
+
+    def compute() -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            torch.mm(a, a)
+    return compute
+
+
+def _after_pause_sampler(rank: int, timed_round_trip: Callable, pause: Callable, n: int) -> Sampler:
+    """A sampler timing `n` round trips, each after `pause` on both ranks; its samples are pairs
+    (half the round trip on rank 0, the first message's one-way time): for the latter, rank 1's
+    receive end minus the later of rank 0's send start and rank 1's receive start, on the clock
+    the ranks share. `timed_round_trip()` returns (start, end) on rank 0 and (start, end of the
+    first message) on rank 1."""
+    import torch.distributed as dist
+
+    def sample() -> tuple[list[float], float]:
+        marks, cpu = [], 0.0
+        for _ in range(n):
+            pause()
+            c0 = time.process_time()
+            marks.append(timed_round_trip())
+            cpu += time.process_time() - c0
+        both: list = [None, None]
+        dist.all_gather_object(both, marks)
+        sends, recvs = both
+        return [((s_end - s_start) / 2, r_end - max(s_start, r_start))
+                for (s_start, s_end), (r_start, r_end) in zip(sends, recvs)], cpu / n / 2
+    return sample
+
+
+def _idle_wait_cpu(rank: int, round_trip: Callable) -> float:
+    """CPU seconds per second of rank 1's process (all its threads) while it waits IDLE_WAIT_S
+    in a receive that rank 0 answers only after sleeping that long; every rank returns it."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    if rank == 0:
+        time.sleep(IDLE_WAIT_S)
+    round_trip()
+    share = [(time.process_time() - c0) / (time.perf_counter() - t0)]
+    dist.broadcast_object_list(share, src=1)
+    return share[0]
 
 
 def _raw_socket(rank: int, address: str) -> socket.socket:
@@ -157,7 +224,8 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
         if rank == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {world} ranks: {text}", flush=True)
 
-    res: dict = {"p2p": {}, "allreduce": {}, "memcpy_GBs": None, "congestion": _congestion()}
+    res: dict = {"p2p": {}, "after_pause": {}, "idle_cpu": {}, "allreduce": {}, "memcpy_GBs": None,
+                 "congestion": _congestion()}
     one_host = dicomm.local_host_id() == _gathered_host_ids(dist)
     if sizes and world == 2:
         # gloo gets a group of its own too: ops on a new group cost the same Python path for all.
@@ -168,14 +236,7 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
         peer = 1 - rank
 
         def torch_round_trip(buf, group):
-            def round_trip():
-                if rank == 0:
-                    dist.send(buf, peer, group=group)
-                    dist.recv(buf, peer, group=group)
-                else:
-                    dist.recv(buf, peer, group=group)
-                    dist.send(buf, peer, group=group)
-            return round_trip
+            return _round_trip(lambda: dist.send(buf, peer, group=group), lambda: dist.recv(buf, peer, group=group))
 
         def raw_round_trip(buf):
             view = memoryview(buf.numpy()).cast("B")
@@ -187,14 +248,21 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
                     if k == 0:
                         raise ConnectionError("raw-tcp peer closed")
                     got += k
+            return _round_trip(lambda: raw.sendall(view), recv)
 
+        def _round_trip(send, recv):
+            """A round trip that returns (its start, when the first message is in) on this
+            rank: rank 0 sends first."""
             def round_trip():
+                start = time.perf_counter()
                 if rank == 0:
-                    raw.sendall(view)
+                    send()
                     recv()
-                else:
-                    recv()
-                    raw.sendall(view)
+                    return start, time.perf_counter()
+                recv()
+                first_in = time.perf_counter()
+                send()
+                return start, first_in
             return round_trip
 
         def contenders(buf, nbytes: int) -> dict:
@@ -216,6 +284,24 @@ def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, q):
                 one_way = statistics.median(rtts) / 2
                 res["p2p"].setdefault(label, {})[nbytes] = {"lat_us": one_way * 1e6, "cpu_us": cpu * 1e6,
                                                              "bw_GBs": nbytes / one_way / 1e9}
+        buf = torch.zeros(PAUSE_BYTES, dtype=torch.uint8)
+        round_trips = {label: torch_round_trip(buf, g) for label, g in groups.items()}
+        round_trips["raw-tcp"] = raw_round_trip(buf)
+        for pause_name, seconds in PAUSES.items():
+            log(f"p2p {fmt_size(PAUSE_BYTES)} after {pause_name}")
+            n = max(4, min(100, int(budget / ROUNDS / (seconds or 1e-3))))
+            compute = _compute(seconds)
+            pauses = {label: (lambda g=g: dist.barrier(group=g)) if seconds == 0 else compute
+                      for label, g in groups.items()}
+            pauses["raw-tcp"] = dist.barrier if seconds == 0 else compute
+            contenders = {label: _after_pause_sampler(rank, rt, pauses[label], n) for label, rt in round_trips.items()}
+            for label, (samples, cpu) in _take_turns(contenders, ROUNDS).items():
+                res["after_pause"].setdefault(label, {})[pause_name] = {
+                    "lat_us": statistics.median(s[0] for s in samples) * 1e6,
+                    "first_us": statistics.median(s[1] for s in samples) * 1e6, "cpu_us": cpu * 1e6}
+        log(f"a receive waiting {IDLE_WAIT_S:g} s")
+        for label, round_trip in round_trips.items():
+            res["idle_cpu"][label] = statistics.median(_idle_wait_cpu(rank, round_trip) for _ in range(3))
         raw.close()
 
     ar_groups = {"gloo": dist.new_group(backend="gloo"), "dicomm": dicomm_group(None)}
@@ -383,29 +469,31 @@ def main(argv=None) -> int:
     ap.add_argument("--congestion", default="reno", help="TCP congestion control of the emulated hosts")
     ap.add_argument("--link-mbit", type=float, default=None,
                     help="cap each emulated host's link (tc tbf), e.g. 1000 for a slower inter-host network")
+    ap.add_argument("--sizes", default=None, help="comma-separated sizes in bytes instead of the sweep, e.g. 8,65536")
     ap.add_argument("--out", default=str(ROOT / "out" / "bench"), help="folder for the JSON and PNG")
     args = ap.parse_args(argv)
 
     top = 64 * MiB if args.quick else 256 * MiB
     sizes = [8] + [1 << k for k in range(6, 29, 3) if (1 << k) <= top]
     sizes += [64 * MiB, top]  # the issue's 64 MiB targets, and the largest size asked for
-    sizes = sorted(set(sizes))
+    sizes = sorted({int(x) for x in args.sizes.split(",")} if args.sizes else set(sizes))
     budget = 0.5 if args.quick else 1.5
     worlds = [int(w) for w in args.ranks.split(",")]
     mode = f"{args.hosts}host{'s' if args.hosts > 1 else ''}-{'loaded' if args.load else 'quiet'}"
     if args.link_mbit:
         mode += f"-{args.link_mbit:g}mbit"
 
-    results: dict = {"mode": mode, "p2p": {}, "allreduce": {}}
+    results: dict = {"mode": mode, "p2p": {}, "after_pause": {}, "idle_cpu": {}, "allreduce": {}}
     with _hosts(args.hosts, args.congestion, args.link_mbit) as hosts, Load(args.load):
         for world in worlds:
             r = run(world, sizes if world == 2 else [], sizes, budget, hosts)
-            results["p2p"].update(r["p2p"])
-            results["allreduce"].update(r["allreduce"])
+            for key in ("p2p", "after_pause", "idle_cpu", "allreduce"):
+                results[key].update(r[key])
             results["memcpy_GBs"], results["congestion"] = r["memcpy_GBs"], r["congestion"]
         if not results["p2p"]:
             r = run(2, sizes, [], budget, hosts)
-            results["p2p"].update(r["p2p"])
+            for key in ("p2p", "after_pause", "idle_cpu"):
+                results[key].update(r[key])
     print_tables(results, sizes, worlds)
     checks = targets(results, args.hosts, args.load)
     print_targets(checks)
@@ -430,6 +518,14 @@ def measurements(results: dict, checks: list[Target]) -> list:
         for nbytes, r in by_size.items():
             out.append(Measurement(f"{results['mode']}: p2p one-way {fmt_size(nbytes)}", label, [r["lat_us"] / 1e6],
                                    {"peer": label == "gloo", "cpu_us": r["cpu_us"], "bw_GBs": r["bw_GBs"]}))
+    for label, by_pause in results["after_pause"].items():
+        for pause, r in by_pause.items():
+            out.append(Measurement(f"{results['mode']}: p2p one-way {fmt_size(PAUSE_BYTES)} after {pause}", label,
+                                   [r["lat_us"] / 1e6], {"peer": label == "gloo", "first_message_us": r["first_us"],
+                                                         "cpu_us": r["cpu_us"]}))
+    for label, share in results["idle_cpu"].items():
+        out.append(Measurement(f"{results['mode']}: CPU time per second of a receive waiting {IDLE_WAIT_S:g} s",
+                               label, [share], {"peer": label == "gloo", "unit": "s/s"}))
     for key, by_size in results["allreduce"].items():
         label, world = key.split("/")
         for nbytes, r in by_size.items():
@@ -459,6 +555,24 @@ def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:
         if "dicomm-shm" in P:
             line += f" | {P['dicomm-shm'][s]['bw_GBs'] / P['gloo'][s]['bw_GBs']:8.2f}"
         print(line)
+    if results["after_pause"]:
+        W = results["after_pause"]
+        print(f"\n{fmt_size(PAUSE_BYTES)} one-way after a pause on both ranks: half the round trip us, the first "
+              "message's own us, CPU us per message (rank 0);")
+        print(f"and the CPU a rank spends per second of a receive that waits {IDLE_WAIT_S:g} s")
+        hdr = f"{'after':>15} | " + " | ".join(f"{lbl:>24}" for lbl in labels) + f" | {'tcp/gloo':>8}"
+        hdr += f" | {'shm/gloo':>8}" if "dicomm-shm" in W else ""
+        print(hdr)
+        print("-" * len(hdr))
+        for pause in PAUSES:
+            line = f"{pause:>15} | " + " | ".join(
+                f"{W[lbl][pause]['lat_us']:8.1f} {W[lbl][pause]['first_us']:7.1f} {W[lbl][pause]['cpu_us']:7.1f}"
+                for lbl in labels)
+            for lbl in ("dicomm-tcp", "dicomm-shm"):
+                if lbl in W:
+                    line += f" | {W[lbl][pause]['lat_us'] / W['gloo'][pause]['lat_us']:8.2f}"
+            print(line)
+        print(f"{'idle CPU s/s':>15} | " + " | ".join(f"{results['idle_cpu'][lbl]:24.4f}" for lbl in labels))
     print("\nAllreduce float32: time us, CPU us per op (rank 0), busbw GB/s; ratio = dicomm/gloo busbw")
     hdr = f"{'size':>9} | " + " | ".join(f"{'gloo/' + str(w):>24} {'dicomm/' + str(w):>24} {'ratio':>6}" for w in worlds)
     print(hdr)
@@ -526,6 +640,22 @@ def targets(results: dict, hosts: int, loaded: bool) -> list[Target]:
         for w in worlds:
             versus_gloo(f"allreduce {w} ranks >= gloo at every size", A[f"dicomm/{w}"], A[f"gloo/{w}"], "time_us", 1.0)
         versus_gloo("8 B one-way tcp <= 0.5x gloo", P["dicomm-tcp"], P["gloo"], "lat_us", 0.5, [8])
+    W = results.get("after_pause", {})
+    for transport in (t for t in ("dicomm-tcp", "dicomm-shm") if t in W):
+        pauses = list(W["gloo"])
+        worst = max(pauses, key=lambda p: W[transport][p]["lat_us"] / W["gloo"][p]["lat_us"])
+        mine, gloo = W[transport][worst]["lat_us"] / 1e6, W["gloo"][worst]["lat_us"] / 1e6
+        name = f"8 B one-way {transport.split('-')[1]} after a pause"
+        if loaded:
+            out.append(Target(f"{name} >= gloo", mine, gloo, "gloo", 1.0, f"{worst} (worst)"))
+        else:
+            out.append(Target(f"{name} <= 0.15x gloo", mine, gloo, "gloo", 0.15, f"{worst} (worst)"))
+            slowest = max(pauses, key=lambda p: W[transport][p]["lat_us"])
+            out.append(Target(f"{name} <= 12 us", W[transport][slowest]["lat_us"] / 1e6, 12e-6, "12 us", 1.0,
+                              f"{slowest} (slowest)"))
+    for label in (t for t in ("dicomm-tcp", "dicomm-shm") if t in results.get("idle_cpu", {})):
+        out.append(Target(f"a receive waiting {IDLE_WAIT_S:g} s ({label.split('-')[1]}) uses <= 5% of a core",
+                          results["idle_cpu"][label], 1.0, "a core", 0.05, "CPU s per s"))
     if hosts == 2 and not loaded and 2 in worlds and big in A["gloo/2"]:
         versus_gloo("2 hosts x 1 rank: 8 B allreduce <= 0.3x gloo", A["dicomm/2"], A["gloo/2"], "time_us", 0.3, [8])
         versus_gloo("2 hosts x 1 rank: 64 MiB allreduce >= 1.5x gloo", A["dicomm/2"], A["gloo/2"], "time_us",
@@ -545,7 +675,7 @@ def targets(results: dict, hosts: int, loaded: bool) -> list[Target]:
 
 
 def print_targets(checks: list[Target]) -> None:
-    print("\nTargets (issue 17) for this mode, as time ratios (dicomm / peer):")
+    print("\nTargets for this mode, as ratios (dicomm / peer):")
     for t in checks:
         print(f"  [{'PASS' if t.met else 'MISS'}] {t.name}: {t.ratio:.2f}x {t.peer_name} at {t.at} (<= {t.limit:.2f}x)")
 
@@ -559,8 +689,8 @@ def plot(results: dict, sizes: list[int], path: Path) -> None:
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    P, A = results["p2p"], results["allreduce"]
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    P, A, W = results["p2p"], results["allreduce"], results.get("after_pause", {})
+    fig, ax = plt.subplots(1, 4 if W else 3, figsize=(21 if W else 16, 4.5))
     for label in P:
         ax[0].loglog(sizes, [P[label][s]["lat_us"] for s in sizes], "o-", label=label)
         ax[1].semilogx(sizes, [P[label][s]["bw_GBs"] for s in sizes], "o-", label=label)
@@ -573,6 +703,17 @@ def plot(results: dict, sizes: list[int], path: Path) -> None:
     ax[0].set(title=f"p2p one-way latency ({results['mode']})", xlabel="bytes", ylabel="us")
     ax[1].set(title="p2p bandwidth (2 ranks)", xlabel="bytes", ylabel="GB/s")
     ax[2].set(title="allreduce busbw", xlabel="bytes", ylabel="GB/s")
+    if W:  # grouped bars: one group per pause (and the hot loop), one bar per contender
+        labels = list(W)
+        groups = ["hot loop", *PAUSES]
+        width = 0.8 / len(labels)
+        for k, label in enumerate(labels):
+            values = [P[label][PAUSE_BYTES]["lat_us"] if PAUSE_BYTES in P.get(label, {}) else 0,
+                      *(W[label][g]["lat_us"] for g in PAUSES)]
+            ax[3].bar([i + k * width for i in range(len(groups))], values, width, label=label)
+        ax[3].set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups)
+        ax[3].set(title=f"{fmt_size(PAUSE_BYTES)} one-way (half the round trip) after a pause", ylabel="us",
+                  yscale="log")
     for a in ax:
         a.grid(True, which="both", alpha=0.3)
         a.legend()

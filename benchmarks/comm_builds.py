@@ -36,8 +36,9 @@ ROWS = [
     ("allreduce", "dicomm/2", "67108864", "allreduce 2 ranks 64 MiB"),
     ("allreduce", "dicomm/4", "8", "allreduce 4 ranks 8 B"),
     ("allreduce", "dicomm/4", "67108864", "allreduce 4 ranks 64 MiB"),
-]
-METRIC = {"p2p": "lat_us", "allreduce": "time_us"}
+] + [("after_pause", f"dicomm-{t}", pause, f"p2p {t} 8 B one-way after {pause}")
+     for t in ("tcp", "shm") for pause in ("a barrier", "1 ms compute", "10 ms compute")]
+METRIC = {"p2p": "lat_us", "allreduce": "time_us", "after_pause": "lat_us"}
 
 
 def run(extension: str | None, out: Path, flags: list[str]) -> dict:
@@ -72,6 +73,8 @@ def main() -> None:
     mode = f" ({' '.join(args.flags)})" if args.flags else ""
     measurements = []
     for table, series, size, label in ROWS:
+        if any(size not in r.get(table, {}).get(series, {}) for rs in runs.values() for r in rs):
+            continue  # not measured with these flags (e.g. --ranks 2, --sizes 8)
         samples = {name: [r[table][series][size][METRIC[table]] for r in rs] for name, rs in runs.items()}
         medians = {name: statistics.median(v) for name, v in samples.items()}
         print(f"{label:40s} | {medians['baseline']:10.1f} | {medians['current']:10.1f} | "

@@ -92,3 +92,31 @@ def test_a_collective_with_more_chunks_than_tags_is_refused_before_posting():
         for op in ("broadcast", "reduce"):
             assert "262148-byte segment in chunks of 4 bytes makes 65537 chunks" in r[op], (op, r)
         assert r["after"] == [3.0] * 4 and r["aborted"] is False, r
+
+
+def waits_out_of_issue_order(rank: int, world: int, _port: int) -> dict:
+    """Collectives issued async and waited in another order on each rank: every one still runs
+    in issue order everywhere."""
+    import torch.distributed as dist
+
+    sizes = [3, 1, 4, 1, 5, 9, 2, 6]
+    tensors = [torch.full((n,), float(rank + 1) * (i + 1)) for i, n in enumerate(sizes)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    order = range(len(works)) if rank % 2 else reversed(range(len(works)))
+    for i in order:
+        works[i].wait()
+    dist.barrier()  # a synchronous one after them
+    synced = torch.full((2,), float(rank))
+    dist.all_reduce(synced)
+    return {"values": [t.tolist() for t in tensors], "synced": synced.tolist()}
+
+
+@pytest.mark.timeout(120)
+def test_collectives_run_in_issue_order_whatever_order_they_are_waited_in():
+    world = 3
+    out = run_ranks(waits_out_of_issue_order, world, op_timeout_s=30)
+    ranks_sum = sum(r + 1 for r in range(world))
+    for rank, r in out.items():
+        for i, (n, got) in enumerate(zip([3, 1, 4, 1, 5, 9, 2, 6], r["values"])):
+            assert got == [float(ranks_sum * (i + 1))] * n, (rank, i, got)
+        assert r["synced"] == [float(sum(range(world)))] * 2, r

@@ -73,9 +73,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("listen_host") = "", py::arg("store_host") = "",
       "Where a rank would listen for tcp peers: {host, interface, reason, loopback}, from "
       "DICOMM_LISTEN_HOST / DICOMM_SOCKET_IFNAME / DICOMM_SOCKET_FAMILY and the store's host.");
-  m.def("host_busy", &dicomm::hostBusy,
-        "Whether waiters on this host block at once instead of polling: more runnable threads "
-        "than cores (sampled, averaged; see csrc/comm/transport/Spin.h).");
+  m.def(
+      "host_busy",
+      [] {
+        dicomm::sampleHostLoad(/*callerPolls=*/false);
+        return dicomm::hostBusy();
+      },
+      "Whether waiters on this host block at once instead of polling: more runnable threads "
+      "than cores (sampled at most once a ms, averaged; see csrc/comm/transport/Spin.h).");
   m.def("local_host_id", &dicomm::localHostId,
         "What identifies this host for the intra-host (shm) transport.");
 }

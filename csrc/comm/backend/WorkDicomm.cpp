@@ -1,21 +1,12 @@
 #include "comm/backend/WorkDicomm.hpp"
 
 #include <stdexcept>
-#include <thread>
 
 #include "comm/backend/ProcessGroupDicomm.hpp"
 #include "comm/core/Communicator.h"
 #include "comm/transport/Env.h"
-#include "comm/transport/Spin.h"
 
 namespace dicomm {
-
-namespace {
-// How long a waiter on a busy host sleeps on its peer's connection before it hands reading back
-// to the receive thread and sleeps on its condition: long enough for a reply, short enough that a
-// long wait (a pipeline bubble) leaves the connection to the thread made for it.
-constexpr auto kBlockOnPair = std::chrono::milliseconds(20);
-}  // namespace
 
 WorkDicomm::WorkDicomm(ProcessGroupDicomm* backend, int rank, c10d::OpType type,
                        std::string description, std::vector<at::Tensor> outputs,
@@ -110,25 +101,11 @@ bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
     if (exception_) std::rethrow_exception(exception_);
     return true;
   }
-  // Poll before sleeping while the host is quiet (PollPhase): small messages complete
-  // within microseconds, and when this thread can read the peer's messages itself, no other
-  // thread needs waking at all.
-  {
-    PollPhase poll;
-    if (poll.budget().count() > 0) {
-      const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
-      while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-        if (!comm_ || !comm_->progress(peer_, done_, spinUntil)) std::this_thread::yield();
-      }
-    } else if (comm_) {
-      // A busy host: sleep on the peer's connection itself for a while (one wake-up per frame
-      // instead of the receive thread's and then this one's), then on the condition below.
-      auto until = std::min(deadline_, std::chrono::steady_clock::now() + kBlockOnPair);
-      if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);
-      comm_->progress(peer_, done_, until, /*block=*/true);
-    }
-  }
-  if (comm_ && !done_.load(std::memory_order_acquire)) comm_->unpark(peer_);  // it reads for us
+  // Small messages complete within microseconds: poll (reading the peer's messages on this
+  // thread for a point-to-point op) before sleeping on the condition below.
+  auto blockUntil = std::min(deadline_, std::chrono::steady_clock::now() + Communicator::kBlockOnPeer);
+  if (timeout != kNoTimeout) blockUntil = std::min(blockUntil, std::chrono::steady_clock::now() + timeout);
+  Communicator::awaitReading(comm_, peer_, done_, blockUntil);
   auto until = deadline_ + kTimeoutGrace;
   if (timeout != kNoTimeout) until = std::min(until, std::chrono::steady_clock::now() + timeout);
   {

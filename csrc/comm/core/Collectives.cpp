@@ -21,6 +21,11 @@ int mod(int a, int n) { return ((a % n) + n) % n; }
 }  // namespace
 
 void awaitTransfer(CollectiveContext& ctx, const CompletionPtr& c, int peer, const char* what) {
+  // Reading the peer's connection on this thread spares the receive thread's wake-up and then
+  // this one's: a barrier's or a small allreduce's every step (kBlockOnPeer bounds a busy host's
+  // sleep there, as for a point-to-point op).
+  Communicator::awaitReading(ctx.comm, peer, c->doneFlag(),
+                             std::min(ctx.deadline, std::chrono::steady_clock::now() + Communicator::kBlockOnPeer));
   if (!c->waitUntil(ctx.deadline)) {
     std::string cause = "dicomm " + ctx.op + " (collective #" + std::to_string(ctx.seq) +
                         ") timed out after " + std::to_string(ctx.timeout.count()) +

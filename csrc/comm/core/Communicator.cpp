@@ -7,9 +7,11 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "comm/core/Tags.h"
 #include "comm/transport/Log.h"
+#include "comm/transport/Spin.h"
 
 namespace dicomm {
 
@@ -295,6 +297,30 @@ bool Communicator::progress(int peer, const std::atomic<bool>& done,
   // Held here: a completion handled on this thread may close the group and release it.
   const std::shared_ptr<Pair> pair = pairs_[peer];
   return pair->progress(done, until, block);
+}
+
+bool Communicator::awaitReading(Communicator* comm, int peer, const std::atomic<bool>& done,
+                                std::chrono::steady_clock::time_point blockUntil) {
+  {
+    PollPhase poll;
+    if (poll.budget().count() > 0) {
+      // The budget came from the last sample; one taken while polling may find the host busy.
+      const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
+      for (unsigned round = 0; !done.load(std::memory_order_acquire) && !hostBusy() &&
+                               std::chrono::steady_clock::now() < spinUntil;
+           ++round) {
+        if (comm && comm->progress(peer, done, spinUntil)) continue;  // it samples when idle
+        if (round == 0) sampleHostLoad(/*callerPolls=*/true);           // idle now: see Spin.h
+        std::this_thread::yield();
+      }
+    }
+    if (comm && !done.load(std::memory_order_acquire) && hostBusy()) {
+      comm->progress(peer, done, blockUntil, /*block=*/true);
+    }
+  }
+  if (done.load(std::memory_order_acquire)) return true;
+  if (comm) comm->unpark(peer);
+  return false;
 }
 
 void Communicator::unpark(int peer) {

@@ -6,11 +6,9 @@
 #include <cstdio>
 #include <cstring>
 #include <new>
-#include <thread>
 
 #include "comm/core/Tags.h"
 #include "comm/transport/Env.h"
-#include "comm/transport/Spin.h"
 
 namespace dicomm {
 
@@ -30,13 +28,6 @@ void Completion::complete(std::exception_ptr error, int source) {
 }
 
 bool Completion::waitUntil(std::chrono::steady_clock::time_point until) {
-  if (done()) return true;
-  // Poll while the host is quiet (PollPhase), yielding so a thread on the same core can run.
-  {
-    PollPhase poll;
-    const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
-    while (!done() && std::chrono::steady_clock::now() < spinUntil) std::this_thread::yield();
-  }
   if (done()) return true;
   std::unique_lock<std::mutex> lock(mu_);
   return cv_.wait_until(lock, until, [&] { return done(); });

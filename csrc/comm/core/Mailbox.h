@@ -28,10 +28,10 @@ class Completion {
   explicit Completion(Callback cb = nullptr) : callback_(std::move(cb)) {}
   void complete(std::exception_ptr error, int source = -1);
   bool done() const { return done_.load(std::memory_order_acquire); }
+  const std::atomic<bool>& doneFlag() const { return done_; }  // for Communicator::awaitReading
   std::exception_ptr error() const { return error_; }
   int source() const { return source_; }
-  // Wait until done or `until`; returns done(). Polls briefly first while the host is quiet
-  // (PollPhase, comm/transport/Spin.h): a futex sleep and wake costs more than a small message.
+  // Sleep until done or `until`; returns done(). Callers poll first (Communicator::awaitReading).
   bool waitUntil(std::chrono::steady_clock::time_point until);
 
  private:

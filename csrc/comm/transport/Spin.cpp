@@ -44,43 +44,49 @@ int runnableThreads() {
   return running;
 }
 
+std::atomic<bool> busy{false};
+
 }  // namespace
 
-bool hostBusy() {
+void sampleHostLoad(bool callerPolls) {
   static const int cores = usableCores();
   static std::atomic<int64_t> sampledAt{0};
-  static std::atomic<bool> busy{false};
   static std::mutex mu;
   static double average = 0;
   static int64_t lastLogged = 0;
   const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
   int64_t last = sampledAt.load(std::memory_order_relaxed);
-  if (now - last >= kSampleEveryNs &&
-      sampledAt.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
-    const int running = runnableThreads();
-    if (running >= 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      // Other runnable threads: not this one (about to wait), not this process's pollers.
-      const int others = running - 1 - pollersHere.load();
-      average += kWeight * (others - average);
-      const bool nowBusy = average > cores + 0.5;
-      if (busy.exchange(nowBusy, std::memory_order_relaxed) != nowBusy &&
-          logEnabled(LogLevel::kInfo) && now - lastLogged >= 1'000'000'000) {
-        lastLogged = now;  // at most one line a second: the state may flicker at the edge
-        char text[160];
-        std::snprintf(text, sizeof(text),
-                      "host %s: %.1f other runnable threads on %d cores; waiters %s", nowBusy ? "busy" : "quiet",
-                      average, cores, nowBusy ? "block instead of polling" : "poll before blocking");
-        logLine(LogLevel::kInfo, text);
-      }
-    }
+  if (now - last < kSampleEveryNs ||
+      !sampledAt.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    return;
   }
-  return busy.load(std::memory_order_relaxed);
+  const int running = runnableThreads();
+  if (running < 0) return;
+  std::lock_guard<std::mutex> lock(mu);
+  // Other runnable threads: not this process's pollers, nor the caller.
+  const int others = running - pollersHere.load() - (callerPolls ? 0 : 1);
+  average += kWeight * (others - average);
+  const bool nowBusy = average > cores + 0.5;
+  if (busy.exchange(nowBusy, std::memory_order_relaxed) != nowBusy && logEnabled(LogLevel::kInfo) &&
+      now - lastLogged >= 1'000'000'000) {
+    lastLogged = now;  // at most one line a second: the state may flicker at the edge
+    char text[160];
+    std::snprintf(text, sizeof(text), "host %s: %.1f other runnable threads on %d cores; waiters %s",
+                  nowBusy ? "busy" : "quiet", average, cores,
+                  nowBusy ? "block instead of polling" : "poll before blocking");
+    logLine(LogLevel::kInfo, text);
+  }
 }
+
+bool hostBusy() { return busy.load(std::memory_order_relaxed); }
 
 PollPhase::PollPhase() {
   const auto ceiling = spinBudget();
-  if (ceiling.count() == 0 || hostBusy()) return;
+  if (ceiling.count() == 0) return;
+  // A busy host's waiters do not poll, so they sample here, on their way to block (where a
+  // system call costs little against the wake-up to come): else nobody would see it quieten.
+  if (hostBusy()) sampleHostLoad(/*callerPolls=*/false);
+  if (hostBusy()) return;
   budget_ = ceiling;
   pollersHere.fetch_add(1, std::memory_order_relaxed);
 }
@@ -90,6 +96,7 @@ PollPhase::~PollPhase() {
 }
 
 void relax(unsigned round) {
+  if (round == 0) sampleHostLoad(/*callerPolls=*/true);
   if (round % 16 == 15) {
     std::this_thread::yield();
     return;

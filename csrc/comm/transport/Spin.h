@@ -15,6 +15,11 @@
 // the wait was long, and context switches during polls happen on a quiet host too (our own
 // threads take turns); an adaptive budget built on either collapsed small-message latency on a
 // quiet host (docs/dicomm.md).
+//
+// A wait decides from the last sample and takes the next one only once it has nothing else to
+// do (its first idle round): reading /proc/loadavg is a system call, and after a pause (a
+// forward pass, a barrier) every sample is due, so sampling before the wait put that call, cold,
+// in front of every first message.
 #pragma once
 
 #include <chrono>
@@ -35,13 +40,19 @@ class PollPhase {
   std::chrono::microseconds budget_{0};
 };
 
-// Whether the host currently has more runnable threads (other than this process's pollers)
-// than cores. Cheap: samples /proc/loadavg at most once per millisecond per process.
+// Whether the host had more runnable threads (other than this process's pollers) than cores, as
+// of the last sample. No system call: a load of the last decision.
 bool hostBusy();
 
-// Between two polls of a socket a waiter pauses about 1 us in user space instead of calling
-// sched_yield(): half the syscalls per round. Every 16th round still yields, so a waiter that
-// shares its core with the rank it waits for lets that rank run.
+// Samples /proc/loadavg if the last sample is a millisecond old or more (once per process per
+// ms): by pollers with nothing else to do (`callerPolls`), never on a wait's way in (see above),
+// and by waiters about to block.
+void sampleHostLoad(bool callerPolls);
+
+// One idle round of a poll loop: on the first round (0) it samples the host's load when due;
+// then it pauses about 1 us in user space instead of calling sched_yield(): half the syscalls per
+// round. Every 16th round still yields, so a waiter that shares its core with the rank it waits
+// for lets that rank run.
 void relax(unsigned round);
 
 }  // namespace dicomm

@@ -593,8 +593,10 @@ void StreamPair::mainRxLoop() {
       if (config_.spin.count() > 0 && !masked_.load()) {
         PollPhase poll;
         const auto until = Clock::now() + poll.budget();
-        while (!polling_.load(std::memory_order_relaxed) && !readableNow(fd) &&
-               Clock::now() < until) {
+        for (unsigned round = 0; !polling_.load(std::memory_order_relaxed) && !masked_.load() &&
+                                 !readableNow(fd) && !hostBusy() && Clock::now() < until;
+             ++round) {
+          if (round == 0) sampleHostLoad(/*callerPolls=*/true);  // idle now: see Spin.h
           std::this_thread::yield();
         }
       }
@@ -670,7 +672,7 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
       // finds it held waits in the backlog until the recv lets go, one round later).
       if ((rxBuf_.size() > 0 || readableNow(main_.fd.get())) && mainReadable()) {
         up = readMainFrame();
-      } else if (Clock::now() < until) {
+      } else if (Clock::now() < until && (block || !hostBusy())) {  // relax() samples the host
         if (block) {
           // Wake on the peer's next frame, or on the bell a lane's thread rings when it
           // completes an op (a striped part, a send): those set `done` with no frame here.
