@@ -2,8 +2,10 @@
 
 The model is the LLaMA-style decoder of ``dimodel.llama`` (RMSNorm, GQA attention,
 SwiGLU MLP, untied embedding and head); a model YAML uses the same keys as ``LlamaConfig``.
-Training is mixed precision: bf16 weights and activations, fp32 gradients and Adam states,
-with the fp32 master weights and Adam moments sharded over data parallelism (ZeRO-1).
+Activations are bf16. Weights are fp32 under bf16 autocast as ``ditorch.train`` keeps them
+(``weight_dtype: fp32``, the default), or bf16 with an fp32 master copy as Megatron's mixed
+precision keeps them (``weight_dtype: bf16``, H2's); Adam's state is sharded over data
+parallelism (ZeRO-1).
 Tensor parallelism is Megatron-style with sequence parallelism, so every stored activation
 of a layer is split over the TP ranks.
 """
@@ -14,10 +16,15 @@ from pathlib import Path
 
 BF16 = 2
 FP32 = 4
-# bytes per parameter that are not sharded by ZeRO-1: bf16 weight + fp32 gradient buffer
-_UNSHARDED_BYTES_PER_PARAM = BF16 + FP32
-# bytes per parameter sharded over DP by ZeRO-1: fp32 master weight + Adam m + Adam v
-_ZERO1_BYTES_PER_PARAM = 3 * FP32
+# Bytes per parameter of weights, gradients and optimizer state, by the weights' dtype:
+# (not sharded, sharded over DP by ZeRO-1 at DP > 1, the optimizer's at DP 1).
+# fp32 is ditorch.train's layout (heteropp/runtime/flat_parameters.py, zero.py): bf16 autocast
+# over fp32 weights; the fp32 weight and gradient on every chip; Adam's m and v and the
+# reduce-scattered gradient slice sharded (AdamW steps the weight buffer's own slice, no master
+# copy); plain AdamW's m and v at DP 1.
+# bf16 is Megatron's mixed precision (H2's): bf16 weight, fp32 gradient; the fp32 master weight
+# and Adam's m and v sharded.
+_STATE_BYTES_PER_PARAM = {"fp32": (FP32 + FP32, 3 * FP32, 2 * FP32), "bf16": (BF16 + FP32, 3 * FP32, 3 * FP32)}
 
 _YAML_KEYS = {
     "n_layers": "n_layers",
@@ -28,6 +35,7 @@ _YAML_KEYS = {
     "vocab_size": "vocab",
     "max_seq_len": "seq",
 }
+_OPTIONAL_YAML_KEYS = {"weight_dtype": "weight_dtype"}
 _IGNORED_YAML_KEYS = {"rope_theta", "norm_eps", "name"}
 
 
@@ -43,6 +51,12 @@ class ModelSpec:
     vocab: int
     seq: int
     name: str = "model"
+    weight_dtype: str = "fp32"  # the layout of the memory estimate: _STATE_BYTES_PER_PARAM
+
+    def __post_init__(self) -> None:
+        if self.weight_dtype not in _STATE_BYTES_PER_PARAM:
+            raise ValueError(f"model spec: weight_dtype {self.weight_dtype!r}; expected one of "
+                             f"{sorted(_STATE_BYTES_PER_PARAM)}")
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
@@ -58,13 +72,14 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, values: dict, seq: int | None = None, name: str | None = None) -> "ModelSpec":
         """Build from LlamaConfig-style keys (``dim``, ``n_heads``, ...); ``seq`` overrides."""
-        unknown = sorted(set(values) - set(_YAML_KEYS) - _IGNORED_YAML_KEYS)
+        unknown = sorted(set(values) - set(_YAML_KEYS) - set(_OPTIONAL_YAML_KEYS) - _IGNORED_YAML_KEYS)
         if unknown:
             raise ValueError(f"model spec: unknown key(s) {unknown}; expected some of {sorted(_YAML_KEYS)}")
         missing = sorted(k for k in _YAML_KEYS if k not in values and not (k == "max_seq_len" and seq))
         if missing:
             raise ValueError(f"model spec: missing key(s) {missing}")
-        kwargs = {ours: values[theirs] for theirs, ours in _YAML_KEYS.items() if theirs in values}
+        keys = _YAML_KEYS | _OPTIONAL_YAML_KEYS
+        kwargs = {ours: values[theirs] for theirs, ours in keys.items() if theirs in values}
         if seq is not None:
             kwargs["seq"] = seq
         return cls(**kwargs, name=name or str(values.get("name", "model")))
@@ -162,13 +177,15 @@ class ModelSpec:
         return self.activation_bytes(layers, tp, False, measured_per_layer)
 
     def state_bytes(self, layers: int, tp: int, dp: int, first_stage: bool, last_stage: bool) -> float:
-        """Weights, gradients and ZeRO-1 optimizer states of one chip of a stage."""
+        """Weights, gradients and ZeRO-1 optimizer states of one chip of a stage, laid out as the
+        runtime lays them out (see the constants above)."""
         params = layers * self.params_per_layer
         if first_stage:
             params += self.embedding_params
         if last_stage:
             params += self.head_params
-        return params / tp * (_UNSHARDED_BYTES_PER_PARAM + _ZERO1_BYTES_PER_PARAM / dp)
+        unsharded, sharded, alone = _STATE_BYTES_PER_PARAM[self.weight_dtype]
+        return params / tp * (unsharded + (sharded / dp if dp > 1 else alone))
 
     def stage_memory_bytes(
         self,
@@ -199,4 +216,5 @@ class ModelSpec:
         return BF16 * self.seq * self.hidden / tp
 
     def to_dict(self) -> dict:
-        return {theirs: getattr(self, ours) for theirs, ours in _YAML_KEYS.items()} | {"name": self.name}
+        keys = _YAML_KEYS | _OPTIONAL_YAML_KEYS
+        return {theirs: getattr(self, ours) for theirs, ours in keys.items()} | {"name": self.name}

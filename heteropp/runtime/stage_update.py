@@ -1,7 +1,7 @@
 """A stage's update after its micro-batches: gradients reduced (the sequence-parallel norms'
-over TP, everything over DP, or reduce-scattered under ZeRO-1), the global gradient norm summed
-over every stage, TP and DP rank, clipped as ``torch.nn.utils.clip_grad_norm_`` clips, and the
-optimizer stepped."""
+over TP, everything over DP in place in the stage's flat gradient buffer, or reduce-scattered
+from it under ZeRO-1), the global gradient norm summed over every stage, TP and DP rank, clipped
+as ``torch.nn.utils.clip_grad_norm_`` clips, and the optimizer stepped."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .flat_parameters import FlatParameters
 from .layout import RankPlace, StageGroups
 from .stage_model import StageModule, shard_dim
 
@@ -21,10 +22,12 @@ class StageUpdate:
                  weight_decay: float, clip: float, zero1: bool, device: torch.device):
         self.module, self.groups, self.place, self.clip, self.device = module, groups, place, clip, device
         self.zero = None
-        if zero1 and dp > 1:
+        sharded = zero1 and dp > 1
+        self.flat = FlatParameters(list(module.parameters()), pad_to=dp if sharded else 1)
+        if sharded:
             from .zero import ZeroAdamW
 
-            self.zero = ZeroAdamW(list(module.parameters()), groups.dp, dp, place.dp_index, lr, weight_decay)
+            self.zero = ZeroAdamW(self.flat, groups.dp, dp, place.dp_index, lr, weight_decay)
         else:
             self.optimizer = make_optimizer(module.parameters(), lr, weight_decay)
 
@@ -52,7 +55,7 @@ class StageUpdate:
             sumsq = self.zero.owned_sumsq(owned)
         else:
             if self.groups.dp is not None:
-                all_reduce_flat([p.grad for p in module.parameters()], self.groups.dp)
+                dist.all_reduce(self.flat.grad, group=self.groups.dp)
             mine = [p.grad for p, o in zip(module.parameters(), owned) if o and self.place.dp_index == 0]
             sumsq = torch.stack(torch._foreach_norm(mine)).double().pow(2).sum() if mine else \
                 torch.zeros((), dtype=torch.float64, device=self.device)
@@ -63,9 +66,9 @@ class StageUpdate:
         if self.zero is not None:
             self.zero.step(coef)
         else:
-            torch._foreach_mul_([p.grad for p in module.parameters()], coef)
+            self.flat.grad.mul_(coef)
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.flat.zero_grad()
         return loss_total
 
     def _owned(self, name: str) -> bool:

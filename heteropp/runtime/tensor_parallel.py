@@ -166,6 +166,7 @@ class WeightGradStore:
         return sorted(self._pending)
 
 
+@torch.no_grad()
 def _accumulate(weight: nn.Parameter, grad: torch.Tensor) -> None:
     grad = grad.to(weight.dtype)
     if weight.grad is None:
@@ -198,6 +199,7 @@ class _LinearFn(torch.autograd.Function):
         grad_x = torch.matmul(g, w) if ctx.needs_input_grad[0] else None
         weight = ctx.weight
 
+        @torch.no_grad()  # deferred, it runs outside the backward: nothing to record for autograd
         def weight_grad() -> None:
             _accumulate(weight, torch.matmul(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1])))
 

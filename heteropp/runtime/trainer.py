@@ -136,6 +136,9 @@ def check_plan_fits(plan: Plan, options: TrainOptions) -> None:
 
     scale = memory_scale_from_env() if options.memory_scale is None else options.memory_scale
     run_time_scale(plan)
+    if plan.model.weight_dtype != "fp32":
+        raise PlanError(f"the plan's model has weight_dtype {plan.model.weight_dtype!r}, whose memory this runtime "
+                        f"does not have (it keeps fp32 weights under bf16 autocast); plan with weight_dtype fp32")
     config = model_config(plan)
     for i, s in enumerate(plan.stages):
         try:

@@ -50,3 +50,16 @@ def test_a_recomputing_stage_holds_one_micro_batch_of_every_layer_at_once():
     assert m.stage_memory_bytes(8, 2, 1, True, 3, False, False, measured) == pytest.approx(state + kept + 8 * measured)
     # without recompute: every layer's activations of each micro-batch in flight, nothing re-made
     assert m.stage_memory_bytes(8, 2, 1, False, 3, False, False, measured) == pytest.approx(state + 3 * 8 * measured)
+
+
+def test_state_bytes_follow_the_runtime_layout():
+    """The runtime keeps an fp32 weight and an fp32 gradient per parameter on every chip, and
+    AdamW's m and v (8 B) at DP 1, or under ZeRO-1 (DP > 1) m, v and the reduced gradient
+    slice (12 B) split over DP: by hand for one layer of a small model."""
+    m = ModelSpec(n_layers=4, hidden=256, heads=4, kv_heads=2, ffn=704, vocab=256, seq=128)
+    p = m.params_per_layer
+    assert m.state_bytes(1, 1, 1, False, False) == pytest.approx(p * 16)
+    assert m.state_bytes(1, 2, 2, False, False) == pytest.approx(p / 2 * (8 + 12 / 2))
+    assert m.state_bytes(3, 1, 4, False, False) == pytest.approx(3 * p * (8 + 12 / 4))
+    first = m.state_bytes(1, 1, 1, True, False) - m.state_bytes(1, 1, 1, False, False)
+    assert first == pytest.approx(m.embedding_params * 16)
