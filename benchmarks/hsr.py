@@ -48,7 +48,8 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=None,
                     help="emulation time scale (default: the largest run's ranks per core of this host)")
     ap.add_argument("--out", default=str(REPO / "out/bench-hsr"))
-    ap.add_argument("--reuse-profiles", action="store_true", help="keep chip profiles an earlier run left in --out")
+    ap.add_argument("--reuse-profiles", action="store_true",
+                    help="keep chip profiles an earlier run left in --out at the same memory and time scales")
     args = ap.parse_args()
     counts = {name: int(n) for name, n in (pair.split(":") for pair in args.chips.split(","))}
     out = Path(args.out)
@@ -62,14 +63,18 @@ def main() -> int:
     time_scale = args.time_scale or time_scale_for(sum(counts.values()))
     print(f"{len(counts)} chip groups {args.chips} ({args.numerics} numerics), model {Path(args.model).name}, "
           f"time scale {time_scale:g} ({sum(counts.values())} ranks on {os.cpu_count()} cores)", flush=True)
+    # A profile holds the chip's memory at one memory scale and its times at one time scale:
+    # profiles are kept (and reused) per pair of scales.
+    profiles = out / f"profiles-memory{float(args.memory_scale):g}-time{time_scale:g}"
+    profiles.mkdir(exist_ok=True)
     for chip in names.values():
-        path = out / f"chip-{chip}.yaml"
+        path = profiles / f"chip-{chip}.yaml"
         if not (args.reuse_profiles and path.exists()):
             print(f"profiling chip {chip} ...", flush=True)
             subprocess.run([sys.executable, "-m", "ditorch.cli", "profile", "--chip", chip, "--model", args.model,
                             "--tp", "1,2", "--time-scale", str(time_scale), "--out", str(path)],
                            env=env, check=True, capture_output=True)
-    cluster = ClusterSpec.from_yaml(write_cluster(out / "cluster.yaml", {names[c]: n for c, n in counts.items()}))
+    cluster = ClusterSpec.from_yaml(write_cluster(profiles / "cluster.yaml", {names[c]: n for c, n in counts.items()}))
     model, gbs = ModelSpec.from_yaml(args.model), parse_tokens(args.gbs)
     m = measure(model, cluster, gbs, out, args.steps, env=env, progress=lambda line: print(line, flush=True))
     goals = {"sum": 1.05, "constant": 0.90}

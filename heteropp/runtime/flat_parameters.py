@@ -29,19 +29,21 @@ class FlatParameters:
         self.numel = sum(p.numel() for p in params)
         padded = -(-self.numel // pad_to) * pad_to
         self.data = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-        self.grad = torch.zeros_like(self.data)
         self.ranges: list[tuple[int, int]] = []
         at = 0
         # The buffers need no grad, so their views are plain ones, made with grad mode on: a
         # view made under no_grad may not be modified in place outside it (a deferred weight
         # gradient is accumulated there).
-        for p in params:
+        for p in params:  # each parameter's own storage goes as it moves in
             end = at + p.numel()
             self.data[at:end].copy_(p.detach().reshape(-1))
             p.data = self.data[at:end].view_as(p)
-            p.grad = self.grad[at:end].view_as(p)
             self.ranges.append((at, end))
             at = end
+        # Made once the parameters moved: the set-up never holds more than weights and gradients.
+        self.grad = torch.zeros_like(self.data)
+        for (a, b), p in zip(self.ranges, params):
+            p.grad = self.grad[a:b].view_as(p)
 
     def zero_grad(self) -> None:
         """Zero every gradient (in place: each ``.grad`` stays a view of ``grad``)."""
