@@ -55,10 +55,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in _STATE_BYTES_PER_PARAM:
-            raise ValueError(f"model spec: weight_dtype {self.weight_dtype!r}; expected one of "
-                             f"{sorted(_STATE_BYTES_PER_PARAM)}")
-
-    def __post_init__(self) -> None:
+            raise ValueError(f"ModelSpec.weight_dtype must be one of {sorted(_STATE_BYTES_PER_PARAM)}, "
+                             f"got {self.weight_dtype!r}")
         for field in ("n_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -74,7 +72,8 @@ class ModelSpec:
         """Build from LlamaConfig-style keys (``dim``, ``n_heads``, ...); ``seq`` overrides."""
         unknown = sorted(set(values) - set(_YAML_KEYS) - set(_OPTIONAL_YAML_KEYS) - _IGNORED_YAML_KEYS)
         if unknown:
-            raise ValueError(f"model spec: unknown key(s) {unknown}; expected some of {sorted(_YAML_KEYS)}")
+            raise ValueError(f"model spec: unknown key(s) {unknown}; expected some of "
+                             f"{sorted(_YAML_KEYS | _OPTIONAL_YAML_KEYS)}")
         missing = sorted(k for k in _YAML_KEYS if k not in values and not (k == "max_seq_len" and seq))
         if missing:
             raise ValueError(f"model spec: missing key(s) {missing}")

@@ -166,7 +166,6 @@ class WeightGradStore:
         return sorted(self._pending)
 
 
-@torch.no_grad()
 def _accumulate(weight: nn.Parameter, grad: torch.Tensor) -> None:
     grad = grad.to(weight.dtype)
     if weight.grad is None:

@@ -63,3 +63,17 @@ def test_state_bytes_follow_the_runtime_layout():
     assert m.state_bytes(3, 1, 4, False, False) == pytest.approx(3 * p * (8 + 12 / 4))
     first = m.state_bytes(1, 1, 1, True, False) - m.state_bytes(1, 1, 1, False, False)
     assert first == pytest.approx(m.embedding_params * 16)
+
+
+def test_weight_dtype_is_checked_and_survives_the_plan_file():
+    """A plan file carries the layout its memory was estimated for, an unknown one is refused
+    naming the value, and the bf16 layout is Megatron's 2 + 4 + 12/DP bytes a parameter (the
+    master weight sharded at DP 1 too): by hand."""
+    keys = dict(n_layers=4, hidden=256, heads=4, kv_heads=2, ffn=704, vocab=256, seq=128)
+    bf16 = ModelSpec(**keys, weight_dtype="bf16")
+    assert ModelSpec.from_dict(bf16.to_dict()) == bf16
+    p = bf16.params_per_layer
+    assert bf16.state_bytes(1, 1, 2, False, False) == pytest.approx(p * (2 + 4 + 12 / 2))
+    assert bf16.state_bytes(1, 1, 1, False, False) == pytest.approx(p * (2 + 4 + 12))
+    with pytest.raises(ValueError, match="weight_dtype must be one of .* got 'fp16'"):
+        ModelSpec(**keys, weight_dtype="fp16")

@@ -303,7 +303,8 @@ bool Communicator::awaitReading(Communicator* comm, int peer, const std::atomic<
                                 std::chrono::steady_clock::time_point blockUntil) {
   {
     PollPhase poll;
-    if (poll.budget().count() > 0) {
+    const bool polls = poll.budget().count() > 0;
+    if (polls) {
       // The budget came from the last sample; one taken while polling may find the host busy.
       const auto spinUntil = std::chrono::steady_clock::now() + poll.budget();
       for (unsigned round = 0; !done.load(std::memory_order_acquire) && !hostBusy() &&
@@ -314,7 +315,7 @@ bool Communicator::awaitReading(Communicator* comm, int peer, const std::atomic<
         std::this_thread::yield();
       }
     }
-    if (comm && !done.load(std::memory_order_acquire) && hostBusy()) {
+    if (comm && !done.load(std::memory_order_acquire) && (!polls || hostBusy())) {
       comm->progress(peer, done, blockUntil, /*block=*/true);
     }
   }

@@ -70,17 +70,18 @@ class Communicator {
   // Hand reading back to the transports' own threads (Pair::unpark) for `peer`, or every peer
   // when -1: before waiting for messages without polling for them.
   void unpark(int peer);
+  // How long a waiter that does not poll sleeps on its peer's connection before it hands
+  // reading back to the receive thread: long enough for a reply, short enough that a long wait
+  // (a pipeline bubble) leaves the connection to the thread made for it.
+  static constexpr std::chrono::milliseconds kBlockOnPeer{20};
   // How a thread waits for a transfer with `peer` before it sleeps on the transfer's own
   // condition. While the host is quiet it polls for the spin budget (PollPhase), reading the
   // peer's messages itself (progress()): no other thread needs waking, the receive thread's
-  // wake-up included, and its completion's too. On a busy host it sleeps on the peer's
-  // connection until `blockUntil` instead (one wake-up per frame). Returns whether `done`; if
-  // not, the transport's own thread reads for the caller from then on (unpark). `comm` may be
-  // null and `peer` -1 (any source, a collective's Work): then it only watches `done`.
-  // How long a waiter on a busy host sleeps on its peer's connection before it hands reading
-  // back to the receive thread: long enough for a reply, short enough that a long wait (a
-  // pipeline bubble) leaves the connection to the thread made for it.
-  static constexpr std::chrono::milliseconds kBlockOnPeer{20};
+  // wake-up included, and its completion's too. On a busy host (or with polling off) it sleeps
+  // on the peer's connection until `blockUntil` instead (one wake-up per frame). Returns whether
+  // `done`; if not, the transport's own thread reads for the caller from then on (unpark).
+  // `comm` may be null and `peer` -1 (any source, a collective's Work): then it only watches
+  // `done`.
   static bool awaitReading(Communicator* comm, int peer, const std::atomic<bool>& done,
                            std::chrono::steady_clock::time_point blockUntil);
 

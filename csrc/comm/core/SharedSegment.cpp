@@ -218,10 +218,10 @@ void SharedSegment::awaitAll(CollectiveContext& ctx, const char* what) {
       const auto until = std::chrono::steady_clock::now() + poll.budget();
       for (unsigned i = 1; poll.budget().count() > 0; ++i) {
         if (reached(word.load(std::memory_order_acquire), stage)) break;
-        // A few pauses, then yields: the rank this one waits for may be ready to run on this
-        // very core (our ranks and their threads outnumber the cores).
         if (i == 1) sampleHostLoad(/*callerPolls=*/true);  // idle now: see Spin.h
         if (hostBusy()) break;
+        // A few pauses, then yields: the rank this one waits for may be ready to run on this
+        // very core (our ranks and their threads outnumber the cores).
         if (i < 64) {
           cpuRelax();
         } else {
