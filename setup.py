@@ -65,6 +65,7 @@ setup(
     ],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["torch==2.13.0", "numpy", "pyyaml"],
+    extras_require={"hf": ["transformers==5.24.0"]},
     entry_points={"console_scripts": ["ditorch = ditorch.cli:main"]},
     zip_safe=False,
 )

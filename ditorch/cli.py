@@ -14,6 +14,7 @@ import sys
 # command name -> module that registers it
 COMMANDS: dict[str, str] = {
     "info": "ditorch.info",
+    "data": "ditorch.data",
     "profile": "heteropp.runtime.profiler",
     "plan": "heteropp.cli",
     "simulate": "heteropp.cli",

@@ -191,7 +191,7 @@ def hsr_command(args) -> int:
             raise ValueError(f"--batch {args.batch!r}: expected constant, sum or both")
         if args.steps < 2:
             raise ValueError(f"--steps {args.steps}: expected at least 2 (the first step is not timed)")
-        model, cluster, gbs = ModelSpec.from_yaml(args.model), ClusterSpec.from_yaml(args.cluster), parse_tokens(args.gbs)
+        model, cluster, gbs = ModelSpec.load(args.model), ClusterSpec.from_yaml(args.cluster), parse_tokens(args.gbs)
         if len(cluster.chips) < 2:
             raise ValueError(f"{args.cluster}: one chip type; the HeteroSpeedupRatio compares two or more")
         out = Path(args.out)

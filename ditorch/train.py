@@ -37,7 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     # Not "--log": torchrun's parser reads it as an abbreviation of its own --log-dir and stops.
     p.add_argument("--loss-log", type=Path, default=None, help="per-step loss log (JSON lines) for `ditorch mre`")
     p.add_argument("--trace", type=Path, default=None, help="Chrome trace JSON of every rank's actions")
-    p.add_argument("--save", type=Path, default=None, help="checkpoint directory (written at the end)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="token file (flat uint16/uint32 token ids, e.g. from `ditorch data prepare`); "
+                        "default: the built-in byte corpus")
+    p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
+                   help="the token file's dtype (default: its .json sidecar's, else uint16)")
+    p.add_argument("--save", type=Path, default=None,
+                   help="checkpoint directory (written at the end; a Hugging Face model also as hf-<step>/)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint written under any plan")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         options = TrainOptions(
             steps=args.steps, lr=args.lr, clip=args.clip, seed=args.seed, precision=args.precision, schedule=args.schedule,
             reshard=args.reshard, sequence_parallel=args.sequence_parallel, memory_scale=args.memory_scale,
-            log=args.loss_log, trace=args.trace, save=args.save,
+            log=args.loss_log, trace=args.trace, data=args.data, data_dtype=args.data_dtype, save=args.save,
             save_every=args.save_every, resume=args.resume, zero1=args.zero1, check_replicas=args.check_replicas,
             progress=not args.quiet)
     except (PlanError, ValueError, OSError) as exc:

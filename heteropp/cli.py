@@ -16,7 +16,8 @@ SCHEDULES = ("1f1b", "gpipe", "fine-grained", "comm-aware")
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="search a HeteroPP plan (HeteroAuto) for a model on a cluster")
     p.add_argument("--cluster", required=True, help="cluster.yaml (chip types, counts, links)")
-    p.add_argument("--model", required=True, help="model.yaml (LlamaConfig keys)")
+    p.add_argument("--model", required=True,
+                   help="model.yaml (LlamaConfig keys), or a Hugging Face config.json or model directory")
     p.add_argument("--gbs", required=True, help="global batch in tokens, e.g. 2M (= 2 * 2**20)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq_len)")
     p.add_argument("--alpha", type=float, default=1.0, help="bubble coefficient (1: 1F1B, 0: zero-bubble)")
@@ -104,7 +105,7 @@ def plan_command(args) -> int:
     from .hsr import expected, fastest_subset
 
     try:
-        model = ModelSpec.from_yaml(args.model, seq=args.seq)
+        model = ModelSpec.load(args.model, seq=args.seq)
         cluster = ClusterSpec.from_yaml(args.cluster)
         gbs = parse_tokens(args.gbs)
         auto = HeteroAuto(model, cluster, gbs, alpha=args.alpha)

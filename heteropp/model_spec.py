@@ -1,7 +1,9 @@
 """Transformer shape and the parameter, FLOP, activation and memory formulas the planner uses.
 
-The model is the LLaMA-style decoder of ``dimodel.llama`` (RMSNorm, GQA attention,
-SwiGLU MLP, untied embedding and head); a model YAML uses the same keys as ``LlamaConfig``.
+The model is a LLaMA-style decoder (RMSNorm, GQA attention, SwiGLU MLP): the project's own
+``dimodel.llama``, whose YAML uses the same keys as ``LlamaConfig``, or a Hugging Face Llama,
+Mistral, Qwen2 or Qwen3 ``config.json`` (``ModelSpec.from_hf``: explicit head width, q/k/v
+biases, per-head q/k norms and tied embeddings counted from the config).
 Activations are bf16. Weights are fp32 under bf16 autocast as ``ditorch.train`` keeps them
 (``weight_dtype: fp32``, the default), or bf16 with an fp32 master copy as Megatron's mixed
 precision keeps them (``weight_dtype: bf16``, H2's); Adam's state is sharded over data
@@ -12,6 +14,7 @@ of a layer is split over the TP ranks.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 BF16 = 2
@@ -35,7 +38,9 @@ _YAML_KEYS = {
     "vocab_size": "vocab",
     "max_seq_len": "seq",
 }
-_OPTIONAL_YAML_KEYS = {"weight_dtype": "weight_dtype"}
+_OPTIONAL_YAML_KEYS = {"weight_dtype": "weight_dtype", "head_dim": "head_size", "qkv_bias": "qkv_bias",
+                       "qk_norm": "qk_norm", "tie_word_embeddings": "tied_embeddings", "hf_config": "hf_config",
+                       "weights": "weights"}
 _IGNORED_YAML_KEYS = {"rope_theta", "norm_eps", "name"}
 
 
@@ -52,6 +57,12 @@ class ModelSpec:
     seq: int
     name: str = "model"
     weight_dtype: str = "fp32"  # the layout of the memory estimate: _STATE_BYTES_PER_PARAM
+    head_size: int = 0  # width of one attention head; 0: hidden / heads
+    qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head's q and k (Qwen3)
+    tied_embeddings: bool = False
+    hf_config: str = ""  # a Hugging Face config.json's mapping as canonical JSON ("": the project's LLaMA)
+    weights: str = ""  # a directory of *.safetensors to start from ("": a random initialization)
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in _STATE_BYTES_PER_PARAM:
@@ -61,7 +72,9 @@ class ModelSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelSpec.{field} must be a positive integer, got {value!r}")
-        if self.hidden % self.heads:
+        if not isinstance(self.head_size, int) or self.head_size < 0:
+            raise ValueError(f"ModelSpec.head_size must be an integer >= 0 (0: hidden / heads), got {self.head_size!r}")
+        if self.hidden % self.heads and not self.head_size:
             raise ValueError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads:
             raise ValueError(f"ModelSpec: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
@@ -81,7 +94,49 @@ class ModelSpec:
         kwargs = {ours: values[theirs] for theirs, ours in keys.items() if theirs in values}
         if seq is not None:
             kwargs["seq"] = seq
+        if isinstance(kwargs.get("hf_config"), dict):
+            kwargs["hf_config"] = json.dumps(kwargs["hf_config"], sort_keys=True)
         return cls(**kwargs, name=name or str(values.get("name", "model")))
+
+    @classmethod
+    def from_hf(cls, path: str | Path, seq: int | None = None) -> "ModelSpec":
+        """The shape of a Hugging Face model: ``path`` is its ``config.json`` or a local model
+        directory, whose ``*.safetensors``, if any, become the starting weights (checked against
+        the config here, before anything is planned on them)."""
+        from dimodel import hf
+
+        path = Path(path)
+        values = hf.read_config_dict(path)
+        weights = str(path.resolve()) if path.is_dir() and any(path.glob("*.safetensors")) else ""
+        if weights:
+            hf.load_weights(weights, hf.load_config(values))
+        name = path.name if path.is_dir() else path.parent.name
+        return cls.from_hf_dict(values, seq=seq, name=name, weights=weights)
+
+    @classmethod
+    def from_hf_dict(cls, values: dict, seq: int | None = None, name: str = "model", weights: str = "") -> "ModelSpec":
+        """The shape of the Hugging Face model whose ``config.json`` mapping is ``values``; ``seq``
+        defaults to its ``max_position_embeddings``."""
+        from dimodel import hf
+
+        config = hf.load_config(values)
+        hd = hf.head_dim(config)
+        return cls(n_layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads, ffn=config.intermediate_size, vocab=config.vocab_size,
+                   seq=seq or config.max_position_embeddings, name=name,
+                   head_size=hd if hd * config.num_attention_heads != config.hidden_size else 0,
+                   qkv_bias=config.model_type == "qwen2", qk_norm=config.model_type == "qwen3",
+                   tied_embeddings=hf.tied_embeddings(config), hf_config=json.dumps(values, sort_keys=True),
+                   weights=weights)
+
+    @classmethod
+    def load(cls, path: str | Path, seq: int | None = None) -> "ModelSpec":
+        """A model file as the CLIs take it: a Hugging Face ``config.json`` or model directory, or
+        a YAML of the project's LLaMA."""
+        path = Path(path)
+        if path.is_dir() or path.suffix == ".json":
+            return cls.from_hf(path, seq)
+        return cls.from_yaml(path, seq)
 
     @classmethod
     def from_yaml(cls, path: str | Path, seq: int | None = None) -> "ModelSpec":
@@ -97,7 +152,11 @@ class ModelSpec:
     # -- sizes -----------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -105,13 +164,14 @@ class ModelSpec:
 
     @property
     def matmul_params_per_layer(self) -> int:
-        """Weights of the matmuls of one layer: q and o (h x h), k and v (h x kv), 3 SwiGLU."""
+        """Weights of the matmuls of one layer: q and o (h x q), k and v (h x kv), 3 SwiGLU."""
         h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn
+        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.ffn
 
     @property
     def params_per_layer(self) -> int:
-        return self.matmul_params_per_layer + 2 * self.hidden  # + two RMSNorm weights
+        extra = (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        return self.matmul_params_per_layer + 2 * self.hidden + extra  # + two RMSNorm weights
 
     @property
     def embedding_params(self) -> int:
@@ -123,17 +183,19 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        return self.n_layers * self.params_per_layer + self.embedding_params + self.head_params
+        """Distinct parameters: a tied head is the embedding (its stage still holds a copy)."""
+        head = self.hidden if self.tied_embeddings else self.head_params
+        return self.n_layers * self.params_per_layer + self.embedding_params + head
 
     # -- compute ---------------------------------------------------------------------------
     def layer_forward_flops(self) -> float:
         """FLOPs of one layer's forward pass over one sequence (micro-batch size 1).
 
-        2 FLOPs per weight per token for the matmuls plus QK^T and AV (4 s^2 h, counted
+        2 FLOPs per weight per token for the matmuls plus QK^T and AV (4 s^2 q_dim, counted
         without the causal saving, as Megatron's accounting does).
         """
         s = self.seq
-        return 2.0 * self.matmul_params_per_layer * s + 4.0 * s * s * self.hidden
+        return 2.0 * self.matmul_params_per_layer * s + 4.0 * s * s * self.q_dim
 
     def layer_backward_flops(self) -> float:
         """Backward = input gradients + weight gradients, each as costly as the forward."""
@@ -153,7 +215,7 @@ class ModelSpec:
         the product that feeds the down projection.
         """
         h, f = self.hidden, self.ffn
-        return BF16 * (2 * h + 2 * h + (h + 2 * self.kv_dim) + h + 4 * f)
+        return BF16 * (2 * h + 2 * h + (self.q_dim + 2 * self.kv_dim) + self.q_dim + 4 * f)
 
     def activation_bytes(self, layers: int, tp: int, recompute: bool, measured_per_layer: float | None = None) -> float:
         """Activations one micro-batch leaves on one chip of a stage with ``layers`` layers.
@@ -215,5 +277,11 @@ class ModelSpec:
         return BF16 * self.seq * self.hidden / tp
 
     def to_dict(self) -> dict:
-        keys = _YAML_KEYS | _OPTIONAL_YAML_KEYS
-        return {theirs: getattr(self, ours) for theirs, ours in keys.items()} | {"name": self.name}
+        """The plan file's form: the LLaMA keys, and the optional ones only where they differ from
+        their defaults (so the project's LLaMA writes what it always wrote)."""
+        out = {theirs: getattr(self, ours) for theirs, ours in _YAML_KEYS.items()}
+        for theirs, ours in _OPTIONAL_YAML_KEYS.items():
+            value = getattr(self, ours)
+            if ours == "weight_dtype" or value != next(f.default for f in dataclasses.fields(self) if f.name == ours):
+                out[theirs] = json.loads(value) if ours == "hf_config" else value
+        return out | {"name": self.name}

@@ -6,13 +6,14 @@ Needs torch (the planner in ``heteropp`` does not). Entry points: ``python -m di
 from .boundary import RESHARD_MODES, StageBoundary, routes
 from .executor import StageExecutor
 from .layout import PipelineLayout, RankPlace, StageGroups
+from .model_family import HFFamily, LlamaFamily, model_family
 from .reference import train_reference
-from .stage_model import StageModule, cut, shard_dim
+from .stage_model import PipelineStage, StageModule, cut, shard_dim
 from .tensor_parallel import TPGroup, WeightGradStore
-from .trainer import PipelineTrainer, TrainOptions, build_schedule, model_config
+from .trainer import PipelineTrainer, TrainOptions, build_schedule
 
 __all__ = [
-    "PipelineLayout", "PipelineTrainer", "RESHARD_MODES", "RankPlace", "StageBoundary", "StageExecutor",
-    "StageGroups", "StageModule", "TPGroup", "TrainOptions", "WeightGradStore", "build_schedule", "cut",
-    "model_config", "routes", "shard_dim", "train_reference",
+    "HFFamily", "LlamaFamily", "PipelineLayout", "PipelineStage", "PipelineTrainer", "RESHARD_MODES", "RankPlace",
+    "StageBoundary", "StageExecutor", "StageGroups", "StageModule", "TPGroup", "TrainOptions", "WeightGradStore",
+    "build_schedule", "cut", "model_family", "routes", "shard_dim", "train_reference",
 ]

@@ -111,7 +111,7 @@ def _stage_tensors(trainer: "PipelineTrainer") -> dict[str, tuple[torch.Tensor, 
     state = trainer.optimizer_state()
     out: dict[str, tuple[torch.Tensor, int | None]] = {}
     for name, p in trainer.module.named_parameters():
-        dim = shard_dim(name)
+        dim, name = shard_dim(name), trainer.module.checkpoint_name(name)
         out[f"model/{name}"] = (p.detach(), dim)
         for key in _OPTIM_KEYS:
             if key in state.get(p, {}):
@@ -190,6 +190,18 @@ def _failures(exc: CheckpointException) -> str:
     return "; ".join(parts) or str(exc)
 
 
+def model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The full model's tensors in a complete checkpoint, read in this process alone."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(checkpoint), f"{tmp}/full.pt")
+        full = torch.load(f"{tmp}/full.pt", weights_only=True)
+    return {k[len("model/"):]: v for k, v in full.items() if k.startswith("model/")}
+
+
 def load_checkpoint(directory: str | Path, trainer: "PipelineTrainer") -> int:
     """Collective over all ranks: load this rank's cut of the newest complete checkpoint in
     ``directory`` (or of ``directory`` itself); returns its step."""
@@ -199,6 +211,7 @@ def load_checkpoint(directory: str | Path, trainer: "PipelineTrainer") -> int:
     tp = trainer.groups.tp
     wanted: dict[str, torch.Tensor] = {"train/step": torch.tensor(0)}
     for name, _ in trainer.module.named_parameters():
+        name = trainer.module.checkpoint_name(name)
         keys = [f"model/{name}"] + [f"optim/{name}/{k}" for k in _OPTIM_KEYS]
         if keys[0] not in metadata:
             raise KeyError(f"{directory}: the checkpoint has no {keys[0]!r}; it was written for another model")
@@ -212,6 +225,7 @@ def load_checkpoint(directory: str | Path, trainer: "PipelineTrainer") -> int:
     optim: dict = {}
     with torch.no_grad():
         for name, p in trainer.module.named_parameters():
+            name = trainer.module.checkpoint_name(name)
             full = wanted[f"model/{name}"]
             piece = cut(name, full, tp.size, tp.rank)
             if piece.shape != p.shape:

@@ -63,14 +63,17 @@ class PipelineLayout:
 
 @dataclasses.dataclass
 class StageGroups:
-    """This rank's TP group and DP group (``None`` where the size is 1)."""
+    """This rank's TP group and DP group (``None`` where the size is 1), and with tied embeddings
+    split over stages, the group of every rank of the first and last stages (``tied``: None
+    elsewhere) that sums the embedding's and the LM head's gradients."""
 
     tp: TPGroup
     dp: dist.ProcessGroup | None
     dp_size: int
+    tied: dist.ProcessGroup | None = None
 
     @classmethod
-    def create(cls, layout: PipelineLayout, place: RankPlace) -> "StageGroups":
+    def create(cls, layout: PipelineLayout, place: RankPlace, tied_embeddings: bool = False) -> "StageGroups":
         """Make every stage's groups; all ranks must call this in the same order (new_group is
         collective over the world), each keeps its own."""
         plan = layout.plan
@@ -89,4 +92,10 @@ class StageGroups:
                     g = dist.new_group(ranks)
                     if place.rank in ranks:
                         dp = g
-        return cls(tp=tp, dp=dp, dp_size=plan.dp)
+        tied = None
+        if tied_embeddings and len(plan.stages) > 1:
+            ends = (plan.stages[0], plan.stages[-1])
+            ranks = sorted({r for s in ends for r in range(*s.rank_range)})
+            g = dist.new_group(ranks)
+            tied = g if place.rank in ranks else None
+        return cls(tp=tp, dp=dp, dp_size=plan.dp, tied=tied)

@@ -1,36 +1,40 @@
 """The single-process reference of a plan's run: the same model, initialization, batches,
 optimizer and clipping, on the CPU in fp32, with PyTorch's own modules throughout
-(``nn.Linear``, ``F.cross_entropy``, ``clip_grad_norm_``), so it checks the pipeline runtime
-rather than repeating it."""
+(``nn.Linear``, ``F.cross_entropy``, ``clip_grad_norm_``; for a Hugging Face model, its own
+``*ForCausalLM``), so it checks the pipeline runtime rather than repeating it."""
 from __future__ import annotations
 
 import time
 
 import torch
 
-from dimodel.datasets import step_batch, text_corpus
-from dimodel.llama import Llama
+import torch.nn.functional as F
+
+from dimodel.datasets import step_batch
 from heteropp.plan import Plan
 
+from .model_family import model_family
 from .stage_update import make_optimizer
-from .trainer import TrainOptions, full_initialization, global_batch_size, model_config
+from .trainer import TrainOptions, global_batch_size, train_tokens
 
 
-def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], Llama]:
-    """Train for ``options.steps``; returns the per-step losses and the trained model."""
+def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], torch.nn.Module]:
+    """Train for ``options.steps``; returns the per-step losses and the trained model (the
+    project's ``Llama``, or the Hugging Face ``*ForCausalLM`` of the plan's config)."""
     from diutil.loss_log import LossLogger
 
-    config = model_config(plan)
-    model = Llama(config)
-    model.load_state_dict(full_initialization(config, options.seed))
+    family = model_family(plan.model)
+    model = family.whole_model(options.seed)
     optimizer = make_optimizer(model.parameters(), options.lr, options.weight_decay)
-    data, _ = text_corpus()
+    data = train_tokens(plan, options)
     n, seq = global_batch_size(plan), plan.model.seq
     losses, start = [], time.perf_counter()
     log = LossLogger(options.log) if options.log else None
     try:
         for step in range(options.steps):
-            loss = model.loss(step_batch(data, n, seq, options.seed, step))
+            tokens = step_batch(data, n, seq, options.seed, step)
+            logits = family.logits(model, tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
             optimizer.step()

@@ -1,10 +1,12 @@
-"""One pipeline stage of the LLaMA model at its own TP size: its slice of the layers, the
-embedding on the first stage, the final norm, head and loss on the last.
+"""One pipeline stage at its own TP size: its slice of the layers, the embedding on the first
+stage, the final norm, head and loss on the last. ``PipelineStage`` is what every model's stage
+shares; ``StageModule`` is the project's LLaMA, ``hf_stage.HFStageModule`` a Hugging Face model.
 
-Parameter names are the full model's (``layers.5.attn.wq.weight``), so a stage's state is a
-subset of ``Llama.state_dict()`` with some tensors cut along one dimension; ``shard_dim``
-says which. That one rule serves cutting a full initialization, loading a checkpoint written
-under another plan and gathering shards back for saving.
+Parameter names are the full model's (``layers.5.attn.wq.weight``,
+``model.layers.5.self_attn.q_proj.weight``), so a stage's state is a subset of the full model's
+``state_dict()`` with some tensors cut along one dimension; ``shard_dim`` says which. That one
+rule serves cutting a full initialization, loading a checkpoint written under another plan and
+gathering shards back for saving.
 """
 from __future__ import annotations
 
@@ -21,10 +23,15 @@ from .tensor_parallel import (
 
 # Column-parallel (output features split: dim 0), row-parallel (input features split: dim 1),
 # vocab-parallel (rows of the embedding and the head: dim 0); the norms are replicated.
+# The first three are the project's LLaMA, the rest Hugging Face's names (column-parallel biases
+# are cut with their outputs).
 _SHARD_DIM = [
     (re.compile(r"layers\.\d+\.(attn\.(wq|wk|wv)|ffn\.(w1|w3))\.weight$"), 0),
     (re.compile(r"layers\.\d+\.(attn\.wo|ffn\.w2)\.weight$"), 1),
     (re.compile(r"(embed|head)\.weight$"), 0),
+    (re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v)_proj\.(weight|bias)|mlp\.(gate|up)_proj\.weight)$"), 0),
+    (re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$"), 1),
+    (re.compile(r"(model\.embed_tokens|lm_head)\.weight$"), 0),
 ]
 
 
@@ -110,49 +117,60 @@ class TPBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-class StageModule(nn.Module):
-    """Layers ``[first, last)`` of the model on one TP rank.
+class PipelineStage(nn.Module):
+    """What every model's stage shares: ``forward(x)`` takes token ids (b, s) on the first stage
+    and the hidden state elsewhere: (b, s, hidden), or this rank's sequence shard (b, s / tp,
+    hidden) with ``sequence_parallel``; it returns the hidden state in the same form, or on the
+    last stage the loss against ``targets`` (b, s) as a mean over the micro-batch's tokens.
 
-    ``forward(x)`` takes token ids (b, s) on the first stage and the hidden state elsewhere:
-    (b, s, dim), or this rank's sequence shard (b, s / tp, dim) with ``sequence_parallel``; it
-    returns the hidden state in the same form, or on the last stage the loss against
-    ``targets`` (b, s) as a mean over the micro-batch's tokens.
+    A subclass builds its layers and sets ``embedding`` (first stage), ``final_norm`` and
+    ``lm_head`` (last stage), and runs its layers in ``run_layers``.
     """
 
-    def __init__(self, config: LlamaConfig, layer_range: tuple[int, int], is_first: bool, is_last: bool,
-                 tp: TPGroup, store: WeightGradStore | None = None, sequence_parallel: bool = False):
+    embedding: nn.Module
+    final_norm: nn.Module
+    lm_head: nn.Module
+
+    def __init__(self, layer_range: tuple[int, int], is_first: bool, is_last: bool, tp: TPGroup,
+                 store: WeightGradStore | None, sequence_parallel: bool):
         super().__init__()
-        check_divisible(config, tp.size, f"stage with layers {list(layer_range)}")
-        self.config, self.tp, self.is_first, self.is_last = config, tp, is_first, is_last
+        self.tp, self.is_first, self.is_last = tp, is_first, is_last
         self.sp = sequence_parallel and tp.size > 1
         self.layer_range = layer_range
         self.store = store or WeightGradStore()
-        if is_first:
-            self.embed = VocabParallelEmbedding(config.vocab_size, config.dim, tp, self.sp)
-        self.layers = nn.ModuleDict({str(i): TPBlock(config, tp, self.store, self.sp) for i in range(*layer_range)})
-        if is_last:
-            self.norm = RMSNorm(config.dim, config.norm_eps)
-            self.head = ShardedLinear(config.dim, config.vocab_size // tp.size, self.store)
+
+    def run_layers(self, x: torch.Tensor, seq: int) -> torch.Tensor:
+        """This stage's layers over ``x`` (sequences of ``seq`` tokens, whole or sharded)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
-            x = self.embed(x)
-        seq = x.shape[1] * (self.tp.size if self.sp else 1)
-        cos, sin = rotary_tables(self.config, seq, x.device)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = self.embedding(x)
+        x = self.run_layers(x, x.shape[1] * (self.tp.size if self.sp else 1))
         if not self.is_last:
             return x
-        logits = self.head(enter_tp(self.norm(x), self.tp, self.sp))
+        logits = self.lm_head(enter_tp(self.final_norm(x), self.tp, self.sp))
         if targets is None:
             raise ValueError("the last stage needs the micro-batch's targets to compute its loss")
         losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), self.tp)
         return losses.mean()
 
     def replicated_parameters(self) -> list[nn.Parameter]:
-        """Parameters every TP rank holds whole (the norms). Under sequence parallelism each rank
-        sees only its tokens, so their gradients must be summed over the TP group."""
+        """Parameters every TP rank holds whole (the norms)."""
         return [p for name, p in self.named_parameters() if shard_dim(name) is None]
+
+    def tp_partial_parameters(self) -> list[nn.Parameter]:
+        """Replicated parameters whose gradient each TP rank holds only a part of, to be summed
+        over the TP group: under sequence parallelism each rank sees only its tokens."""
+        return self.replicated_parameters() if self.sp else []
+
+    def tied_head(self) -> nn.Parameter | None:
+        """The embedding or LM head this stage holds that is tied to one on another stage."""
+        return None
+
+    def checkpoint_name(self, name: str) -> str:
+        """The name parameter ``name`` is saved under (one name for tensors that are one)."""
+        return name
 
     @torch.no_grad()
     def load_full(self, full_state: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -169,3 +187,37 @@ class StageModule(nn.Module):
             p.copy_(piece)
         if strict and missing:
             raise KeyError(f"the full state lacks {len(missing)} tensor(s) of this stage, e.g. {missing[:3]}")
+
+
+class StageModule(PipelineStage):
+    """Layers ``[first, last)`` of the project's LLaMA on one TP rank."""
+
+    def __init__(self, config: LlamaConfig, layer_range: tuple[int, int], is_first: bool, is_last: bool,
+                 tp: TPGroup, store: WeightGradStore | None = None, sequence_parallel: bool = False):
+        check_divisible(config, tp.size, f"stage with layers {list(layer_range)}")
+        super().__init__(layer_range, is_first, is_last, tp, store, sequence_parallel)
+        self.config = config
+        if is_first:
+            self.embed = VocabParallelEmbedding(config.vocab_size, config.dim, tp, self.sp)
+        self.layers = nn.ModuleDict({str(i): TPBlock(config, tp, self.store, self.sp) for i in range(*layer_range)})
+        if is_last:
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.head = ShardedLinear(config.dim, config.vocab_size // tp.size, self.store)
+
+    @property
+    def embedding(self) -> nn.Module:
+        return self.embed
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.head
+
+    def run_layers(self, x: torch.Tensor, seq: int) -> torch.Tensor:
+        cos, sin = rotary_tables(self.config, seq, x.device)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        return x

@@ -1,7 +1,8 @@
-"""A stage's update after its micro-batches: gradients reduced (the sequence-parallel norms'
-over TP, everything over DP in place in the stage's flat gradient buffer, or reduce-scattered
-from it under ZeRO-1), the global gradient norm summed over every stage, TP and DP rank, clipped
-as ``torch.nn.utils.clip_grad_norm_`` clips, and the optimizer stepped."""
+"""A stage's update after its micro-batches: gradients reduced (the TP-partial ones over TP, a
+tied embedding's and LM head's between the first and last stages, everything over DP in place
+in the stage's flat gradient buffer, or reduce-scattered from it under ZeRO-1), the global
+gradient norm summed over every stage, TP and DP rank, clipped as
+``torch.nn.utils.clip_grad_norm_`` clips, and the optimizer stepped."""
 from __future__ import annotations
 
 import math
@@ -11,14 +12,14 @@ import torch.distributed as dist
 
 from .flat_parameters import FlatParameters
 from .layout import RankPlace, StageGroups
-from .stage_model import StageModule, shard_dim
+from .stage_model import PipelineStage, shard_dim
 
 
 class StageUpdate:
     """The optimizer (AdamW, or ZeRO-1's sharded AdamW when ``zero1`` and DP > 1) of this rank's
     stage ``module``, clipping at ``clip``."""
 
-    def __init__(self, module: StageModule, groups: StageGroups, place: RankPlace, dp: int, lr: float,
+    def __init__(self, module: PipelineStage, groups: StageGroups, place: RankPlace, dp: int, lr: float,
                  weight_decay: float, clip: float, zero1: bool, device: torch.device):
         self.module, self.groups, self.place, self.clip, self.device = module, groups, place, clip, device
         self.zero = None
@@ -47,9 +48,12 @@ class StageUpdate:
         """Reduce, clip and step; ``loss_sum`` is this rank's share of the batch's summed loss.
         Returns the loss summed over every rank (collective over the whole job)."""
         module = self.module
-        if module.sp:  # each TP rank saw only its tokens: the norms' gradients are partial
-            all_reduce_flat([p.grad for p in module.replicated_parameters()], self.groups.tp.group)
-        owned = [self._owned(n) for n, _ in module.named_parameters()]
+        partial = module.tp_partial_parameters()
+        if partial:
+            all_reduce_flat([p.grad for p in partial], self.groups.tp.group)
+        if self.groups.tied is not None:
+            self._sum_tied_gradients()
+        owned = [self._owned(n, p) for n, p in module.named_parameters()]
         if self.zero is not None:
             self.zero.reduce_scatter_gradients()
             sumsq = self.zero.owned_sumsq(owned)
@@ -71,9 +75,23 @@ class StageUpdate:
             self.flat.zero_grad()
         return loss_total
 
-    def _owned(self, name: str) -> bool:
+    def _sum_tied_gradients(self) -> None:
+        """The tied embedding and LM head are one tensor: each end's rows get the sum of both
+        ends' gradients over every replica, divided by DP since the DP reduction sums it again."""
+        p = self.module.tied_head()
+        tp = self.groups.tp
+        rows, first = p.shape[0], tp.rank * p.shape[0]
+        whole = torch.zeros((rows * tp.size,) + tuple(p.shape[1:]), dtype=p.grad.dtype, device=p.grad.device)
+        whole[first:first + rows] = p.grad
+        dist.all_reduce(whole, group=self.groups.tied)
+        p.grad.copy_(whole[first:first + rows]).div_(self.groups.dp_size)
+
+    def _owned(self, name: str, p: torch.Tensor) -> bool:
         """Whether this TP rank counts ``name`` in the global norm (a replicated tensor counts on
-        TP rank 0 only); over DP, replica 0 counts, or with ZeRO-1 each rank its own slice."""
+        TP rank 0 only; a tied head on the first stage only); over DP, replica 0 counts, or with
+        ZeRO-1 each rank its own slice."""
+        if self.groups.tied is not None and p is self.module.tied_head() and not self.module.is_first:
+            return False
         return shard_dim(name) is not None or self.place.tp_index == 0
 
 

@@ -212,37 +212,44 @@ class _LinearFn(torch.autograd.Function):
 
 
 class ShardedLinear(nn.Module):
-    """One rank's shard of a bias-free projection: ``weight`` is (out / t, in) for a
-    column-parallel layer, (out, in / t) for a row-parallel one; the caller adds the TP
-    communication around it (enter_tp before a column-parallel one, leave_tp after a row-parallel one)."""
+    """One rank's shard of a projection: ``weight`` is (out / t, in) for a column-parallel layer,
+    (out, in / t) for a row-parallel one; the caller adds the TP communication around it
+    (enter_tp before a column-parallel one, leave_tp after a row-parallel one). A ``bias`` (of
+    column-parallel layers: cut with the outputs) gets its gradient at once; only the weight's
+    may be deferred."""
 
-    def __init__(self, in_features: int, out_features: int, store: WeightGradStore | None = None):
+    def __init__(self, in_features: int, out_features: int, store: WeightGradStore | None = None, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.store = store
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight, self.store)
+        y = _LinearFn.apply(x, self.weight, self.store)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank * V/t, (rank + 1) * V/t) of the embedding on each rank; lookups outside this
     rank's rows give zeros and the ranks' results are summed (into sequence shards under
-    sequence parallelism)."""
+    sequence parallelism). The ``padding_idx`` row, as in ``nn.Embedding``, gets no gradient."""
 
-    def __init__(self, vocab_size: int, dim: int, tp: TPGroup, sequence_parallel: bool = False):
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup, sequence_parallel: bool = False,
+                 padding_idx: int | None = None):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.rows = vocab_size // tp.size
         self.first = tp.rank * self.rows
+        local_pad = None if padding_idx is None else padding_idx - self.first
+        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.rows else None
         self.weight = nn.Parameter(torch.empty(self.rows, dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return nn.functional.embedding(tokens, self.weight)
+            return nn.functional.embedding(tokens, self.weight, self.padding_idx)
         local = tokens - self.first
         outside = (local < 0) | (local >= self.rows)
-        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_tp(out, self.tp, self.sequence_parallel)
 

@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dimodel.datasets import step_batch, text_corpus
-from dimodel.llama import Llama, LlamaConfig
+from dimodel.datasets import step_batch, training_tokens
 from heteropp.plan import Plan, PlanError
 from heteropp.schedule import Schedule, fine_grained, gpipe, one_f_one_b
 
 from .boundary import RESHARD_MODES, StageBoundary
 from .executor import StageExecutor
 from .layout import PipelineLayout, RankPlace, StageGroups
-from .stage_model import StageModule, check_divisible
+from .model_family import HFFamily, LlamaFamily, model_family
+from .stage_model import PipelineStage
 from .stage_update import StageUpdate
 from .trace import TraceRecorder, now
 
@@ -47,6 +47,8 @@ class TrainOptions:
     memory_scale: float | None = None  # default: $DITORCH_MEMORY_SCALE
     log: Path | None = None
     trace: Path | None = None
+    data: Path | None = None  # a token file (dimodel.token_file); default: the built-in byte corpus
+    data_dtype: str | None = None  # the token file's dtype; default: its sidecar's, else uint16
     save: Path | None = None
     save_every: int = 0
     resume: Path | None = None
@@ -67,16 +69,9 @@ class TrainOptions:
             raise ValueError(f"check_replicas={self.check_replicas}: expected a step count >= 0 (0: never)")
 
 
-def model_config(plan: Plan) -> LlamaConfig:
-    m = plan.model
-    return LlamaConfig(vocab_size=m.vocab, dim=m.hidden, n_layers=m.n_layers, n_heads=m.heads,
-                       n_kv_heads=m.kv_heads, ffn_dim=m.ffn, max_seq_len=m.seq)
-
-
-def full_initialization(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
-    """The full model's initial weights, as a single-process run makes them from ``seed``."""
-    torch.manual_seed(seed)
-    return Llama(config).state_dict()
+def train_tokens(plan: Plan, options: TrainOptions):
+    """The tokens the run's batches are drawn from (checked against the model's vocabulary)."""
+    return training_tokens(options.data, options.data_dtype, plan.model.vocab)[0]
 
 
 def global_batch_size(plan: Plan) -> int:
@@ -139,11 +134,11 @@ def check_plan_fits(plan: Plan, options: TrainOptions) -> None:
     if plan.model.weight_dtype != "fp32":
         raise PlanError(f"the plan's model has weight_dtype {plan.model.weight_dtype!r}, whose memory this runtime "
                         f"does not have (it keeps fp32 weights under bf16 autocast); plan with weight_dtype fp32")
-    config = model_config(plan)
+    family = model_family(plan.model)
     for i, s in enumerate(plan.stages):
         try:
             profile = resolve(s.chip)
-            check_divisible(config, s.tp, f"stage {i} ({s.chip})")
+            family.check_tp(s.tp, f"stage {i} ({s.chip})")
         except ValueError as exc:
             raise PlanError(f"stage {i}: {exc}" if not str(exc).startswith("stage") else str(exc)) from None
         check_stage_memory(plan, i, profile.capacity_bytes(scale), scale)
@@ -166,14 +161,14 @@ class PipelineTrainer:
         self.layout.check_world(dist.get_world_size())
         self.place: RankPlace = self.layout.place(dist.get_rank())
         self.stage_plan = plan.stages[self.place.stage]
-        self.config = model_config(plan)
+        self.family: LlamaFamily | HFFamily = model_family(plan.model)
         check_plan_fits(plan, options)
         ditorch_ext.set_chip(self.stage_plan.chip, memory_scale=options.memory_scale, time_scale=run_time_scale(plan))
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
         torch.dipu.set_device(self.device)
         self.schedule = build_schedule(plan, options.schedule)
-        self.groups = StageGroups.create(self.layout, self.place)
+        self.groups = StageGroups.create(self.layout, self.place, tied_embeddings=self.family.tied)
         self.module = self._build_module()
         self.update = StageUpdate(self.module, self.groups, self.place, plan.dp, options.lr, options.weight_decay,
                                   options.clip, options.zero1, self.device)
@@ -183,21 +178,21 @@ class PipelineTrainer:
             recompute=self.stage_plan.recompute, device=self.device,
             loss_scale=1.0 / global_batch_size(plan),
             autocast_dtype=torch.bfloat16 if options.precision == "bf16" else None, trace=self.trace)
-        self.data, _ = text_corpus()
+        self.data = train_tokens(plan, options)
         self.start_step = 0
 
     # -- set-up ------------------------------------------------------------------------------
-    def _build_module(self) -> StageModule:
+    def _build_module(self) -> PipelineStage:
         i, S = self.place.stage, self.plan.num_stages
         with torch.device(self.device):
-            module = StageModule(self.config, self.stage_plan.layer_range, i == 0, i == S - 1, self.groups.tp,
-                                 sequence_parallel=self.options.sequence_parallel)
-        module.load_full(full_initialization(self.config, self.options.seed))
+            module = self.family.stage(self.stage_plan.layer_range, i == 0, i == S - 1, self.groups.tp,
+                                       sequence_parallel=self.options.sequence_parallel)
+        module.load_full(self.family.initial_state(self.options.seed))
         return module
 
     def _boundaries(self) -> tuple[StageBoundary | None, StageBoundary | None]:
         i, d, S = self.place.stage, self.place.dp_index, self.plan.num_stages
-        shape = (self.plan.micro_batch_size, self.plan.model.seq, self.config.dim)
+        shape = (self.plan.micro_batch_size, self.plan.model.seq, self.plan.model.hidden)
 
         def boundary(lo: int) -> StageBoundary:
             return StageBoundary(self.layout.tp_ranks(lo, d), self.layout.tp_ranks(lo + 1, d), self.place.rank,
@@ -252,10 +247,16 @@ class PipelineTrainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, directory: Path, step: int) -> Path:
-        """Collective: the complete checkpoint ``directory/step-<step>`` (checkpoint.py)."""
-        from .checkpoint import save_checkpoint
+        """Collective: the complete checkpoint ``directory/step-<step>`` (checkpoint.py); for a
+        Hugging Face model also ``directory/hf``, the model in its own format (rank 0 writes it)."""
+        from .checkpoint import model_tensors, save_checkpoint
 
-        return save_checkpoint(directory, step, self)
+        final = save_checkpoint(directory, step, self)
+        if isinstance(self.family, HFFamily):
+            if dist.get_rank() == 0:
+                self.family.export(Path(directory) / "hf", model_tensors(final))
+            dist.barrier()
+        return final
 
     def resume(self, directory: Path) -> int:
         """Load a checkpoint written under any plan (``directory`` itself, or the newest complete

@@ -33,9 +33,10 @@ def _cluster(names) -> ClusterSpec:
 
 
 def make_plan(stages: list[tuple[str, int, int, bool]], dp: int = 1, microbatches: int = 4,
-              model: dict | None = None, schedule: str = "1f1b") -> Plan:
-    """stages: (chip, tp, layers, recompute) in pipeline order."""
-    spec = ModelSpec.from_dict(model or MODEL, name="test-llama")
+              model: dict | ModelSpec | None = None, schedule: str = "1f1b") -> Plan:
+    """stages: (chip, tp, layers, recompute) in pipeline order; ``model``: the project's LLaMA's
+    keys, or a ModelSpec (e.g. of a Hugging Face config)."""
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_dict(model or MODEL, name="test-llama")
     out, layer, rank = [], 0, 0
     for chip, tp, layers, rc in stages:
         out.append(StagePlan(chip=chip, tp=tp, dp=dp, layers=layers, first_layer=layer, recompute=rc, first_rank=rank))
