@@ -38,7 +38,8 @@ def _add_commands(sub) -> None:
     lead.add_argument("--followers", type=int, required=True, help="number of follower PSs")
     lead.add_argument("--token-file", required=True, help="file holding the job token clusters present")
     model = lead.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="model config YAML (LlamaConfig fields) of the project's LLaMA")
+    model.add_argument("--model", help="model config: a YAML of the project's LLaMA (LlamaConfig fields), or a "
+                                       "Hugging Face config.json or model directory")
     model.add_argument("--init", help="any model's initial parameters: torch.save({name: tensor}) of named_parameters()")
     model.add_argument("--seed-from-cluster", action="store_true",
                        help="the first cluster to join brings the model: its parameters become the global ones")

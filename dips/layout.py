@@ -1,8 +1,10 @@
 """How a model's parameters are cut into layer units and spread over followers.
 
-A *unit* is the indivisible communication item of the paper's Appendix A: the parameters under
-one top-level module, or one element of a numbered container (``layers.3``). Units keep the
-order of ``named_parameters()``; followers own contiguous, even runs of units.
+A *unit* is the indivisible communication item of the paper's Appendix A: the parameters of one
+element of a numbered container (``layers.3``, ``model.layers.3``), or else of the module that
+holds them (``embed``, ``model.embed_tokens``, ``model.norm``): a pipeline stage holds every
+unit it has whole, wherever a wrapper like Hugging Face's ``model.`` puts its modules. Units
+keep the order of ``named_parameters()``; followers own contiguous, even runs of units.
 """
 from __future__ import annotations
 
@@ -37,11 +39,12 @@ class Unit:
 
 
 def unit_name(param_name: str) -> str:
+    """The unit of parameter ``param_name`` (see the module's docstring)."""
     parts = param_name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
             return ".".join(parts[: i + 1])
-    return parts[0] if len(parts) > 1 else param_name
+    return ".".join(parts[:-1]) if len(parts) > 1 else param_name
 
 
 @dataclasses.dataclass(frozen=True)

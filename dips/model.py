@@ -1,5 +1,6 @@
-"""The model the PS serves: the project's LLaMA built from a config and a seed, or any model's
-parameters read from a checkpoint (``--init``)."""
+"""The model the PS serves: the project's LLaMA or a Hugging Face decoder (Llama, Mistral, Qwen2,
+Qwen3) built from a config and a seed, or any model's parameters read from a checkpoint
+(``--init``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,16 @@ from dimodel import llama
 
 
 def load_config(path: str | Path) -> dict:
-    """A Llama config file as a plain dict (validated by LlamaConfig)."""
+    """A model config file as a plain dict: a Hugging Face ``config.json`` (or model directory)
+    as it is, validated by ``dimodel.hf``; else a YAML of the project's LLaMA (validated by
+    LlamaConfig)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".json":
+        from dimodel import hf
+
+        values = hf.read_config_dict(path)
+        hf.load_config(values)
+        return values
     return {k: v for k, v in vars(llama.LlamaConfig.from_yaml(path)).items()}
 
 
@@ -36,10 +46,16 @@ def initial_parameters(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_model(config: dict, seed: int) -> torch.nn.Module:
-    """``Llama(config)`` with weights drawn from ``seed``: every process gets the same theta_0."""
+    """The model of ``config`` with weights drawn from ``seed``, every process the same theta_0:
+    ``Llama(config)``, or for a Hugging Face config (one with a ``model_type``)
+    ``AutoModelForCausalLM.from_config`` in fp32, as ``ditorch.train`` initializes it."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
+        if "model_type" in config:
+            from dimodel import hf
+
+            return hf.causal_lm(hf.load_config(dict(config)))
         return llama.Llama(llama.LlamaConfig.from_dict(dict(config)))
     finally:
         torch.random.set_rng_state(gen_state)

@@ -21,6 +21,9 @@ class PipelineStages:
     group = None  # the default group: all ranks of the run
 
     def __init__(self, trainer):
+        if trainer.groups.tied is not None:
+            raise ValueError("a Di-PS pipeline cluster whose tied embedding and LM head lie on different stages is "
+                             "not supported (the PS holds the tied tensor once); plan one stage, or untie them")
         self.module, self.place, self.groups = trainer.module, trainer.place, trainer.groups
         self.tp = trainer.groups.tp
         self.replica0 = self.place.dp_index == 0

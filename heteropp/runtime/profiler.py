@@ -2,7 +2,8 @@
 TP size, and write the ``layer_times_ms`` chip description ``cluster.yaml`` reads, so a plan
 can come from measurements of this machine.
 
-For TP size t, t processes run one real stage layer (stage_model.TPBlock) over dicomm, so the
+For TP size t, t processes run one real stage layer of the model (the project's LLaMA or a
+Hugging Face config's own decoder layer, as ``ditorch.train`` builds it) over dicomm, so the
 times include the TP all-reduces the runtime pays. Per micro-batch and layer it measures the
 forward, the full backward (alternating, as in training), the recompute (the runtime's R is
 the same forward, so it is the forward's time) and the AdamW update of the layer's shard; the
@@ -25,8 +26,8 @@ from pathlib import Path
 import yaml
 
 from diutil.address import free_port
-from dimodel.llama import LlamaConfig
 from heteropp.cluster import END_TIME_KEYS, ChipSpec
+from heteropp.model_spec import ModelSpec
 
 
 # Layers timed back to back per sample (see _worker).
@@ -46,14 +47,14 @@ def _timed(fn, sync, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: str, memory_scale: float,
+def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: str, memory_scale: float,
             time_scale: float, repeats: int, sequence_parallel: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     import dicomm  # noqa: F401  (registers the backend)
     import ditorch_ext
-    from heteropp.runtime.stage_model import StageModule
+    from heteropp.runtime.model_family import model_family
     from heteropp.runtime.tensor_parallel import TPGroup
 
     torch.set_num_threads(1)
@@ -62,16 +63,18 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     torch.dipu.set_device(device)
     dist.init_process_group("dicomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
                             timeout=datetime.timedelta(seconds=120))
-    cfg = LlamaConfig(**config)
+    spec = ModelSpec.from_dict(model, name=model.get("name"))
+    family = model_family(spec)
     torch.manual_seed(0)
+    layer = min(1, spec.n_layers - 1)  # a middle layer where there is one
     with torch.device(device):
-        stage = StageModule(cfg, (1, 2), False, False, TPGroup(dist.group.WORLD, tp, rank),
-                            sequence_parallel=sequence_parallel)
+        stage = family.stage((layer, layer + 1), False, False, TPGroup(dist.group.WORLD, tp, rank),
+                             sequence_parallel=sequence_parallel)
     for p in stage.parameters():
         torch.nn.init.normal_(p, std=0.02)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
-    local_seq = cfg.max_seq_len // tp if stage.sp else cfg.max_seq_len  # this rank's part of the sequence
-    x = torch.randn(1, local_seq, cfg.dim, device=device)
+    local_seq = spec.seq // tp if stage.sp else spec.seq  # this rank's part of the sequence
+    x = torch.randn(1, local_seq, spec.hidden, device=device)
     grad = torch.randn_like(x)
     autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
     sync = torch.dipu.synchronize
@@ -108,7 +111,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
                 samples.append((time.perf_counter() - start) / CHAIN)
     fwd, bwd = statistics.median(fwd_samples), statistics.median(bwd_samples)
     update = _timed(optimizer.step, sync, repeats)
-    ends = _end_times(cfg, tp, rank, device, autocast, sync, repeats, sequence_parallel)
+    ends = _end_times(spec, family, tp, rank, device, autocast, sync, repeats, sequence_parallel)
     holder.clear()
     # Garbage from the timing runs (autograd graphs in reference cycles, finished collectives'
     # work objects) is collected first and the collector kept off in the measured forward: a
@@ -128,7 +131,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     holder.clear()
     bandwidth = None
     if tp >= 2:
-        payload = torch.randn(1, cfg.max_seq_len, cfg.dim, device=device)
+        payload = torch.randn(1, spec.seq, spec.hidden, device=device)
 
         def ping():
             if rank == 0:
@@ -148,25 +151,24 @@ def _worker(rank: int, tp: int, port: int, chip: str, config: dict, precision: s
     dist.destroy_process_group()
 
 
-def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, repeats: int,
+def _end_times(spec: ModelSpec, family, tp: int, rank: int, device, autocast, sync, repeats: int,
                sequence_parallel: bool) -> dict[str, float]:
     """Forward and backward seconds of the pipeline's ends: the (vocab-parallel) embedding of
     the first stage, and the final norm, head and loss of the last."""
     import torch
     import torch.distributed as dist
 
-    from heteropp.runtime.stage_model import StageModule
     from heteropp.runtime.tensor_parallel import TPGroup
 
     group = TPGroup(dist.group.WORLD, tp, rank)
-    L = cfg.n_layers
+    L = spec.n_layers
     with torch.device(device):
-        first = StageModule(cfg, (0, 0), True, False, group, sequence_parallel=sequence_parallel)
-        last = StageModule(cfg, (L, L), False, True, group, sequence_parallel=sequence_parallel)
+        first = family.stage((0, 0), True, False, group, sequence_parallel=sequence_parallel)
+        last = family.stage((L, L), False, True, group, sequence_parallel=sequence_parallel)
     for p in [*first.parameters(), *last.parameters()]:
         torch.nn.init.normal_(p, std=0.02)
-    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len), device=device)
-    hidden = torch.randn(1, cfg.max_seq_len // tp if last.sp else cfg.max_seq_len, cfg.dim, device=device)
+    tokens = torch.randint(0, spec.vocab, (1, spec.seq), device=device)
+    hidden = torch.randn(1, spec.seq // tp if last.sp else spec.seq, spec.hidden, device=device)
     out = {}
     for name, run in (("embed", lambda: first(tokens)), ("head", lambda: last(hidden.detach().requires_grad_(), tokens))):
         fwd_samples, bwd_samples = [], []
@@ -186,20 +188,21 @@ def _end_times(cfg: LlamaConfig, tp: int, rank: int, device, autocast, sync, rep
     return out
 
 
-def profile_tp(chip: str, config: LlamaConfig, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
+def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
                repeats: int = 5, sequence_parallel: bool = True, time_scale: float = 1.0) -> dict:
-    """Measure one layer at TP size ``tp`` on ``tp`` spawned ranks; returns rank 0's numbers."""
+    """Measure one layer of ``spec``'s model at TP size ``tp`` on ``tp`` spawned ranks; returns
+    rank 0's numbers."""
     import torch.multiprocessing as mp
 
-    from .stage_model import check_divisible
+    from .model_family import model_family
 
-    check_divisible(config, tp, f"ditorch profile --tp {tp}")
-    if config.max_seq_len % tp:
-        raise ValueError(f"ditorch profile --tp {tp}: seq={config.max_seq_len} does not split over {tp} ranks")
+    model_family(spec).check_tp(tp, f"ditorch profile --tp {tp}")
+    if spec.seq % tp:
+        raise ValueError(f"ditorch profile --tp {tp}: seq={spec.seq} does not split over {tp} ranks")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, nprocs=tp, start_method="spawn",
-                           args=(tp, free_port(), chip, config.__dict__, precision, memory_scale, time_scale, repeats,
+                           args=(tp, free_port(), chip, spec.to_dict(), precision, memory_scale, time_scale, repeats,
                                  sequence_parallel, out))
         return json.loads(Path(out).read_text())
 
@@ -243,7 +246,10 @@ def write_cluster(path: str | Path, counts: dict[str, int], link_gbps: float = 1
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure a model's layer times on an emulated chip per TP size")
     p.add_argument("--chip", required=True, help="chip profile (A, B, C, D or one from $DITORCH_PROFILE_FILE)")
-    p.add_argument("--model", required=True, help="model.yaml (LlamaConfig keys)")
+    p.add_argument("--model", required=True,
+                   help="model.yaml (LlamaConfig keys), or a Hugging Face config.json or model directory")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq_len / "
+                                                         "max_position_embeddings)")
     p.add_argument("--tp", default="1", help="TP sizes, comma-separated (each spawns that many ranks)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE or 0.001)")
@@ -264,7 +270,7 @@ def profile_command(args) -> int:
         tps = sorted({int(t) for t in args.tp.split(",")})
         if any(t < 1 or t & (t - 1) for t in tps):
             raise ValueError(f"--tp {args.tp}: expected powers of two like 1,2,4")
-        config = LlamaConfig.from_yaml(args.model)
+        spec = ModelSpec.load(args.model, seq=args.seq)
         scale = args.memory_scale or float(os.environ.get("DITORCH_MEMORY_SCALE", "0.001"))
         from ditorch_ext.profiles import resolve, time_scale_or_default
 
@@ -278,7 +284,7 @@ def profile_command(args) -> int:
     print(f"{'TP':>3} {'fwd ms':>8} {'bwd ms':>8} {'recomp ms':>9} {'update ms':>9} {'act MiB':>8} {'p2p GB/s':>8} "
           f"{'embed f/b ms':>13} {'head f/b ms':>13}")
     for tp in tps:
-        r = results[tp] = profile_tp(args.chip, config, tp, args.precision, scale, args.repeats, args.sequence_parallel,
+        r = results[tp] = profile_tp(args.chip, spec, tp, args.precision, scale, args.repeats, args.sequence_parallel,
                                      stretch)
         p2p = f"{r['p2p_bytes_per_s'] / 1e9:.2f}" if r["p2p_bytes_per_s"] else "-"
         print(f"{tp:>3} {r['fwd']:>8.2f} {r['bwd']:>8.2f} {r['recompute']:>9.2f} {r['update']:>9.2f} "
@@ -290,8 +296,9 @@ def profile_command(args) -> int:
     except ValueError as exc:
         print(f"ditorch profile: the measurement is not a valid profile, not writing {args.out}: {exc}", file=sys.stderr)
         return 1
-    header = (f"# ditorch profile --chip {args.chip} --model {args.model} --tp {args.tp} --precision {args.precision}\n"
-              f"# measured one layer per micro-batch of {config.max_seq_len} tokens; memory is the emulated "
+    seq = f" --seq {args.seq}" if args.seq else ""
+    header = (f"# ditorch profile --chip {args.chip} --model {args.model}{seq} --tp {args.tp} --precision {args.precision}\n"
+              f"# measured one layer per micro-batch of {spec.seq} tokens; memory is the emulated "
               f"capacity at memory scale {scale:g}, time at time scale {stretch:g}\n")
     Path(args.out).write_text(header + yaml.safe_dump(desc, sort_keys=False))
     print(f"wrote {args.out}")

@@ -16,17 +16,22 @@ from diutil.address import free_port
 from dips.harness import ClusterSpec, read_log, start_cluster
 from dips.leader import Leader, LeaderConfig
 from dips.model import build_model
+from heteropp.model_spec import ModelSpec
 from plans import MODEL, make_plan, torchrun
 
 STEPS = 6
 TWO_STAGES = [("X", 2, 2, False), ("Y", 1, 2, False)]   # TP 2 then TP 1: shards are gathered per stage
+# A Hugging Face Qwen3 (per-head q/k norms, a head width apart from hidden / heads).
+QWEN3 = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "max_position_embeddings": 32,
+         "tie_word_embeddings": False}
 
 
 @contextlib.contextmanager
-def parameter_server(tmp_path, **config):
+def parameter_server(tmp_path, model: dict = MODEL, **config):
     token = JobToken.create(tmp_path / "job.key")
     servers = JobToken.create(tmp_path / "servers.key")
-    leader = Leader(LeaderConfig(model=dict(MODEL), n_followers=2, bind="127.0.0.1:0", restart_followers=False,
+    leader = Leader(LeaderConfig(model=dict(model), n_followers=2, bind="127.0.0.1:0", restart_followers=False,
                                  metadata=str(tmp_path / "leader.json"), heartbeat_s=2.0, **config), token, servers)
     followers = [Follower(leader.address, f"127.0.0.1:{free_port()}", servers, tmp_path / f"f{i}")
                  for i in range(2)]
@@ -38,8 +43,8 @@ def parameter_server(tmp_path, **config):
         leader.stop()
 
 
-def global_parameters(leader, token) -> dict[str, torch.Tensor]:
-    model = build_model(dict(MODEL), 0)
+def global_parameters(leader, token, config: dict = MODEL) -> dict[str, torch.Tensor]:
+    model = build_model(dict(config), 0)
     reader = OuterClient(model, leader.address, 1, token=token, join=False)
     reader.fetch_global()
     reader.close()
@@ -50,20 +55,25 @@ def losses(path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("stages,dp", [(TWO_STAGES, 1), ([("X", 1, 2, False), ("Y", 1, 2, False)], 2)],
-                         ids=["tp2-tp1", "dp2"])
-def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages, dp):
+@pytest.mark.parametrize("stages,dp,model", [(TWO_STAGES, 1, MODEL), ([("X", 1, 2, False), ("Y", 1, 2, False)], 2, MODEL),
+                                            (TWO_STAGES, 1, QWEN3)], ids=["tp2-tp1", "dp2", "hf-qwen3-tp2-tp1"])
+def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages, dp, model):
     """One pipeline cluster, H = 1, outer lr 1, momentum 0, no clipping, no penalty: every outer
     step hands the cluster its own parameters back (up to the BF16 of the wire), so training
     equals the same pipeline without the PS, and the PS ends holding the cluster's model. With
     DP 2 the second replica gets the pulled values from the first, and the run checks after every
     outer step that both replicas hold the same bytes (a checkpoint keeps only one of them)."""
-    plan = make_plan(stages, dp=dp)
+    if "model_type" in model:
+        (tmp_path / "config.json").write_text(json.dumps(model))
+        plan = make_plan(stages, dp=dp, model=ModelSpec.from_hf(tmp_path / "config.json"))
+    else:
+        plan = make_plan(stages, dp=dp)
     plan.to_json(tmp_path / "plan.json")
     common = ["--steps", str(STEPS), "--precision", "fp32"]
     plain = torchrun(tmp_path / "plan.json", plan.num_chips, common + ["--loss-log", "plain.jsonl"], tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    with parameter_server(tmp_path, mode="async", outer_lr=1.0, outer_momentum=0.0, clip_norm=None) as (leader, token):
+    with parameter_server(tmp_path, model, mode="async", outer_lr=1.0, outer_momentum=0.0,
+                          clip_norm=None) as (leader, token):
         run = torchrun(tmp_path / "plan.json", plan.num_chips,
                        common + ["--loss-log", "ps.jsonl", "--save", "ckpt", "--ps", leader.address,
                                  "--inner-steps", "1", "--ps-token-file", str(tmp_path / "job.key"),
@@ -74,7 +84,7 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
         # exits, which a loaded machine can reach before this line)
         assert status["version"] == STEPS
         assert [(r["accepted"], r["clusters"]) for r in leader.rounds_log] == [(1, ["pipeline"])] * STEPS
-        final = global_parameters(leader, token)
+        final = global_parameters(leader, token, model)
     for step, (a, b) in enumerate(zip(losses(tmp_path / "ps.jsonl"), losses(tmp_path / "plain.jsonl")), 1):
         assert a == pytest.approx(b, rel=5e-4), f"step {step}: through the PS {a}, plain {b}"
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
