@@ -130,6 +130,14 @@ class ModelSpec:
                    weights=weights)
 
     @classmethod
+    def from_config(cls, values: dict, seq: int | None = None, name: str = "model") -> "ModelSpec":
+        """From a config mapping of either kind: a Hugging Face ``config.json``'s (it has a
+        ``model_type``) or the project's LLaMA's keys."""
+        if "model_type" in values:
+            return cls.from_hf_dict(values, seq=seq, name=name)
+        return cls.from_dict(values, seq=seq, name=name)
+
+    @classmethod
     def load(cls, path: str | Path, seq: int | None = None) -> "ModelSpec":
         """A model file as the CLIs take it: a Hugging Face ``config.json`` or model directory, or
         a YAML of the project's LLaMA."""

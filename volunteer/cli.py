@@ -18,7 +18,11 @@ def register(subparsers) -> None:
 
     plan = sub.add_parser("plan", help="allocate reliable and unreliable devices to stages")
     plan.add_argument("--devices", required=True, help="devices.yaml: devices, delays and bandwidths")
-    plan.add_argument("--model", required=True, help="model config YAML (LlamaConfig fields)")
+    plan.add_argument("--model", required=True, help="model config: a YAML of the project's LLaMA (LlamaConfig "
+                                                     "fields), or a Hugging Face config.json or model directory")
+    plan.add_argument("--data", default="", help="token file the first and last stages' servers read (default: the "
+                                                 "built-in byte corpus); the same path on every server")
+    plan.add_argument("--data-dtype", choices=("uint16", "uint32"), default="", help="the token file's dtype")
     plan.add_argument("--batch", type=int, default=64, help="samples per batch (the paper's B)")
     plan.add_argument("--microbatches", type=int, default=8, help="micro-batches per batch (the paper's d)")
     plan.add_argument("--seq", type=int, default=None, help="tokens per sample (default: the model's max_seq_len)")
@@ -87,19 +91,26 @@ def _token(path: str) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     import yaml
 
+    from heteropp.model_spec import ModelSpec
+
     from .allocate import allocate
     from .cost import Workload
     from .devices import Fleet
 
     fleet = Fleet.from_yaml(args.devices)
-    with open(args.model) as f:
-        model = yaml.safe_load(f)
-    seq = args.seq or int(model["max_seq_len"])
+    spec = ModelSpec.load(args.model, seq=args.seq)
+    if spec.hf_config:
+        model = json.loads(spec.hf_config)
+    else:
+        with open(args.model) as f:
+            model = yaml.safe_load(f)
+    seq = spec.seq
     work = Workload.for_model(args.model, args.batch, args.microbatches, seq=seq)
     alloc = allocate(fleet, work, rule=args.rule)
     out = alloc.to_dict()
     out["training"] = {"model": model, "seq": seq, "steps": args.steps, "seed": args.seed, "lr": args.lr,
-                       "weight_decay": args.weight_decay, "delayed_updates": args.delayed_updates}
+                       "weight_decay": args.weight_decay, "delayed_updates": args.delayed_updates,
+                       "data": str(args.data), "data_dtype": args.data_dtype}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"{len(alloc.stages)} stage(s), predicted {alloc.makespan:.3f} s per batch "
           f"(levels tried: {', '.join(f'{t:.3f}' for t in alloc.level_times)})")

@@ -48,11 +48,12 @@ class Workload:
         return self.microbatch_samples * self.boundary_bytes_per_sample
 
     @classmethod
-    def for_model(cls, model_yaml: str, batch: int, microbatches: int, seq: int | None = None) -> "Workload":
-        """The workload of a LLaMA-style model config (``examples/configs/*.yaml``); fp32 boundaries."""
+    def for_model(cls, model: str, batch: int, microbatches: int, seq: int | None = None) -> "Workload":
+        """The workload of a model file (a YAML of the project's LLaMA, ``examples/configs/*.yaml``,
+        or a Hugging Face config.json or model directory); fp32 boundaries."""
         from heteropp.model_spec import ModelSpec
 
-        spec = ModelSpec.from_yaml(model_yaml, seq=seq)
+        spec = ModelSpec.load(model, seq=seq)
         # fp32 parameters and gradients, and AdamW's two moments: 16 bytes per parameter
         return cls(batch, microbatches, spec.n_layers, 3.0 * spec.layer_forward_flops(), 4.0 * spec.seq * spec.hidden,
                    16.0 * spec.params_per_layer)

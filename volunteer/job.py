@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from dimodel.llama import Llama, LlamaConfig
 
 
 def segment(i: int, n: int, lo: int, hi: int) -> tuple[int, int]:
@@ -62,6 +61,8 @@ class Job:
     task_timeout: float = 30.0  # a task not finished by then goes back to the pool
     liveness: float = 3.0  # a client silent for this long is taken to have left (clients beat every 0.5 s)
     push_timeout: float = 30.0  # a live client that has not pushed its gradient by then is redone
+    data: str = ""  # a token file every server of the first and last stage has at this path ("": the byte corpus)
+    data_dtype: str = ""  # its dtype ("": the file's sidecar's, else uint16)
 
     def __post_init__(self) -> None:
         for f in ("batch", "microbatches", "seq", "steps"):
@@ -70,9 +71,15 @@ class Job:
                 raise ValueError(f"job {f}={v!r}; expected a positive integer")
         if self.batch % self.microbatches:
             raise ValueError(f"job batch={self.batch} does not split into {self.microbatches} equal micro-batches")
-        config = self.config
-        if self.seq > config.max_seq_len:
-            raise ValueError(f"job seq={self.seq} exceeds the model's max_seq_len={config.max_seq_len}")
+        from heteropp.model_spec import ModelSpec
+
+        longest = ModelSpec.from_config(self.model).seq
+        if self.seq > longest:
+            raise ValueError(f"job seq={self.seq} exceeds the model's longest sequence, {longest} positions")
+        spec = self.spec
+        if spec.tied_embeddings and len(self.stages) > 1:
+            raise ValueError("the model ties its embedding and LM head, which a volunteer job's first and last stages "
+                             "would hold apart; untie them (tie_word_embeddings: false) or use one stage")
         first = 0
         for k, s in enumerate(self.stages):
             if s.layers[0] != first or s.layers[1] <= s.layers[0]:
@@ -83,15 +90,32 @@ class Job:
                 raise ValueError(f"stage {k}: more servers on one side than the {self.microbatch_samples} rows "
                                  "of a micro-batch to give them")
             first = s.layers[1]
-        if not self.stages or first != config.n_layers:
-            raise ValueError(f"the stages cover layers [0, {first}); the model has {config.n_layers}")
+        if not self.stages or first != spec.n_layers:
+            raise ValueError(f"the stages cover layers [0, {first}); the model has {spec.n_layers}")
         names = [srv.name for s in self.stages for srv in s.servers]
         if len(set(names)) != len(names):
             raise ValueError(f"server names must be unique, got {names}")
 
     @property
-    def config(self) -> LlamaConfig:
-        return LlamaConfig.from_dict(self.model)
+    def spec(self):
+        """The model's shape (``heteropp.model_spec.ModelSpec``) at the job's sequence length."""
+        from heteropp.model_spec import ModelSpec
+
+        return ModelSpec.from_config(self.model, seq=self.seq)
+
+    @property
+    def family(self):
+        """The model's definition (``heteropp.runtime.model_family``): the project's LLaMA or a
+        Hugging Face decoder."""
+        from heteropp.runtime.model_family import model_family
+
+        return model_family(self.spec)
+
+    def training_tokens(self):
+        """The tokens batches are drawn from (checked against the model's vocabulary)."""
+        from dimodel.datasets import training_tokens
+
+        return training_tokens(self.data or None, self.data_dtype or None, self.spec.vocab)[0]
 
     @property
     def microbatch_samples(self) -> int:
@@ -126,25 +150,22 @@ class Job:
     # -- models ------------------------------------------------------------------------------
     def stage_module(self, k: int) -> torch.nn.Module:
         """Stage k's layers, initialised as the full model with the job's seed would be."""
-        from heteropp.runtime.stage_model import StageModule
-        from heteropp.runtime.tensor_parallel import TPGroup
+        from heteropp.runtime.tensor_parallel import SINGLE
 
-        stage = StageModule(self.config, self.stages[k].layers, k == 0, k == len(self.stages) - 1, TPGroup(None, 1, 0))
-        torch.manual_seed(self.seed)
-        stage.load_full(Llama(self.config).state_dict(), strict=True)
+        family = self.family
+        stage = family.stage(self.stages[k].layers, k == 0, k == len(self.stages) - 1, SINGLE)
+        stage.load_full(family.initial_state(self.seed), strict=True)
         return stage
 
     def stage_parameters(self, k: int) -> int:
         """How many parameters stage k holds (without building it)."""
-        from heteropp.model_spec import ModelSpec
-
-        spec = ModelSpec.from_dict(self.model, seq=self.seq)
+        spec = self.spec
         first, last = self.stages[k].layers
         return ((last - first) * spec.params_per_layer + (spec.embedding_params if k == 0 else 0)
                 + (spec.head_params if k == len(self.stages) - 1 else 0))
 
     def boundary_shape(self, rows: int) -> tuple[int, ...]:
-        return (rows, self.seq, self.config.dim)
+        return (rows, self.seq, self.spec.hidden)
 
     # -- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:

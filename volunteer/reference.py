@@ -4,9 +4,9 @@ It shares nothing with the servers and clients but the job's description."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from dimodel.datasets import step_batch, text_corpus
-from dimodel.llama import Llama
+from dimodel.datasets import step_batch
 
 from .job import Job
 
@@ -16,10 +16,10 @@ def reference_run(job: Job) -> tuple[list[float], list[dict[str, torch.Tensor]]]
 
     With delayed updates, step s's gradient is taken at the parameters of step s - 1 and applied
     to those of step s, as the servers' shards do."""
-    torch.manual_seed(job.seed)
-    model = Llama(job.config)
+    family = job.family
+    model = family.whole_model(job.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
-    data = text_corpus()[0]
+    data = job.training_tokens()
     losses, grads = [], []
     stale = None  # with delayed updates: the parameters the step before computed with
     for step in range(job.steps):
@@ -30,7 +30,8 @@ def reference_run(job: Job) -> tuple[list[float], list[dict[str, torch.Tensor]]]
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(stale[n])
-        loss = model.loss(tokens)
+        logits = family.logits(model, tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
         if job.delayed_updates:
             stale = {n: p.detach().clone() for n, p in model.named_parameters()} if stale is None else current

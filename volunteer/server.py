@@ -41,9 +41,8 @@ FORGET_AFTER = 600.0  # a client silent this long leaves the roster (a restarted
 def max_message_bytes(job: Job) -> int:
     """The largest frame a job's sockets accept: a stage's whole parameter vector, or a whole
     micro-batch of activations, plus room for the header."""
-    cfg = job.config
     params = max(job.stage_parameters(k) for k in range(len(job.stages)))
-    rows = job.microbatch_samples * job.seq * max(cfg.dim, 2)
+    rows = job.microbatch_samples * job.seq * max(job.spec.hidden, 2)
     return 4 * max(params, rows) + PING_MAX_BYTES + (64 << 10)
 
 
@@ -66,9 +65,7 @@ class StageServer:
         self.max_bytes = max_message_bytes(job)
         self.roster = Roster(job.liveness, clock)
         if data is None and self.stage in (0, len(job.stages) - 1):
-            from dimodel.datasets import text_corpus
-
-            data = text_corpus()[0]
+            data = job.training_tokens()
         initial = torch.cat([p.detach().reshape(-1) for p in flat_parameters(job.stage_module(self.stage))])
         self.shard = ParameterShard(job, self.stage, self.shard_index, initial, self.roster,
                                     self._to_client, self._to_server, clock)

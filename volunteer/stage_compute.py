@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from heteropp.model_spec import ModelSpec
 
 from .job import Job, flat_parameters
 
@@ -24,7 +23,7 @@ class StageCompute:
         self.params = flat_parameters(self.module)
         self.numel = sum(p.numel() for p in self.params)
         layers = self.spec.layers[1] - self.spec.layers[0]
-        self.flops_per_sample = layers * 3 * ModelSpec.from_dict(job.model, seq=job.seq).layer_forward_flops()
+        self.flops_per_sample = layers * 3 * job.spec.layer_forward_flops()
 
     def install(self, flat: torch.Tensor) -> None:
         """New parameters, as one flat vector."""

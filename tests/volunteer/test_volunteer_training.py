@@ -160,3 +160,27 @@ def test_clients_on_dipu_and_on_the_cpu_train_the_same_model():
     devices = {c.name: next(c.compute.module.parameters()).device.type for c, _ in lj.clients}
     assert devices == {"dipu0": "dipu", "cpu0": "cpu", "dipu1": "dipu"}
     assert all(c.tasks_done for c, _ in lj.clients if c.name != "cpu0")  # the dipu clients did compute
+
+
+def test_a_hugging_face_model_with_a_token_file_equals_single_process_training(tmp_path):
+    """A Qwen3 (per-head q/k norms, its own head width) over three volunteer stages, fed from a
+    token file: the family's own model in one process is the reference."""
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    np.random.default_rng(3).integers(0, 96, 4000).astype(np.uint16).tofile(tmp_path / "t.bin")
+    qwen3 = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+             "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 24,
+             "max_position_embeddings": 32, "tie_word_embeddings": False}
+    job = loopback_job(qwen3, [(0, 1), (1, 3), (3, 4)], [(1, 1)] * 3, batch=8, microbatches=2, seq=16, steps=3,
+                       lr=1e-2, weight_decay=0.1, data=str(tmp_path / "t.bin"), **FAST)
+    check_exact(job, run(job, [(k, f"c{k}", {}) for k in range(3)]))
+
+
+def test_a_volunteer_job_refuses_tied_embeddings_split_over_stages():
+    pytest.importorskip("transformers")
+    tied = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 32, "tie_word_embeddings": True}
+    with pytest.raises(ValueError, match="ties its embedding and LM head"):
+        loopback_job(tied, [(0, 1), (1, 2)], [(1, 1)] * 2, batch=8, microbatches=2, seq=16, steps=1)
