@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the built-in byte corpus")
     p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
                    help="the token file's dtype (default: its .json sidecar's, else uint16)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps and at the end, log the loss on held-out tokens (the last 10%% of the data)")
+    p.add_argument("--eval-batches", type=int, default=1, help="global batches of held-out tokens per evaluation")
     p.add_argument("--save", type=Path, default=None,
                    help="checkpoint directory (written at the end; a Hugging Face model also as hf-<step>/)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             reshard=args.reshard, sequence_parallel=args.sequence_parallel, memory_scale=args.memory_scale,
             log=args.loss_log, trace=args.trace, data=args.data, data_dtype=args.data_dtype, save=args.save,
             save_every=args.save_every, resume=args.resume, zero1=args.zero1, check_replicas=args.check_replicas,
+            eval_every=args.eval_every, eval_batches=args.eval_batches,
             progress=not args.quiet)
     except (PlanError, ValueError, OSError) as exc:
         print(f"ditorch.train: {exc}", file=sys.stderr)

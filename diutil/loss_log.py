@@ -1,4 +1,5 @@
-"""A tiny training-loss logger (JSON lines ``{"step", "loss", "tokens"}``) and its reader."""
+"""A tiny training-loss logger (JSON lines ``{"step", "loss", "tokens"}``, and ``"val_loss"`` at
+the steps that measured a held-out loss) and its reader."""
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ class LossLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Optional[TextIO] = open(self.path, "a" if append else "w")
 
-    def log(self, step: int, loss: float, tokens: int) -> None:
-        """Record ``loss`` (a float or a one-element tensor) at ``step`` after ``tokens`` tokens."""
+    def log(self, step: int, loss: float, tokens: int, val_loss: float | None = None) -> None:
+        """Record ``loss`` (a float or a one-element tensor) at ``step`` after ``tokens`` tokens,
+        and the held-out ``val_loss`` when the step measured one."""
         if self._file is None:
             raise ValueError(f"LossLogger({str(self.path)!r}) is closed")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -31,7 +33,12 @@ class LossLogger:
         value = float(loss)  # accepts 0-d tensors and numpy scalars
         if not math.isfinite(value):
             raise ValueError(f"LossLogger.log: loss at step {step} is {value}; expected a finite number")
-        self._file.write(json.dumps({"step": step, "loss": value, "tokens": tokens}) + "\n")
+        record = {"step": step, "loss": value, "tokens": tokens}
+        if val_loss is not None:
+            record["val_loss"] = float(val_loss)
+            if not math.isfinite(record["val_loss"]):
+                raise ValueError(f"LossLogger.log: val_loss at step {step} is {record['val_loss']}; expected a finite number")
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -236,6 +236,13 @@ def _backward(s: int, S: int, m: int, recompute: bool, split: bool) -> list[Acti
     return out
 
 
+def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
+    """Every micro-batch's forward and nothing else: the evaluation of a held-out loss (not a
+    training schedule, so not ``validate``-d as one)."""
+    acts = [[a for m in range(num_microbatches) for a in _forward(s, num_stages, m)] for s in range(num_stages)]
+    return Schedule("forward-only", num_stages, num_microbatches, acts, blocking_p2p=True)
+
+
 def gpipe(num_stages: int, num_microbatches: int, recompute: Sequence[bool] | None = None) -> Schedule:
     """All forwards, then all backwards."""
     rc = list(recompute or [False] * num_stages)

@@ -15,7 +15,7 @@ from heteropp.plan import Plan
 
 from .model_family import model_family
 from .stage_update import make_optimizer
-from .trainer import TrainOptions, global_batch_size, train_tokens
+from .trainer import TrainOptions, global_batch_size, held_out_batch, run_tokens
 
 
 def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], torch.nn.Module]:
@@ -26,22 +26,31 @@ def train_reference(plan: Plan, options: TrainOptions) -> tuple[list[float], tor
     family = model_family(plan.model)
     model = family.whole_model(options.seed)
     optimizer = make_optimizer(model.parameters(), options.lr, options.weight_decay)
-    data = train_tokens(plan, options)
+    data, held_out = run_tokens(plan, options)
+
+    def batch_loss(tokens: torch.Tensor) -> torch.Tensor:
+        logits = family.logits(model, tokens[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            return sum(batch_loss(held_out_batch(held_out, plan, options, i)).item()
+                       for i in range(options.eval_batches)) / options.eval_batches
+
     n, seq = global_batch_size(plan), plan.model.seq
     losses, start = [], time.perf_counter()
     log = LossLogger(options.log) if options.log else None
     try:
         for step in range(options.steps):
-            tokens = step_batch(data, n, seq, options.seed, step)
-            logits = family.logits(model, tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss = batch_loss(step_batch(data, n, seq, options.seed, step))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
+            evaluate = options.eval_every and ((step + 1) % options.eval_every == 0 or step + 1 == options.steps)
             if log is not None:
-                log.log(step + 1, losses[-1], (step + 1) * n * seq)
+                log.log(step + 1, losses[-1], (step + 1) * n * seq, held_out_loss() if evaluate else None)
             if options.progress and ((step + 1) % max(1, options.steps // 10) == 0 or step + 1 == options.steps):
                 bar = "#" * (30 * (step + 1) // options.steps)
                 rate = n * seq * len(losses) / (time.perf_counter() - start)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dimodel.datasets import step_batch, training_tokens
 from heteropp.plan import Plan, PlanError
-from heteropp.schedule import Schedule, fine_grained, gpipe, one_f_one_b
+from heteropp.schedule import Schedule, fine_grained, forward_only, gpipe, one_f_one_b
 
 from .boundary import RESHARD_MODES, StageBoundary
 from .executor import StageExecutor
@@ -54,6 +54,8 @@ class TrainOptions:
     resume: Path | None = None
     zero1: bool = False
     check_replicas: int = 0  # every N steps and at the end, check DP replicas hold equal parameters
+    eval_every: int = 0  # every N steps and at the end, the held-out loss (0: never)
+    eval_batches: int = 1  # global batches of held-out tokens per evaluation (the same ones each time)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -67,11 +69,24 @@ class TrainOptions:
             raise ValueError(f"lr={self.lr}, clip={self.clip}: both must be > 0")
         if self.check_replicas < 0:
             raise ValueError(f"check_replicas={self.check_replicas}: expected a step count >= 0 (0: never)")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError(f"eval_every={self.eval_every}, eval_batches={self.eval_batches}: expected a step count "
+                             f">= 0 (0: never) and at least one batch")
 
 
-def train_tokens(plan: Plan, options: TrainOptions):
-    """The tokens the run's batches are drawn from (checked against the model's vocabulary)."""
-    return training_tokens(options.data, options.data_dtype, plan.model.vocab)[0]
+def run_tokens(plan: Plan, options: TrainOptions):
+    """(train, held-out): the tokens the run's batches and its evaluations are drawn from
+    (checked against the model's vocabulary)."""
+    train, held_out = training_tokens(options.data, options.data_dtype, plan.model.vocab)
+    if options.eval_every and len(held_out) < plan.model.seq + 1:
+        raise ValueError(f"the held-out split has {len(held_out)} tokens, fewer than one sequence of "
+                         f"{plan.model.seq + 1}; give more data or no --eval-every")
+    return train, held_out
+
+
+def held_out_batch(held_out, plan: Plan, options: TrainOptions, index: int):
+    """Evaluation batch ``index`` (0 .. eval_batches - 1): the same tokens at every evaluation."""
+    return step_batch(held_out, global_batch_size(plan), plan.model.seq, options.seed, index)
 
 
 def global_batch_size(plan: Plan) -> int:
@@ -178,7 +193,11 @@ class PipelineTrainer:
             recompute=self.stage_plan.recompute, device=self.device,
             loss_scale=1.0 / global_batch_size(plan),
             autocast_dtype=torch.bfloat16 if options.precision == "bf16" else None, trace=self.trace)
-        self.data = train_tokens(plan, options)
+        self.data, self.held_out = run_tokens(plan, options)
+        self.evaluator = StageExecutor(
+            self.module, forward_only(plan.num_stages, plan.num_microbatches).actions[self.place.stage],
+            self.executor.prev, self.executor.next, recompute=True, device=self.device, loss_scale=1.0,
+            autocast_dtype=self.executor.autocast_dtype)
         self.start_step = 0
 
     # -- set-up ------------------------------------------------------------------------------
@@ -202,9 +221,10 @@ class PipelineTrainer:
         return (boundary(i - 1) if i > 0 else None), (boundary(i) if i < S - 1 else None)
 
     # -- one step ----------------------------------------------------------------------------
-    def _microbatches(self, step: int) -> tuple[list | None, list | None]:
+    def _microbatches(self, batch: torch.Tensor) -> tuple[list | None, list | None]:
+        """This replica's micro-batches of the global ``batch``: token ids on the first stage,
+        targets on the last."""
         M, mbs = self.plan.num_microbatches, self.plan.micro_batch_size
-        batch = step_batch(self.data, global_batch_size(self.plan), self.plan.model.seq, self.options.seed, step)
         rows = batch[self.place.dp_index * M * mbs:(self.place.dp_index + 1) * M * mbs]
         mbatches = [rows[m * mbs:(m + 1) * mbs] for m in range(M)]
         tokens = [b[:, :-1].to(self.device) for b in mbatches] if self.module.is_first else None
@@ -225,7 +245,8 @@ class PipelineTrainer:
     def step(self, step: int) -> float:
         """Run one training step; returns the global batch's mean loss (on every rank)."""
         cpu_start, sent_start = time.process_time(), self._bytes_sent()
-        tokens, targets = self._microbatches(step)
+        batch = step_batch(self.data, global_batch_size(self.plan), self.plan.model.seq, self.options.seed, step)
+        tokens, targets = self._microbatches(batch)
         losses = self.executor.run(step, tokens, targets)
         t_update = now()
         loss_sum = sum(losses) if self.module.is_last and self.place.tp_index == 0 else 0.0
@@ -236,6 +257,19 @@ class PipelineTrainer:
                           cpu_s=time.process_time() - cpu_start, p2p_bytes=self._bytes_sent() - sent_start,
                           peak_bytes=torch.dipu.max_memory_allocated(self.device))
         return loss_total / (self.plan.num_microbatches * self.plan.dp)
+
+    def evaluate(self) -> float:
+        """The mean loss over the held-out batches, forward only (collective over the job)."""
+        total = 0.0
+        with torch.no_grad():
+            for index in range(self.options.eval_batches):
+                tokens, targets = self._microbatches(held_out_batch(self.held_out, self.plan, self.options, index))
+                losses = self.evaluator.run(index, tokens, targets)
+                if self.module.is_last and self.place.tp_index == 0:
+                    total += sum(losses)
+        summed = torch.tensor(total, dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return summed.item() / (self.options.eval_batches * self.plan.num_microbatches * self.plan.dp)
 
     # -- the run -----------------------------------------------------------------------------
     def check_replicas(self) -> None:

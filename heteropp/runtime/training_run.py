@@ -1,5 +1,5 @@
-"""A training run of one rank: every step of its trainer, with rank 0 logging the loss, showing
-progress and writing the trace; checkpoints every ``save_every`` steps and at the end; replicas
+"""A training run of one rank: every step of its trainer, with rank 0 logging the loss (and the
+held-out loss every ``eval_every`` steps), showing progress and writing the trace; checkpoints every ``save_every`` steps and at the end; replicas
 checked every ``check_replicas`` steps; and a hook after each step (a Di-PS outer step) that may
 end the run."""
 from __future__ import annotations
@@ -34,10 +34,13 @@ class TrainingRun:
             for step in range(trainer.start_step, o.steps):
                 loss = trainer.step(step)
                 losses.append(loss)
+                evaluate = o.eval_every and ((step + 1) % o.eval_every == 0 or step + 1 == o.steps)
+                val_loss = trainer.evaluate() if evaluate else None
                 if log is not None:
-                    log.log(step + 1, loss, (step + 1) * tokens_per_step)
+                    log.log(step + 1, loss, (step + 1) * tokens_per_step, val_loss)
                 if o.progress and dist.get_rank() == 0:
-                    self._progress(step + 1, loss, tokens_per_step * len(losses) / (time.perf_counter() - start))
+                    self._progress(step + 1, loss, tokens_per_step * len(losses) / (time.perf_counter() - start),
+                                   val_loss)
                 if o.save and o.save_every and (step + 1) % o.save_every == 0:
                     trainer.save(o.save, step + 1)
                 stop = after_step is not None and after_step(step)
@@ -54,14 +57,15 @@ class TrainingRun:
             self._write_trace(o.trace)
         return losses
 
-    def _progress(self, step: int, loss: float, rate: float) -> None:
+    def _progress(self, step: int, loss: float, rate: float, val_loss: float | None) -> None:
         n = self.options.steps
         tty = sys.stdout.isatty()
         if not tty and step != n and step % max(1, n // 10):
             return  # a log file gets every tenth of the run, a terminal every step
         bar = "#" * (30 * step // n)
         end = "\n" if step == n or not tty else "\r"
-        print(f"  [{bar:<30}] step {step:>4}/{n}  loss {loss:.4f}  {rate:,.0f} tok/s", end=end, flush=True)
+        val = f"  held-out {val_loss:.4f}" if val_loss is not None else ""
+        print(f"  [{bar:<30}] step {step:>4}/{n}  loss {loss:.4f}{val}  {rate:,.0f} tok/s", end=end, flush=True)
 
     def _write_trace(self, path: Path) -> None:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -1,8 +1,8 @@
 """Hugging Face models train exactly on the pipeline runtime: for each supported family, an fp32
 run under torchrun over a plan whose stages change TP equals the family's own ``*ForCausalLM``
 trained in one CPU process (``ditorch.train --reference``'s loop) within 1e-5 relative, step by
-step; and the model ``--save`` exports loads with ``from_pretrained`` and gives the reference's
-logits."""
+step, and so does the held-out loss it logs every other step; and the model ``--save`` exports
+loads with ``from_pretrained`` and gives the reference's logits."""
 from __future__ import annotations
 
 import json
@@ -55,14 +55,20 @@ def test_a_hf_model_trains_on_the_pipeline_as_in_one_process(case, tmp_path):
         data = ["--data", str(tmp_path / "t.bin")]
     run = torchrun(tmp_path / "plan.json", plan.num_chips,
                    ["--steps", str(STEPS), "--precision", "fp32", "--clip", "0.05", "--loss-log", "run.jsonl",
-                    "--save", "ckpt", "--check-replicas", "1", *data, *args], tmp_path)
+                    "--save", "ckpt", "--check-replicas", "1", "--eval-every", "2", "--eval-batches", "2", *data, *args],
+                   tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    options = TrainOptions(steps=STEPS, clip=0.05, progress=False, data=tmp_path / "t.bin" if token_file else None)
-    ref_losses, ref_model = train_reference(plan, options)
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run.jsonl").read_text().splitlines()]
-    assert len(losses) == STEPS
-    for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
-        assert a == pytest.approx(b, rel=1e-5), f"step {step}: pipeline {a} vs reference {b}"
+    options = TrainOptions(steps=STEPS, clip=0.05, progress=False, data=tmp_path / "t.bin" if token_file else None,
+                           eval_every=2, eval_batches=2, log=tmp_path / "ref.jsonl")
+    _, ref_model = train_reference(plan, options)
+    run_log, ref_log = ([json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+                        for name in ("run.jsonl", "ref.jsonl"))
+    assert len(run_log) == STEPS
+    for a, b in zip(run_log, ref_log):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), f"step {a['step']}: pipeline {a} vs reference {b}"
+        assert ("val_loss" in a) == (a["step"] % 2 == 0)
+        if "val_loss" in a:
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5), f"held-out: pipeline {a} vs reference {b}"
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf", dtype=torch.float32)
     assert type(exported) is type(ref_model)
