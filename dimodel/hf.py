@@ -109,11 +109,13 @@ def causal_lm(config) -> torch.nn.Module:
     return _transformers().AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def initial_state(config, seed: int, weights: str | Path | None = None) -> dict[str, torch.Tensor]:
-    """The full model's starting weights: ``weights`` (a directory of safetensors) when given,
-    else ``torch.manual_seed(seed)`` then ``AutoModelForCausalLM.from_config`` (fp32)."""
+def initial_state(config, seed: int, weights: str | Path | None = None,
+                  names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The model's starting weights: the tensors ``names`` (default: all) of ``weights`` (a
+    directory of safetensors, read tensor by tensor) when given, else the whole of
+    ``torch.manual_seed(seed)`` then ``AutoModelForCausalLM.from_config`` (fp32)."""
     if weights is not None:
-        return load_weights(weights, config)
+        return load_weights(weights, config, names)
     torch.manual_seed(seed)
     return causal_lm(config).state_dict()
 
@@ -124,31 +126,45 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def load_weights(directory: str | Path, config) -> dict[str, torch.Tensor]:
-    """The fp32 state dict in ``directory``'s ``*.safetensors``, checked tensor by tensor against
-    the model ``config`` defines (a tied head may be absent: it is the embedding)."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
+def _weight_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else [directory]
     if not files or not all(f.is_file() for f in files):
         raise ValueError(f"{directory}: no *.safetensors weights found")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    return files
+
+
+def load_weights(directory: str | Path, config, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The fp32 tensors ``names`` (default: all) of ``directory``'s ``*.safetensors``, after
+    checking every tensor's name and shape against the model ``config`` defines (from the files'
+    headers: only the tensors asked for are read). A tied head may be absent: it is the embedding."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in _weight_files(directory):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                where[key] = (f, tuple(handle.get_slice(key).get_shape()))
     expected = _expected_shapes(config)
-    if tied_embeddings(config) and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    unexpected = sorted(set(state) - set(expected))
-    missing = sorted(set(expected) - set(state))
+    alias = {}
+    if tied_embeddings(config) and "lm_head.weight" not in where and "model.embed_tokens.weight" in where:
+        alias["lm_head.weight"] = "model.embed_tokens.weight"
+    unexpected = sorted(set(where) - set(expected))
+    missing = sorted(set(expected) - set(where) - set(alias))
     if unexpected or missing:
         raise ValueError(f"{directory}: the weights do not match the config: missing {missing[:4]}"
                          f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
                          f"{' ...' if len(unexpected) > 4 else ''}")
     for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise ValueError(f"{directory}: {name} has shape {tuple(state[name].shape)}, the config expects {shape}")
-    return {k: v.float() for k, v in state.items()}
+        got = where[alias.get(name, name)][1]
+        if got != shape:
+            raise ValueError(f"{directory}: {name} has shape {got}, the config expects {shape}")
+    out = {}
+    for name in expected if names is None else names:
+        f, _ = where[alias.get(name, name)]
+        with safe_open(str(f), framework="pt") as handle:
+            out[name] = handle.get_tensor(alias.get(name, name)).float()
+    return out
 
 
 def export_pretrained(directory: str | Path, config, state: dict[str, torch.Tensor]) -> Path:

@@ -39,8 +39,9 @@ class LlamaFamily:
               store: WeightGradStore | None = None, sequence_parallel: bool = False) -> PipelineStage:
         return StageModule(self.config, layer_range, is_first, is_last, tp, store, sequence_parallel)
 
-    def initial_state(self, seed: int) -> dict[str, torch.Tensor]:
-        """The full model's initial weights, as a single-process run makes them from ``seed``."""
+    def initial_state(self, seed: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The full model's initial weights, as a single-process run makes them from ``seed``
+        (``names`` is a hint: the random stream is the whole model's, so all are made)."""
         torch.manual_seed(seed)
         return Llama(self.config).state_dict()
 
@@ -76,9 +77,10 @@ class HFFamily:
 
         return HFStageModule(self.config, layer_range, is_first, is_last, tp, store, sequence_parallel)
 
-    def initial_state(self, seed: int) -> dict[str, torch.Tensor]:
-        """The spec's weights, or ``torch.manual_seed(seed)`` + ``from_config`` (fp32)."""
-        return self.hf.initial_state(self.config, seed, self.spec.weights or None)
+    def initial_state(self, seed: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The spec's weights (only ``names`` read, when given), or ``torch.manual_seed(seed)`` +
+        ``from_config`` (fp32, the whole model: its random stream is the whole model's)."""
+        return self.hf.initial_state(self.config, seed, self.spec.weights or None, names)
 
     def whole_model(self, seed: int) -> nn.Module:
         model = self.hf.causal_lm(self.config)

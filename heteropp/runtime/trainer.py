@@ -206,7 +206,7 @@ class PipelineTrainer:
         with torch.device(self.device):
             module = self.family.stage(self.stage_plan.layer_range, i == 0, i == S - 1, self.groups.tp,
                                        sequence_parallel=self.options.sequence_parallel)
-        module.load_full(self.family.initial_state(self.options.seed))
+        module.load_full(self.family.initial_state(self.options.seed, [n for n, _ in module.named_parameters()]))
         return module
 
     def _boundaries(self) -> tuple[StageBoundary | None, StageBoundary | None]:

@@ -98,6 +98,10 @@ def test_weights_in_a_model_directory_are_the_starting_point(tmp_path):
     assert sorted(loaded) == sorted(state)
     for k, v in state.items():
         assert torch.equal(loaded[k], v), k
+    # a stage reads only its own tensors; the tied head is the stored embedding
+    some = model_family(spec).initial_state(seed=0, names=["lm_head.weight", "model.norm.weight"])
+    assert sorted(some) == ["lm_head.weight", "model.norm.weight"]
+    assert torch.equal(some["lm_head.weight"], state["model.embed_tokens.weight"])
 
 
 def test_weights_that_do_not_match_the_config_are_refused(tmp_path):

@@ -21,7 +21,8 @@ from plans import make_plan, torchrun  # noqa: E402
 STEPS = 4
 SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
-# family: (config extras, stages (chip, tp, layers, recompute), dp, extra ditorch.train arguments, token file)
+# family: (config extras, stages (chip, tp, layers, recompute), dp, extra ditorch.train arguments, token file);
+# the mistral case starts from weights in the model directory (of another seed than the run's).
 CASES = {
     "llama tp2-to-tp1 1f1b": ({}, [("X", 2, 2, False), ("Y", 1, 2, False)], 1, ["--schedule", "1f1b"], False),
     "qwen2 tied biases dp2 zero1 fine-grained": ({"tie_word_embeddings": True},
@@ -46,8 +47,18 @@ def test_a_hf_model_trains_on_the_pipeline_as_in_one_process(case, tmp_path):
 
     extra_config, stages, dp, args, token_file = CASES[case]
     family = case.split()[0]
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **SMALL, **extra_config}))
-    plan = make_plan(stages, dp=dp, model=ModelSpec.from_hf(tmp_path / "config.json"))
+    values = {"model_type": family, **SMALL, **extra_config}
+    if family == "mistral":
+        from dimodel import hf
+
+        config = hf.load_config(values)
+        hf.export_pretrained(tmp_path / "model", config, hf.initial_state(config, seed=5))
+        spec = ModelSpec.from_hf(tmp_path / "model")
+        assert spec.weights
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(values))
+        spec = ModelSpec.from_hf(tmp_path / "config.json")
+    plan = make_plan(stages, dp=dp, model=spec)
     plan.to_json(tmp_path / "plan.json")
     data = []
     if token_file:  # ids over the whole vocabulary, unlike the byte corpus's
