@@ -89,6 +89,26 @@ def _token(path: str) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        out = _allocation(args)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"ditorch volunteer plan: {exc}", file=sys.stderr)
+        return 2
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    tried = ", ".join("-" if t is None else f"{t:.3f}" for t in out["level_times_s"])
+    print(f"{len(out['stages'])} stage(s), predicted {out['makespan_s']:.3f} s per batch (levels tried: {tried})")
+    for k, s in enumerate(out["stages"]):
+        layers = s["layers"]
+        print(f"stage {k}: layers {layers[0]}-{layers[1] - 1}  frontal {', '.join(s['frontal'])}  "
+              f"backward {', '.join(s['backward'])}  clients {', '.join(s['clients']) or '-'}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _allocation(args: argparse.Namespace) -> dict:
+    """The allocation ``alloc.json`` holds, with its training section, checked as a job."""
     import yaml
 
     from heteropp.model_spec import ModelSpec
@@ -96,6 +116,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from .allocate import allocate
     from .cost import Workload
     from .devices import Fleet
+    from .job import Job
 
     fleet = Fleet.from_yaml(args.devices)
     spec = ModelSpec.load(args.model, seq=args.seq)
@@ -104,21 +125,15 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         with open(args.model) as f:
             model = yaml.safe_load(f)
-    seq = spec.seq
-    work = Workload.for_model(args.model, args.batch, args.microbatches, seq=seq)
+    work = Workload.for_model(args.model, args.batch, args.microbatches, seq=spec.seq)
     alloc = allocate(fleet, work, rule=args.rule)
     out = alloc.to_dict()
-    out["training"] = {"model": model, "seq": seq, "steps": args.steps, "seed": args.seed, "lr": args.lr,
+    out["training"] = {"model": model, "seq": spec.seq, "steps": args.steps, "seed": args.seed, "lr": args.lr,
                        "weight_decay": args.weight_decay, "delayed_updates": args.delayed_updates,
                        "data": str(args.data), "data_dtype": args.data_dtype}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{len(alloc.stages)} stage(s), predicted {alloc.makespan:.3f} s per batch "
-          f"(levels tried: {', '.join(f'{t:.3f}' for t in alloc.level_times)})")
-    for k, (s, layers) in enumerate(zip(out["stages"], alloc.layer_ranges())):
-        print(f"stage {k}: layers {layers[0]}-{layers[1] - 1}  frontal {', '.join(s['frontal'])}  "
-              f"backward {', '.join(s['backward'])}  clients {', '.join(s['clients']) or '-'}")
-    print(f"wrote {args.out}")
-    return 0
+    training = dict(out["training"])
+    Job.from_allocation(out, training.pop("model"), **training)  # refuse now what the servers would refuse
+    return out
 
 
 def load_job(path: str):

@@ -143,3 +143,23 @@ def test_a_hf_model_spec_round_trips_through_the_plan_files_form():
     again = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())), name="tiny")
     assert again == spec
     assert again.qk_norm and again.tied_embeddings and again.head_dim == 12 and again.q_dim == 48
+
+
+def test_ditorch_plan_plans_a_hf_config_and_the_plan_carries_it(tmp_path, capsys):
+    """The whole planning path from a config.json: the plan file holds the config itself, and
+    the layer count and vocabulary the planner split are the config's."""
+    from heteropp import Plan
+    from heteropp.cli import main
+
+    from heteropp_cases import CONFIGS
+
+    values = _tiny(num_hidden_layers=16, vocab_size=256, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(CONFIGS / "cluster-exp-a-1.yaml"), "--model", str(tmp_path / "config.json"),
+                 "--seq", "32", "--gbs", "64K", "--out", str(out)]) == 0
+    plan = Plan.from_json(out)
+    assert json.loads(plan.model.hf_config) == values
+    assert sum(s.layers for s in plan.stages) == 16 and plan.model.vocab == 256 and plan.model.seq == 32
+    assert plan.model.tied_embeddings and plan.model.qk_norm
+

@@ -127,3 +127,31 @@ def test_stages_and_clients_on_three_hosts(tmp_path):
         addresses = [f"{place[f's{i}'].name}:{7300 + i}" for i in range(4)]
         run_job(tmp_path, addresses, on_host=lambda name: place.get(name, hosts[2]).run([]),
                 bind=lambda name: f"0.0.0.0:{7300 + int(name[1:])}")
+
+
+def test_a_volunteer_job_plans_a_hugging_face_config_with_a_token_file(tmp_path):
+    """`ditorch volunteer plan --model config.json --data tokens.bin` writes a job whose servers
+    build the Hugging Face model's stages and read the token file."""
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from ditorch.cli import main as ditorch_main
+
+    values = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 32, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    (np.arange(640) % 64).astype(np.uint16).tofile(tmp_path / "t.bin")
+    devices_yaml(tmp_path / "devices.yaml", [f"127.0.0.1:{7300 + i}" for i in range(4)])
+    fleet = yaml.safe_load((tmp_path / "devices.yaml").read_text())
+    for device in fleet["reliable"] + fleet["unreliable"]:
+        device["memory_gb"] = 0.01  # the Qwen3 is larger than the LLaMA of the other tests
+    (tmp_path / "devices.yaml").write_text(yaml.safe_dump(fleet))
+    assert ditorch_main(["volunteer", "plan", "--devices", str(tmp_path / "devices.yaml"), "--model",
+                         str(tmp_path / "config.json"), "--data", str(tmp_path / "t.bin"), "--seq", "16", "--batch", "8",
+                         "--microbatches", "2", "--out", str(tmp_path / "alloc.json")]) == 0
+    job = load_job(str(tmp_path / "alloc.json"))
+    assert job.model == values and job.data == str(tmp_path / "t.bin") and job.seq == 16
+    assert job.training_tokens()[:10].tolist() == list(range(10))
+    names = [n for k in range(len(job.stages)) for n, _ in job.stage_module(k).named_parameters()]
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" in names
