@@ -39,10 +39,15 @@ bool vendorLacks(const c10::OperatorHandle& op) {
 }
 
 void cpuFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const std::string name = qualifiedName(op);
   // Checked first: an op that cannot run anywhere is an error, not a counted fallback.
-  TORCH_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CPU), name, " has no kernel for the '", vendor().name(),
-              "' vendor and none on the CPU to fall back to");
+  TORCH_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CPU), qualifiedName(op), " has no kernel for the '",
+              vendor().name(), "' vendor and none on the CPU to fall back to");
+  countCpuFallback(op);
+  at::native::cpu_fallback(op, stack);
+}
+
+void countCpuFallback(const c10::OperatorHandle& op) {
+  const std::string name = qualifiedName(op);
   bool first;
   {
     FallbackRegistry& r = registry();
@@ -52,7 +57,6 @@ void cpuFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (first)
     TORCH_WARN("ditorch: ", name, " is not supported by the '", vendor().name(),
                "' vendor; running it on the CPU with copies (warned once; see ditorch_ext.cpu_fallback_counts())");
-  at::native::cpu_fallback(op, stack);
 }
 
 std::map<std::string, int64_t> cpuFallbackCounts() {

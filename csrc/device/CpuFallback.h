@@ -14,6 +14,8 @@ namespace ditorch {
 bool vendorLacks(const c10::OperatorHandle& op);
 // Runs `op` on the CPU with copies; fails naming the op when the CPU has no kernel either.
 void cpuFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// Counts one run of `op` on the CPU (and warns the first time).
+void countCpuFallback(const c10::OperatorHandle& op);
 
 std::map<std::string, int64_t> cpuFallbackCounts();
 void resetCpuFallbackCounts();

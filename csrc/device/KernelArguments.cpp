@@ -1,5 +1,7 @@
 #include "device/KernelArguments.h"
 
+#include "device/SparseOps.h"
+
 #include "device/Allocator.h"
 #include "device/Generator.h"
 #include "device/vendor/Vendor.h"
@@ -209,8 +211,9 @@ bool KernelArguments::becomeDipu(const at::Tensor& k) {
 
 at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
   if (!k.defined() || k.device().type() != kernelDeviceType()) return k;
-  TORCH_CHECK(k.layout() == c10::kStrided, "dipu holds only strided tensors, but the '", vendor().name(),
-              "' vendor's kernel returned a ", k.layout(), " tensor (sparse and other layouts are not supported on dipu)");
+  if (k.layout() == c10::kSparse) return sparseOver(k, toDipu(k._indices()), toDipu(k._values()));  // to_sparse()
+  TORCH_CHECK(k.layout() == c10::kStrided, "dipu holds strided and sparse COO tensors, but the '", vendor().name(),
+              "' vendor's kernel returned a ", k.layout(), " tensor");
   c10::StorageImpl* ks = k.storage().unsafeGetStorageImpl();
   for (const Alias& a : aliases_) {
     if (a.kernel_storage.unsafeGetStorageImpl() != ks) continue;

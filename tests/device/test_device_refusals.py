@@ -112,3 +112,4 @@ def test_an_op_with_neither_vendor_nor_cpu_kernel_is_an_error_not_a_fallback():
             torch.ops.ditorch_refusals.cuda_only(torch.ones(2, device="dipu"))
     assert ditorch_ext.cpu_fallback_counts() == {}
     assert not [w for w in caught if "not supported by" in str(w.message)]
+

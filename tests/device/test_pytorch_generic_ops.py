@@ -1,5 +1,7 @@
 """Ops PyTorch's own device-generic tests found behaving differently on dipu than on CPU: each
 against the CPU's result (or its error) on the same inputs."""
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -39,3 +41,40 @@ def test_mode_refuses_what_the_cpu_refuses_with_the_cpus_words():
     with pytest.raises(RuntimeError) as dipu:
         torch.mode(x.dipu(), 1)
     assert str(dipu.value).splitlines()[0] == str(cpu.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("index", [torch.tensor([], dtype=torch.long), torch.tensor([0, 2])], ids=["empty", "two"])
+def test_index_fill_refuses_a_cpu_index_vector_as_cuda_does(index):
+    """CUDA's index_fill_ runs a TensorIterator over the index restrided to the input's rank, which
+    admits no CPU tensor beside a device one (only 0-dim CPU scalars), empty or not. (PyTorch's
+    test_stable_sort_against_numpy fills with CPU indices only after returning early on CUDA.)"""
+    with pytest.raises(RuntimeError, match=r"index_fill_.*same device.*dipu:0 and cpu"):
+        torch.zeros(3, device="dipu").index_fill_(0, index, 1.0)
+    filled = torch.zeros(3, device="dipu").index_fill_(0, index.to("dipu"), 1.0)
+    assert torch.equal(filled.cpu(), torch.zeros(3).index_fill_(0, index, 1.0))
+
+
+@pytest.mark.parametrize("case", ["boundary", "values", "sorter", "out", "bucketize"])
+def test_searchsorted_warns_of_non_contiguous_tensors_as_the_cpu_does(case):
+    """The CPU kernel's performance warnings reach the caller from dipu too (with warn-always on,
+    as PyTorch's tests of them set it: they are TORCH_WARN_ONCE)."""
+    def run(device: str) -> list[str]:
+        b, v = torch.arange(10.0, device=device), torch.tensor([1.0, 0.0, 5.0], device=device)
+        args = {"boundary": lambda: torch.searchsorted(b[::2], v),
+                "values": lambda: torch.searchsorted(b, v[::2]),
+                "sorter": lambda: torch.searchsorted(
+                    b.flip(0), v, sorter=torch.arange(9, -1, -1, device=device).repeat_interleave(2)[::2]),
+                "out": lambda: torch.searchsorted(b[::2], v, out=torch.empty(3, dtype=torch.long, device=device)),
+                "bucketize": lambda: torch.bucketize(v[::2], b[::2])}[case]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args()
+        return sorted(str(w.message) for w in caught if "non-contiguous" in str(w.message))
+
+    previous = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        on_cpu, on_dipu = run("cpu"), run("dipu")
+    finally:
+        torch.set_warn_always(previous)
+    assert on_cpu and on_dipu == on_cpu
