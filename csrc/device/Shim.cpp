@@ -43,11 +43,11 @@ OpDevice opDevice(const c10::OperatorHandle& op, const torch::jit::Stack& stack)
 }
 
 // Whether `t` may sit beside tensors of dipu:`device`, as CUDA decides it: tensors of that device,
-// 0-dim CPU tensors (scalars), and, in Tensor?[] index lists, CPU index tensors.
-bool mayJoin(const at::Tensor& t, int device, bool index_list) {
+// 0-dim CPU tensors (scalars) the op only reads, and, in Tensor?[] index lists, CPU index tensors.
+bool mayJoin(const at::Tensor& t, int device, bool index_list, bool written) {
   if (!t.defined()) return true;
   if (isDipu(t)) return t.device().index() == device;
-  return t.device().is_cpu() && (t.dim() == 0 || index_list);
+  return t.device().is_cpu() && !written && (t.dim() == 0 || index_list);
 }
 
 // Refuses an op whose tensors, list items included, are on different devices (CUDA refuses it; the
@@ -58,11 +58,13 @@ void checkOneDevice(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   const size_t base = stack.size() - args.size();
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[base + i];
-    if (v.isTensor() && !mayJoin(v.toTensor(), device, false)) mixedDevices(op, args[i], v.toTensor(), device);
+    const bool written = args[i].alias_info() && args[i].alias_info()->isWrite();
+    if (v.isTensor() && !mayJoin(v.toTensor(), device, false, written)) mixedDevices(op, args[i], v.toTensor(), device);
     if (!v.isList()) continue;
     const bool index_list = !v.isTensorList();  // Tensor?[] (index, index_put_) holds CPU indices on CUDA too
     for (const c10::IValue& e : v.toListRef())
-      if (e.isTensor() && !mayJoin(e.toTensor(), device, index_list)) mixedDevices(op, args[i], e.toTensor(), device);
+      if (e.isTensor() && !mayJoin(e.toTensor(), device, index_list, written))
+        mixedDevices(op, args[i], e.toTensor(), device);
   }
 }
 

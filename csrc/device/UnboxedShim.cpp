@@ -54,16 +54,17 @@ constexpr bool kIsTensor = std::is_same_v<std::decay_t<T>, at::Tensor>;
 template <class T>
 constexpr bool kIsWritten = std::is_same_v<T, at::Tensor&>;
 
-// Folds one argument into the op's device: -1 before the first dipu tensor, -2 once the call is
-// not plain (tensors on two devices, a host tensor that is not a scalar).
+// Folds one argument (of declared type T) into the op's device: -1 before the first dipu tensor, -2
+// once the call is not plain (tensors on two devices, a host tensor that is not a scalar the op
+// only reads).
 template <class T>
-void joinDevice(int& device, const T& arg) {
+void joinDevice(int& device, const std::remove_reference_t<T>& arg) {
   if constexpr (kIsTensor<T>) {
     if (device == -2 || !arg.defined()) return;
     if (isDipu(arg)) {
       const int d = arg.device().index();
       device = device == -1 || device == d ? d : -2;
-    } else if (!(arg.device().is_cpu() && arg.dim() == 0)) {
+    } else if (kIsWritten<T> || !(arg.device().is_cpu() && arg.dim() == 0)) {
       device = -2;
     }
   }
@@ -105,7 +106,7 @@ struct UnboxedShim<Op, Ret(Args...)> {
 
   static Ret call(c10::DispatchKeySet keys, Args... args) {
     int device = -1;
-    (joinDevice(device, args), ...);
+    (joinDevice<Args>(device, args), ...);
     const ChipProfile& chip = chipProfile();
     if (device < 0 || chip.numerics.any() || vendorLacks(handle()))
       return c10::impl::BoxedKernelWrapper<Ret(Args...)>::call(c10::BoxedKernel::makeFromFunction<&shimKernel>(),
