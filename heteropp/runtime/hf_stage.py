@@ -21,7 +21,7 @@ from dimodel import hf
 from .stage_model import PipelineStage
 from .tensor_parallel import ShardedLinear, TPGroup, VocabParallelEmbedding, WeightGradStore, enter_tp, leave_tp
 
-_COLUMN = ("q_proj", "k_proj", "v_proj")
+_ATTENTION_COLUMNS = ("q_proj", "k_proj", "v_proj")  # column-parallel, with their biases
 
 
 def _enter_hook(tp: TPGroup, sp: bool):
@@ -42,10 +42,10 @@ def _leave_hook(tp: TPGroup, sp: bool):
     return hook
 
 
-def _shard_layer(layer: nn.Module, config, tp: TPGroup, store: WeightGradStore, sp: bool) -> nn.Module:
+def _shard_layer(layer: nn.Module, tp: TPGroup, store: WeightGradStore, sp: bool) -> nn.Module:
     """Swap ``layer``'s projections for this rank's shards and hook in the TP communication."""
     attn, mlp = layer.self_attn, layer.mlp
-    for name in _COLUMN:
+    for name in _ATTENTION_COLUMNS:
         full = getattr(attn, name)
         setattr(attn, name, ShardedLinear(full.in_features, full.out_features // tp.size, store, full.bias is not None))
     attn.o_proj = ShardedLinear(attn.o_proj.in_features // tp.size, attn.o_proj.out_features, store)
@@ -89,7 +89,7 @@ class HFStageModule(PipelineStage):
                 self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, self.sp,
                                                                  padding_idx=config.pad_token_id)
             self.model.layers = nn.ModuleDict(
-                {str(i): _shard_layer(layer_cls(config, i), config, tp, self.store, self.sp) for i in range(*layer_range)})
+                {str(i): _shard_layer(layer_cls(config, i), tp, self.store, self.sp) for i in range(*layer_range)})
             if is_last:
                 self.model.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
                 self.lm_head = ShardedLinear(config.hidden_size, config.vocab_size // tp.size, self.store)
