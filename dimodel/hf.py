@@ -16,11 +16,11 @@ import torch
 __all__ = ["FAMILIES", "attention_window", "causal_lm", "check_tp", "decoder_parts", "export_pretrained",
            "head_dim", "initial_state", "load_config", "load_weights", "read_config_dict", "tied_embeddings"]
 
-# model_type -> the transformers module that defines it
-FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-# Biases of row-parallel projections would be added once per TP rank; these configs would need them.
-_ROW_PARALLEL_BIAS = ("mlp_bias",)
-_ROW_PARALLEL_BIAS_BY_FAMILY = {"llama": ("attention_bias",), "mistral": (), "qwen2": (), "qwen3": ("attention_bias",)}
+# the supported model_types, each also the name of its transformers.models module
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Config switches that give o_proj / down_proj a bias, which each TP rank would add once. (Qwen2's
+# q/k/v biases are built in; column-parallel, they are cut with their outputs.)
+_ROW_PARALLEL_BIASES = ("attention_bias", "mlp_bias")
 
 
 def _transformers():
@@ -58,7 +58,7 @@ def load_config(values: dict | str | Path):
                          f"(decoder-only Llama, Mistral, Qwen2, Qwen3)")
     fields = {k: v for k, v in values.items() if k not in ("model_type", "transformers_version", "architectures")}
     config = _transformers().AutoConfig.for_model(model_type, **fields)
-    for key in _ROW_PARALLEL_BIAS + _ROW_PARALLEL_BIAS_BY_FAMILY[model_type]:
+    for key in _ROW_PARALLEL_BIASES:
         if getattr(config, key, False):
             raise ValueError(f"{model_type} config has {key}=true: biases on the row-parallel projections "
                              f"(o_proj, down_proj) are not supported; expected {key}=false")
@@ -97,8 +97,7 @@ def decoder_parts(config) -> tuple[type, type, type]:
     """The family's (decoder layer, RMSNorm, rotary embedding) classes."""
     import importlib
 
-    module = importlib.import_module(f"transformers.models.{FAMILIES[config.model_type]}.modeling_"
-                                     f"{FAMILIES[config.model_type]}")
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
     prefix = type(config).__name__[: -len("Config")]
     return (getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RMSNorm"),
             getattr(module, f"{prefix}RotaryEmbedding"))
@@ -159,11 +158,14 @@ def load_weights(directory: str | Path, config, names: list[str] | None = None) 
         got = where[alias.get(name, name)][1]
         if got != shape:
             raise ValueError(f"{directory}: {name} has shape {got}, the config expects {shape}")
+    wanted = list(expected) if names is None else names
     out = {}
-    for name in expected if names is None else names:
-        f, _ = where[alias.get(name, name)]
+    for f in {where[alias.get(n, n)][0] for n in wanted}:  # each file opened once
         with safe_open(str(f), framework="pt") as handle:
-            out[name] = handle.get_tensor(alias.get(name, name)).float()
+            for name in wanted:
+                stored = alias.get(name, name)
+                if where[stored][0] == f:
+                    out[name] = handle.get_tensor(stored).float()
     return out
 
 

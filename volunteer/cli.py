@@ -131,14 +131,9 @@ def _allocation(args: argparse.Namespace) -> dict:
     out["training"] = {"model": model, "seq": spec.seq, "steps": args.steps, "seed": args.seed, "lr": args.lr,
                        "weight_decay": args.weight_decay, "delayed_updates": args.delayed_updates,
                        "data": str(args.data), "data_dtype": args.data_dtype}
-    # Refuse now what the servers would refuse. Addresses may be added to the fleet later: the check
-    # stands in a placeholder for a missing one.
-    check = json.loads(json.dumps(out))
-    for device in check["fleet"]["reliable"]:
-        device.setdefault("address", "unset:0")
-        device["address"] = device["address"] or "unset:0"
-    training = dict(check["training"])
-    Job.from_allocation(check, training.pop("model"), **training)
+    training = dict(out["training"])
+    # refuse now what the servers would refuse (addresses may be added to the fleet later)
+    Job.from_allocation(out, training.pop("model"), require_addresses=False, **training)
     return out
 
 

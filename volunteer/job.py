@@ -9,6 +9,7 @@ from the owner of some rows on one side to the owner of the same rows on the oth
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -96,14 +97,14 @@ class Job:
         if len(set(names)) != len(names):
             raise ValueError(f"server names must be unique, got {names}")
 
-    @property
+    @functools.cached_property
     def spec(self):
         """The model's shape (``heteropp.model_spec.ModelSpec``) at the job's sequence length."""
         from heteropp.model_spec import ModelSpec
 
         return ModelSpec.from_config(self.model, seq=self.seq)
 
-    @property
+    @functools.cached_property
     def family(self):
         """The model's definition (``heteropp.runtime.model_family``): the project's LLaMA or a
         Hugging Face decoder."""
@@ -189,15 +190,16 @@ class Job:
             raise ValueError(f"malformed job description: {exc!r}") from None
 
     @classmethod
-    def from_allocation(cls, alloc: dict, model: dict, **training: Any) -> "Job":
-        """The job an ``alloc.json`` describes: its stages, with each server's address from the fleet."""
+    def from_allocation(cls, alloc: dict, model: dict, require_addresses: bool = True, **training: Any) -> "Job":
+        """The job an ``alloc.json`` describes: its stages, with each server's address from the fleet
+        (``require_addresses=False``: "" where the fleet gives none yet, to check a plan made before)."""
         addresses = {d["name"]: d.get("address") for d in alloc["fleet"]["reliable"]}
 
         def servers(names: list[str]) -> tuple[Server, ...]:
             missing = [n for n in names if not addresses.get(n)]
-            if missing:
+            if missing and require_addresses:
                 raise ValueError(f"devices {missing} have no 'address' in the fleet; servers need host:port")
-            return tuple(Server(n, addresses[n]) for n in names)
+            return tuple(Server(n, addresses.get(n) or "") for n in names)
 
         stages = tuple(StageSpec(tuple(s["layers"]), servers(s["frontal"]), servers(s["backward"])) for s in alloc["stages"])
         w = alloc["workload"]

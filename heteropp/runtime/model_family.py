@@ -54,9 +54,6 @@ class LlamaFamily:
     def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
 
-    def export(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
-        """The project's LLaMA has no format beyond the checkpoint itself."""
-
 
 class HFFamily:
     """A Hugging Face decoder whose ``config.json`` mapping the plan's ``ModelSpec`` carries."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import torch
-
 import torch.nn.functional as F
 
 from dimodel.datasets import step_batch
