@@ -10,8 +10,12 @@ predictions from the simulator with the layer times ``ditorch profile`` measured
 
     python benchmarks/hsr.py [--chips A:2,B:2,C:2] [--gbs 2K] [--steps 4] [--out out/bench-hsr]
 
-The chips' *speed and memory* are the built-in profiles'; their numerics are the host's by
-default (``benchmarks/emulated_chips.py`` says why; ``--numerics chip`` keeps the chips' own).
+The chips' *speed* is the built-in profiles'; their numerics are the host's by default
+(``benchmarks/emulated_chips.py`` says why; ``--numerics chip`` keeps the chips' own). Each chip
+holds ``--chip-memory`` GiB (at ``--memory-scale``): by default 15, the band where every group
+alone holds the model only in two stages with recompute, as a model large for its chips makes
+it (the paper's 100B model on 32-96 GB chips); ``--chip-memory builtin`` keeps each built-in
+chip's own memory (96, 64, 32 GiB), where no group needs recompute alone.
 """
 from __future__ import annotations
 
@@ -40,8 +44,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chips", default="A:2,B:2,C:2", help="chip type:count pairs, one group per type")
     ap.add_argument("--model", default=str(MODEL))
-    ap.add_argument("--gbs", default="2K", help="each group's global batch alone, in tokens")
+    ap.add_argument("--gbs", default="4K", help="each group's global batch alone, in tokens")
     ap.add_argument("--memory-scale", default="0.01", help="chip memory scale (0.01: a 32 GB chip holds 328 MiB)")
+    ap.add_argument("--chip-memory", default="15",
+                    help="GiB per chip before --memory-scale, the same for every chip type, or 'builtin' for each "
+                         "built-in chip's own (host numerics only)")
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
     ap.add_argument("--numerics", choices=("host", "chip"), default="host",
                     help="host: the chips' speed and memory with IEEE numerics (default); chip: their own numerics")
@@ -55,17 +62,24 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DITORCH_MEMORY_SCALE=args.memory_scale, PYTHONPATH=str(REPO))
+    # One kernel cost table for the profiles and every run (docs/device.md, Speed): groups timed
+    # minutes apart then run at the same emulated speeds, which the ratio compares.
+    env.setdefault("DITORCH_KERNEL_COSTS", str(out / "kernel-costs.bin"))
+    chip_memory = _chip_memory(args.chip_memory, args.numerics)
     names = {c: c for c in counts}
     if args.numerics == "host":
         profile_file = out / "chips.yaml"
-        names = speed_only_profiles(profile_file, list(counts))
+        names = speed_only_profiles(profile_file, list(counts), chip_memory)
         env["DITORCH_PROFILE_FILE"] = str(profile_file)
     time_scale = args.time_scale or time_scale_for(sum(counts.values()))
-    print(f"{len(counts)} chip groups {args.chips} ({args.numerics} numerics), model {Path(args.model).name}, "
-          f"time scale {time_scale:g} ({sum(counts.values())} ranks on {os.cpu_count()} cores)", flush=True)
+    memory_text = "built-in memory" if chip_memory is None else f"{chip_memory:g} GiB per chip"
+    print(f"{len(counts)} chip groups {args.chips} ({args.numerics} numerics, {memory_text} at scale "
+          f"{args.memory_scale}), model {Path(args.model).name}, time scale {time_scale:g} "
+          f"({sum(counts.values())} ranks on {os.cpu_count()} cores)", flush=True)
     # A profile holds the chip's memory at one memory scale and its times at one time scale:
-    # profiles are kept (and reused) per pair of scales.
-    profiles = out / f"profiles-memory{float(args.memory_scale):g}-time{time_scale:g}"
+    # profiles are kept (and reused) per chip memory and pair of scales.
+    memory_tag = "builtin" if chip_memory is None else f"{chip_memory:g}GiB"
+    profiles = out / f"profiles-{memory_tag}-memory{float(args.memory_scale):g}-time{time_scale:g}"
     profiles.mkdir(exist_ok=True)
     for chip in names.values():
         path = profiles / f"chip-{chip}.yaml"
@@ -84,14 +98,16 @@ def main() -> int:
         if m.ratio(kind) < goal:
             print(f"  {kind} batch: measured {100 * m.ratio(kind):.1f}% is short of the goal")
     summary = {"chips": args.chips, "numerics": args.numerics, "time_scale": time_scale, "memory_scale": args.memory_scale,
+               "chip_memory_gib": chip_memory or "builtin",
                "model": Path(args.model).name,
                "gbs_tokens": gbs, **m.to_dict()}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
-    _plot(m, out / "hsr.png")
+    _plot(m, out / "hsr.png", memory_text)
     runs = [*m.alone, *m.together.values()]  # a group that ran out of memory alone is in the table, not saved
     kind_of = {id(r): k for k, r in m.together.items()}
-    save_run("hsr", [
-        Measurement("hsr: seconds per iteration, each chip group alone and all together", r.name, [r.measured_s],
+    save_run("hsr" if chip_memory is not None else "hsr_builtin_memory", [
+        Measurement(f"hsr ({memory_text}): seconds per iteration, each chip group alone and all together", r.name,
+                    [r.measured_s],
                     {"stages": r.stages(), "tokens": r.tokens, "tokens_per_s": round(r.throughput()),
                      "simulated_s": round(r.simulated_s, 3), "measured/simulated": round(r.measured_s / r.simulated_s, 2),
                      "cpu_s_per_step": round(r.cpu_s, 2),
@@ -103,7 +119,23 @@ def main() -> int:
     return 0
 
 
-def _plot(m, path: Path) -> None:
+def _chip_memory(value: str, numerics: str) -> float | None:
+    """``--chip-memory``: GiB per chip, or None for each built-in chip's own."""
+    if value == "builtin":
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        raise SystemExit(f"--chip-memory {value!r}: expected GiB per chip (e.g. 15) or 'builtin'") from None
+    if not gib > 0:
+        raise SystemExit(f"--chip-memory {value!r}: expected a positive number of GiB")
+    if numerics != "host":
+        raise SystemExit(f"--chip-memory {value}: the chips' own numerics come with their built-in memory; "
+                         "use --chip-memory builtin with --numerics chip")
+    return gib
+
+
+def _plot(m, path: Path, memory_text: str) -> None:
     """Tokens/s: the groups alone stacked into one bar (their sum) beside each heterogeneous run,
     measured and simulated."""
     import matplotlib
@@ -130,7 +162,7 @@ def _plot(m, path: Path) -> None:
     ax.set_xticks(ticks)
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("tokens per second")
-    ax.set_title("HeteroSpeedupRatio on emulated chips (benchmarks/hsr.py)")
+    ax.set_title(f"HeteroSpeedupRatio on emulated chips, {memory_text} (benchmarks/hsr.py)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -98,7 +98,7 @@ void flushProducedDenormals(const KernelArguments& call) {
 
 // The op and the arguments on the stack that its cost depends on.
 KernelSignature signatureOf(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
-  KernelSignature signature(&op.schema());
+  KernelSignature signature(op.schema());
   const size_t n = op.schema().arguments().size();
   for (auto it = stack.end() - n; it != stack.end(); ++it) {
     if (it->isTensor()) {
@@ -135,7 +135,7 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
   if (recomputes(role, numerics)) inputs.assign(stack->end() - op.schema().arguments().size(), stack->end());
 
   const KernelClock start = kernelClockNow(chip.slowdown);
-  const KernelSignature signature = start.read ? signatureOf(op, *stack) : KernelSignature(nullptr);
+  const KernelSignature signature = start.read ? signatureOf(op, *stack) : KernelSignature();
   {
     KernelAllocationScope scope(device);
     op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()),

@@ -1,5 +1,7 @@
 #include "device/SpeedEmulation.h"
 
+#include "device/KernelCosts.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -73,6 +75,8 @@ class RecentHostTimes {
 };
 
 int64_t leastRecentHostTime(uint64_t signature, int64_t host_ns) {
+  const int64_t known = leastKnownHostTime(signature, host_ns);
+  if (known >= 0) return known;
   constexpr size_t kMaxSignatures = 1 << 14;
   thread_local std::unordered_map<uint64_t, RecentHostTimes> recent;
   if (recent.size() >= kMaxSignatures) recent.clear();
@@ -80,6 +84,15 @@ int64_t leastRecentHostTime(uint64_t signature, int64_t host_ns) {
 }
 
 }  // namespace
+
+KernelSignature::KernelSignature(const c10::FunctionSchema& op) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of "name.overload"
+  for (const std::string* part : {&op.name(), &op.overload_name()}) {
+    for (const char c : *part) h = (h ^ uint8_t(c)) * 0x100000001b3ull;
+    h = (h ^ uint8_t('.')) * 0x100000001b3ull;
+  }
+  mix(h);
+}
 
 void KernelSignature::addTensor(const at::Tensor& t) {
   if (!t.defined()) return mix(0);

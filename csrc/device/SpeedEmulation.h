@@ -23,8 +23,10 @@
 // the chip's slowdown would magnify that into device time. So a kernel is charged the least host
 // time of the last 16 runs of its op on tensors of the same dtypes, shapes and layout:
 // contention only ever adds host time, so the least is the kernel's own cost, the same inside a
-// pipeline as when the chip was profiled alone.
+// pipeline as when the chip was profiled alone. With a kernel cost table (`DITORCH_KERNEL_COSTS`,
+// KernelCosts.h) the least is over every run any process sharing the table has seen instead.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/function_schema.h>
 
 #include <cstdint>
 #include <ctime>
@@ -35,7 +37,9 @@ namespace ditorch {
 // integer arguments (dims, sizes).
 class KernelSignature {
  public:
-  explicit KernelSignature(const void* op) { mix(reinterpret_cast<uintptr_t>(op)); }
+  KernelSignature() = default;
+  // By the op's name, not its address, so a signature means the same kernel in every process.
+  explicit KernelSignature(const c10::FunctionSchema& op);
   void addTensor(const at::Tensor& t);
   void addInt(int64_t v) { mix(uint64_t(v)); }
   uint64_t value() const { return hash_; }
@@ -57,7 +61,8 @@ struct KernelClock {
 // and the thread CPU clock is a system call (no vDSO path), a sizeable part of a small op.
 KernelClock kernelClockNow(double slowdown);
 // After the kernel: put it on the device's timeline for its cost (the least host time of
-// `signature`'s last runs, this one included) times `slowdown`.
+// `signature`'s last runs, or of every run in the kernel cost table, this one included) times
+// `slowdown`.
 void chargeKernel(const KernelClock& start, double slowdown, const KernelSignature& signature);
 // Put `device_ns` of device time, launched now, on the timeline and pace the host, as a kernel
 // of that cost would (the timeline's own checks use it: a real kernel's host time varies).

@@ -114,7 +114,8 @@ struct UnboxedShim<Op, Ret(Args...)> {
     KernelArguments call(device);
     std::tuple<std::decay_t<Args>...> kernel_args{toKernel<Args>(call, args)...};
     const KernelClock start = kernelClockNow(chip.slowdown);
-    KernelSignature signature(&handle().schema());
+    static const KernelSignature op_signature(handle().schema());
+    KernelSignature signature = op_signature;
     if (start.read) (addToSignature(signature, args), ...);
     if constexpr (std::is_same_v<Ret, at::Tensor>) {
       at::Tensor result;

@@ -57,8 +57,9 @@ def test_a_bad_time_scale_in_the_environment_names_the_variable(monkeypatch):
     assert _C.chip_slowdown() == pytest.approx(HOST_SPEED / 0.75 * 3)
 
 
-@pytest.mark.parametrize("ranks,cores,want", [(4, 2, 2.0), (6, 2, 3.0), (3, 2, 1.5), (1, 2, 1.0), (2, 8, 1.0)])
-def test_the_default_time_scale_is_ranks_per_core_and_at_least_one(ranks, cores, want):
+@pytest.mark.parametrize("ranks,cores,want", [(4, 2, 3.0), (6, 2, 4.5), (3, 2, 2.25), (1, 2, 1.0), (2, 2, 1.0),
+                                               (2, 8, 1.0), (9, 8, 1.6875)])
+def test_the_default_time_scale_is_one_while_ranks_have_cores_else_one_and_a_half_ranks_per_core(ranks, cores, want):
     assert time_scale_for(ranks, cores) == want
 
 
