@@ -128,7 +128,7 @@ def execute(run: Run, out: Path, steps: int) -> dict:
 
 def chip_speed(result: dict, plan: Plan) -> list[tuple[str, float, float]]:
     """Per stage: measured compute per step in the pipeline against the profiled (solo) times."""
-    S, b = plan.num_stages, plan.num_microbatches
+    b = plan.num_microbatches
     pipe = pipeline_from_plan(plan)
     rows = []
     for i, st in enumerate(pipe.stages):

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DITORCH_MEMORY_SCALE=args.memory_scale, PYTHONPATH=str(REPO))
+    # one kernel cost table for the profiles and every run (docs/device.md, Speed)
+    env.setdefault("DITORCH_KERNEL_COSTS", str(out / "kernel-costs.bin"))
     py = sys.executable
     ditorch = [py, "-m", "ditorch.cli"]
     world = sum(counts.values())
