@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-pytestmark = pytest.mark.skipif(torch.dipu.is_asynchronous(),
-                                reason="host-time charging needs a vendor whose kernels run on the calling thread")
+# host time is charged only where kernels run on the calling thread (tests/device/conftest.py)
+pytestmark = pytest.mark.synchronous_vendor
 
 MAGIC = b"DTKCOST2"
 FIXED = 32  # samples after which a cost is fixed
