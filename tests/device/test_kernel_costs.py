@@ -23,12 +23,12 @@ MAGIC = b"DTKCOST2"
 FIXED = 32  # samples after which a cost is fixed
 REPO = Path(__file__).resolve().parents[2]
 
-# 40 matmuls on a chip 10x slower than the host; prints their wall time.
+# 40 matmuls on a chip 20x slower than the host; prints their wall time.
 MATMULS = """
 import time, torch, ditorch
 from ditorch_ext.profiles import ChipProfile
 torch.set_num_threads(1)
-ditorch.set_chip(ChipProfile("slow", memory_gb=8, relative_speed=0.2, chips_per_node=8, nics_per_node=8))
+ditorch.set_chip(ChipProfile("slow", memory_gb=8, relative_speed=0.1, chips_per_node=8, nics_per_node=8))
 a = torch.randn(320, 320, device="dipu")
 torch.dipu.synchronize()
 start = time.perf_counter()
@@ -71,15 +71,18 @@ def test_a_fixed_cost_is_charged_by_every_process_that_shares_the_table(tmp_path
     assert max(n for _, n in learned.values()) == FIXED  # 40 matmuls fix the matmul's cost
     alone_s, _ = run(None)
     assert 0.6 * alone_s < first_s < 1.6 * alone_s, (first_s, alone_s)  # its own costs, charged
-    # Fixed at 1 ns: the 40 matmuls take their host time only, not ten times it.
+    # Fixed at 1 ns: the 40 matmuls take their host time only, not twenty times it.
     write_table(table, {sig: (1, FIXED) for sig in learned})
     cheap_s, _ = run(table)
     assert cheap_s < 0.35 * alone_s, (cheap_s, alone_s)
     assert all(read_table(table)[sig] == (1, FIXED) for sig in learned), "a fixed cost changed"
-    # Fixed at 4x what was learned: charged as such, though every run is faster.
+    # Fixed at 4x what was learned: charged as such, though every run is faster. The reference
+    # is the same costs fixed at 1x, run just before, so load on the machine cancels out.
+    write_table(table, {sig: (ns, FIXED) for sig, (ns, n) in learned.items()})
+    same_s, _ = run(table)
     write_table(table, {sig: (4 * ns, FIXED) for sig, (ns, n) in learned.items()})
     dear_s, _ = run(table)
-    assert dear_s > 2.5 * alone_s, (dear_s, alone_s)
+    assert 3.0 * same_s < dear_s < 5.0 * same_s, (dear_s, same_s)
     # Not fixed yet (one sample at 4x): this process's own runs lower it, and add their samples.
     write_table(table, {sig: (4 * ns, 1) for sig, (ns, n) in learned.items()})
     pooled_s, _ = run(table)
