@@ -12,7 +12,9 @@ concurrent messages share its bandwidth equally (processor sharing), or, with
 ``coordinated``, are served one at a time in a global round-robin order over replicas with a
 non-blocking hand-off (JEEVES section 3.3). Memory: a counter per stage adds a micro-batch's
 stored activations at its forward (and the re-materialised ones at R) and frees them when
-its backward ends.
+its backward ends. Update: every stage steps after the last backward of the whole pipeline
+(the global gradient norm is a collective over all stages), so the iteration ends at the
+pipeline's end plus the slowest stage's update.
 
 ``schedule="comm-aware"`` runs JEEVES's greedy scheduler instead of fixed lists: an idle
 stage runs a ready backward first, else the next forward if its input has arrived and the
@@ -191,7 +193,9 @@ class Simulator:
                         f"{self.lists[r][s][self.idx[r][s]] if self.idx[r][s] < len(self.lists[r][s]) else 'greedy'}"
                     )
         pipe_end = max(max(row) for row in self.end)
-        it = max(self.end[r][s] + p.stages[s].update for r in range(R) for s in range(S))
+        # The global gradient norm is summed over every stage before any stage steps, so all
+        # updates start once the last backward of the whole pipeline is done.
+        it = pipe_end + max(st.update for st in p.stages)
         bubble = 1.0 - sum(self.busy_time) / (S * pipe_end) if pipe_end > 0 else 0.0
         peaks = [max(self.peak[r][s] for r in range(R)) + p.stages[s].static_bytes for s in range(S)]
         scheds = None

@@ -6,7 +6,8 @@ For TP size t, t processes run one real stage layer of the model (the project's 
 Hugging Face config's own decoder layer, as ``ditorch.train`` builds it) over dicomm, so the
 times include the TP all-reduces the runtime pays. Per micro-batch and layer it measures the
 forward, the full backward (alternating, as in training), the recompute (the runtime's R is
-the same forward, so it is the forward's time) and the AdamW update of the layer's shard; the
+the same forward, so it is the forward's time) and the update of the layer's shard (the
+runtime's local step: norm, clip, AdamW and zeroing on a flat gradient buffer); the
 median of ``repeats`` runs after warm-ups. It
 also measures the activation memory one micro-batch leaves per layer and, with t >= 2, the
 point-to-point bandwidth of one activation between two ranks, written as the chip's NIC and
@@ -17,6 +18,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -54,8 +56,11 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
 
     import dicomm  # noqa: F401  (registers the backend)
     import ditorch_ext
+    from heteropp.runtime.flat_parameters import FlatParameters
     from heteropp.runtime.model_family import model_family
+    from heteropp.runtime.stage_update import clip_coefficient, make_optimizer, squared_norm, step_flat
     from heteropp.runtime.tensor_parallel import TPGroup
+    from heteropp.runtime.trainer import TrainOptions
 
     torch.set_num_threads(1)
     ditorch_ext.set_chip(chip, memory_scale=memory_scale, time_scale=time_scale)
@@ -72,7 +77,15 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
                              sequence_parallel=sequence_parallel)
     for p in stage.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+    # The update is the runtime's local step of a replicated stage (stage_update.py): the norm,
+    # the clip, AdamW on parameters that are views of one flat buffer, and the zeroing.
+    flat = FlatParameters(list(stage.parameters()))
+    optimizer = make_optimizer(stage.parameters(), lr=1e-4, weight_decay=TrainOptions.weight_decay)
+
+    def update_step():
+        sumsq = squared_norm([p.grad for p in stage.parameters()], device)
+        step_flat(flat, optimizer, clip_coefficient(math.sqrt(sumsq.item()), TrainOptions.clip))
+
     local_seq = spec.seq // tp if stage.sp else spec.seq  # this rank's part of the sequence
     x = torch.randn(1, local_seq, spec.hidden, device=device)
     grad = torch.randn_like(x)
@@ -110,7 +123,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
             if i >= 3:
                 samples.append((time.perf_counter() - start) / CHAIN)
     fwd, bwd = statistics.median(fwd_samples), statistics.median(bwd_samples)
-    update = _timed(optimizer.step, sync, repeats)
+    update = _timed(update_step, sync, repeats)
     ends = _end_times(spec, family, tp, rank, device, autocast, sync, repeats, sequence_parallel)
     holder.clear()
     # Garbage from the timing runs (autograd graphs in reference cycles, finished collectives'

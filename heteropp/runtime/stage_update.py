@@ -61,18 +61,15 @@ class StageUpdate:
             if self.groups.dp is not None:
                 dist.all_reduce(self.flat.grad, group=self.groups.dp)
             mine = [p.grad for p, o in zip(module.parameters(), owned) if o and self.place.dp_index == 0]
-            sumsq = torch.stack(torch._foreach_norm(mine)).double().pow(2).sum() if mine else \
-                torch.zeros((), dtype=torch.float64, device=self.device)
+            sumsq = squared_norm(mine, self.device)
         totals = torch.stack([sumsq, torch.tensor(loss_sum, dtype=torch.float64, device=self.device)])
         dist.all_reduce(totals)
         total_norm, loss_total = math.sqrt(totals[0].item()), totals[1].item()
-        coef = min(1.0, self.clip / (total_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        coef = clip_coefficient(total_norm, self.clip)
         if self.zero is not None:
             self.zero.step(coef)
         else:
-            self.flat.grad.mul_(coef)
-            self.optimizer.step()
-            self.flat.zero_grad()
+            step_flat(self.flat, self.optimizer, coef)
         return loss_total
 
     def _sum_tied_gradients(self) -> None:
@@ -101,6 +98,26 @@ def all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None
     dist.all_reduce(flat, group=group)
     for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
+
+
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of ``grads``' elements, in float64 (zero for no gradients)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+
+
+def clip_coefficient(total_norm: float, clip: float) -> float:
+    """The factor gradients are scaled by, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    return min(1.0, clip / (total_norm + 1e-6))
+
+
+def step_flat(flat: FlatParameters, optimizer: torch.optim.Optimizer, coef: float) -> None:
+    """Scale the flat gradients by ``coef``, step, and zero them for the next batch (the local
+    step of a replicated stage, and what ``ditorch profile`` times as a layer's update)."""
+    flat.grad.mul_(coef)
+    optimizer.step()
+    flat.zero_grad()
 
 
 def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:

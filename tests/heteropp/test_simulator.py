@@ -41,6 +41,15 @@ def test_link_latency_and_bandwidth_delay_the_pipeline():
     assert res.iteration_time == pytest.approx(1 + 1.5 + 3 + 1.5 + 2)
 
 
+def test_every_stage_steps_after_the_last_backward_of_the_pipeline():
+    # F0 0-1, F1 1-2, B1 2-3 (stage 1 done at 3), B0 3-4: the global norm needs both, so stage
+    # 1's 5 s update starts at 4, not at its own end at 3
+    st = [StageModel(1.0, 1.0, 0.0, 0.0, False, 1.0, 0.0, update=u) for u in (1.0, 5.0)]
+    res = simulate(Pipeline(st, [LinkModel(0.0, 1e12, 0.0)], [1]), one_f_one_b(2, 1))
+    assert res.pipeline_time == pytest.approx(4.0)
+    assert res.iteration_time == pytest.approx(4.0 + 5.0)
+
+
 def test_shared_link_fair_vs_coordinated():
     # two replicas send one activation over a shared link at the same moment
     st = [StageModel(1.0, 1.0, 0.0, 0.0, False, 1.0, 0.0) for _ in range(2)]
@@ -87,7 +96,7 @@ def test_cost_model_and_simulator_agree_on_1f1b_plans(seed):
     # (docs/heteropp.md, "cost model vs simulator")
     model, cluster, gbs, _ = small_case(100 + seed)
     # and a small optimizer step: the paper's T adds the bottleneck stage's own update, while the
-    # run ends with stage 0's (the last to drain); large updates make that gap visible
+    # run ends at the pipeline's end plus the slowest update; large updates make that gap visible
     cluster = dataclasses.replace(cluster, inter_cluster=cluster.inter_node, chips=tuple(
         dataclasses.replace(c, nic_bandwidth=100e9, hbm_bandwidth=1e13) for c in cluster.chips))
     auto = HeteroAuto(model, cluster, gbs, alpha=1.0)
