@@ -14,7 +14,7 @@ COMPUTE = ("F", "R", "I", "W", "B")
 @dataclasses.dataclass
 class MeasuredRun:
     iteration_time: float  # median seconds per step over the steps after the first
-    iteration_times: list[float]  # every step
+    iteration_times: list[float]  # every step: from the previous step's end to its own
     stage_busy: list[float]  # median seconds of compute per step, each stage's first rank
     timeline: list[tuple[int, str, int, float, float]]  # (stage, kind, mb, start, end) of the median step
     step: int  # the step the timeline shows
@@ -42,11 +42,14 @@ def read_trace(path: str | Path, num_stages: int | None = None) -> MeasuredRun:
         by_step.setdefault(int(e["args"]["step"]), []).append(e)
     steps = sorted(by_step)
     spans = {k: (min(e["ts"] for e in by_step[k]), max(e["ts"] + e["dur"] for e in by_step[k])) for k in steps}
-    times = [(spans[k][1] - spans[k][0]) * 1e-6 for k in steps]
+    # A step's time is from the previous step's end to its own (the first: its span). A stage
+    # whose update is short starts the next step while another still steps, so a step's own
+    # span counts that overlap twice; the period between ends is what the job's throughput is.
+    times = [(spans[k][1] - (spans[steps[i - 1]][1] if i else spans[k][0])) * 1e-6 for i, k in enumerate(steps)]
     steady = steps[1:] or steps
-    steady_times = [(spans[k][1] - spans[k][0]) * 1e-6 for k in steady]
+    steady_times = times[1:] or times
     median = statistics.median(steady_times)
-    shown = min(steady, key=lambda k: abs((spans[k][1] - spans[k][0]) * 1e-6 - median))
+    shown = min(steady, key=lambda k: abs(times[steps.index(k)] - median))
     busy = []
     for s in stages:
         per_step = [sum(e["dur"] for e in by_step[k] if e["pid"] == s and e["tid"] == first_rank[s]

@@ -130,16 +130,16 @@ def test_hostile_control_requests_are_refused_without_filling_the_log(ps, caplog
         fn = rpc._channel.unary_unary("/dips.Leader/Status")
         for _ in range(30):  # anyone who reaches the port: refused, never logged with a traceback
             with pytest.raises(grpc.RpcError) as info:
-                fn(NESTED, timeout=5)
+                fn(NESTED, timeout=30)  # generous: the machine may be loaded
             assert info.value.code().name == "INVALID_ARGUMENT" and "nested" in info.value.details()
         t0 = time.monotonic()
         for wait in (b"NaN", b"Infinity", b"-1", b'"5"'):
             with pytest.raises(grpc.RpcError) as info:
                 rpc._channel.unary_unary("/dips.Leader/WaitPush")(
-                    json.dumps({"tok": token.secret, "push": "p"}).encode()[:-1] + b',"wait":' + wait + b"}", timeout=5)
+                    json.dumps({"tok": token.secret, "push": "p"}).encode()[:-1] + b',"wait":' + wait + b"}", timeout=30)
             assert info.value.code().name == "INVALID_ARGUMENT"
             assert wait.decode().strip('"') in info.value.details() or "'wait'" in info.value.details()
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 4  # refused at once: none of them waited
     assert not any(r.exc_info for r in caplog.records), "a traceback was logged"
     for fields, reason in [({"pull_s": float("nan")}, "NaN"), ({"pull_s": -1.0}, "pull_s"), ({"base": 1e300}, "base"),
                            ({"workers": {"x": [0]}}, "worker")]:

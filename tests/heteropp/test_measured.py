@@ -39,3 +39,23 @@ def test_iteration_busy_time_and_peaks(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a ditorch runtime trace"):
         read_trace(tmp_path / "bad.json")
+
+
+def test_a_stage_that_starts_its_next_step_early_is_not_counted_twice(tmp_path):
+    # Every 2 s stage 0 runs F at 0-0.5 and steps at 1-2; stage 1 steps first (0.6-0.8) and
+    # posts its next step's receive at 0.9, 1.1 s before stage 0's next F: each step spans 3 s
+    # from its first event to its last, but the job takes one every 2 s.
+    events = []
+    for step in range(4):
+        t0 = 2.0 * step
+        events.append(_event(0, 0, "F", step, t0, 0.5))
+        events.append(_event(0, 0, "UPDATE", step, t0 + 1.0, 1.0, mb=-1))
+        events.append(_event(1, 1, "WAIT", step, t0 - 1.1 if step else t0, 1.2 if step else 0.1))
+        events.append(_event(1, 1, "F", step, t0 + 0.5, 0.1))
+        events.append(_event(1, 1, "UPDATE", step, t0 + 0.6, 0.2, mb=-1))
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    m = read_trace(tmp_path / "t.json", num_stages=2)
+    assert m.iteration_times == pytest.approx([2.0, 2.0, 2.0, 2.0])
+    assert m.iteration_time == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="not a ditorch runtime trace"):
+        read_trace(tmp_path / "bad.json")
