@@ -61,8 +61,9 @@ def run(cmd: list[str], env: dict, step: str, check: bool = True) -> int:
 
 def usable_profile(path: Path, chip: str, time_scale: float) -> bool:
     """Whether a profile measured before exists, is one the planner accepts and was taken at this
-    run's time scale (else measure again)."""
+    run's time scale by this profiler (else measure again)."""
     from heteropp.cluster import ChipSpec
+    from heteropp.runtime.profiler import PROFILER_VERSION
 
     if not path.exists():
         return False
@@ -70,6 +71,8 @@ def usable_profile(path: Path, chip: str, time_scale: float) -> bool:
         spec = ChipSpec.from_dict(chip, yaml.safe_load(path.read_text())["chips"][chip])
         if spec.emulated_time_scale != time_scale:
             raise ValueError(f"taken at time scale {spec.emulated_time_scale}, this run's is {time_scale:g}")
+        if spec.profiler_version != PROFILER_VERSION:
+            raise ValueError(f"measured by profiler version {spec.profiler_version}, this one is {PROFILER_VERSION}")
     except (ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
         print(f"\n[1/9] chip {chip}: the profile measured before ({path}) is not usable ({exc}); measuring again")
         return False

@@ -79,6 +79,9 @@ class ChipSpec:
     # The emulation time scale the layer times were measured under (`ditorch profile --time-scale`);
     # runs of a plan use it too. None: not an emulated measurement.
     emulated_time_scale: float | None = None
+    # What `ditorch profile` measured the layer times as (its PROFILER_VERSION), so a cache of
+    # profiles can tell one from an older measurement. None: not written by the profiler.
+    profiler_version: int | None = None
 
     def __post_init__(self) -> None:
         def positive(field: str, value: Any, integer: bool = False) -> None:
@@ -144,6 +147,8 @@ class ChipSpec:
             d["activation_mb"] = dict(self.activation_mb)
         if self.emulated_time_scale is not None:
             d["emulated_time_scale"] = self.emulated_time_scale
+        if self.profiler_version is not None:
+            d["profiler_version"] = self.profiler_version
         return d
 
     @classmethod
@@ -154,7 +159,7 @@ class ChipSpec:
             {
                 "count", "memory_gb", "chips_per_node", "tp_max", "intra_node_gbps", "hbm_gbps", "nic_gbps",
                 "usable_memory_fraction", "effective_tflops", "calibrate", "layer_times_ms", "peak_tflops",
-                "activation_mb", "emulated_time_scale",
+                "activation_mb", "emulated_time_scale", "profiler_version",
             },
             {"count", "memory_gb", "chips_per_node", "intra_node_gbps", "hbm_gbps", "nic_gbps"},
             where,
@@ -191,7 +196,14 @@ class ChipSpec:
             peak_tflops=None if "peak_tflops" not in d else float(d["peak_tflops"]),
             activation_mb=None if "activation_mb" not in d else _activation_mb(d["activation_mb"], where),
             emulated_time_scale=None if "emulated_time_scale" not in d else _time_scale(d["emulated_time_scale"], where),
+            profiler_version=None if "profiler_version" not in d else _profiler_version(d["profiler_version"], where),
         )
+
+
+def _profiler_version(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: profiler_version must be a positive integer, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

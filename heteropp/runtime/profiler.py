@@ -34,6 +34,10 @@ from heteropp.model_spec import ModelSpec
 
 # Layers timed back to back per sample (see _worker).
 CHAIN = 4
+# Written into each chip entry (``profiler_version``): what the layer times mean. Version 2 times
+# a layer's update as the runtime's whole local step (see _worker); a cache of profiles (the
+# demo's) measures again when an entry's version differs.
+PROFILER_VERSION = 2
 
 
 def _timed(fn, sync, repeats: int) -> float:
@@ -240,6 +244,7 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
                            for tp, r in sorted(results.items())},
         "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},
         "emulated_time_scale": time_scale,
+        "profiler_version": PROFILER_VERSION,
     }
 
 

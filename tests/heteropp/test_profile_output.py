@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from heteropp.cluster import ChipSpec
@@ -59,3 +60,21 @@ def test_the_demo_measures_again_when_its_cached_profile_is_unusable(monkeypatch
     bad.write_text(yaml.safe_dump(desc))
     assert not hetero_demo.usable_profile(bad, "B", 1.0)
     assert not hetero_demo.usable_profile(tmp_path / "missing.yaml", "B", 1.0)
+    for version in (None, 1):  # measured by an older profiler: its times mean something else
+        old = tmp_path / f"old-{version}.yaml"
+        desc = yaml.safe_load(good.read_text())
+        if version is None:
+            del desc["chips"]["B"]["profiler_version"]
+        else:
+            desc["chips"]["B"]["profiler_version"] = version
+        old.write_text(yaml.safe_dump(desc))
+        assert not hetero_demo.usable_profile(old, "B", 1.0), version
+
+
+def test_a_profiler_version_that_is_no_positive_integer_is_refused():
+    desc = {"count": 1, "memory_gb": 1, "chips_per_node": 1, "intra_node_gbps": 1, "hbm_gbps": 1, "nic_gbps": 1,
+            "effective_tflops": 100}
+    assert ChipSpec.from_dict("B", {**desc, "profiler_version": 3}).profiler_version == 3
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match=f"profiler_version must be a positive integer, got {bad!r}"):
+            ChipSpec.from_dict("B", {**desc, "profiler_version": bad})
