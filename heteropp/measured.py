@@ -46,10 +46,10 @@ def read_trace(path: str | Path, num_stages: int | None = None) -> MeasuredRun:
     # whose update is short starts the next step while another still steps, so a step's own
     # span counts that overlap twice; the period between ends is what the job's throughput is.
     times = [(spans[k][1] - (spans[steps[i - 1]][1] if i else spans[k][0])) * 1e-6 for i, k in enumerate(steps)]
+    step_time = dict(zip(steps, times))
     steady = steps[1:] or steps
-    steady_times = times[1:] or times
-    median = statistics.median(steady_times)
-    shown = min(steady, key=lambda k: abs(times[steps.index(k)] - median))
+    median = statistics.median(step_time[k] for k in steady)
+    shown = min(steady, key=lambda k: abs(step_time[k] - median))
     busy = []
     for s in stages:
         per_step = [sum(e["dur"] for e in by_step[k] if e["pid"] == s and e["tid"] == first_rank[s]
