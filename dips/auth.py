@@ -52,7 +52,10 @@ class JobToken:
     def matches(self, presented: object) -> bool:
         """True when ``presented`` is the token (constant-time compare; no log)."""
         if isinstance(presented, str):
-            presented = presented.encode()
+            try:
+                presented = presented.encode()
+            except UnicodeEncodeError:  # a lone surrogate is no token
+                return False
         return isinstance(presented, bytes) and hmac.compare_digest(presented, self._bytes)
 
     @staticmethod

@@ -138,6 +138,7 @@ class OuterClient:
         self.stats = {"pushed": 0, "failed": 0, "skipped": 0, "applied": 0, "rejected": 0, "push_s": 0.0,
                       "wait_s": 0.0, "pull_s": 0.0}
         self.transfer = UnitTransfer(self.token, self.layout, transfer_timeout_s, self.stats)
+        self._closed: dict | None = None   # what close() reported
         # the cluster's rank 0 speaks to the leader for it
         self.speaker = (LeaderSpeaker(leader, self.token, tls, name, self.layout, self.workers, heartbeat_s, self.stats,
                                       lambda: self.transfer.last_pull_s) if self.rank == 0 else None)
@@ -174,13 +175,43 @@ class OuterClient:
                 return joined
             time.sleep(0.2)
 
-    def close(self, leave: bool = True) -> None:
-        """Stop heartbeating and, with ``leave``, tell the leader the cluster departs (best
-        effort) so rounds stop counting on it at once; a cluster that just stops is removed once
-        its heartbeats lapse."""
+    def close(self, leave: bool = True, timeout_s: float = 60.0) -> dict:
+        """Finish the outer step in flight, then stop heartbeating and, with ``leave``, tell the
+        leader the cluster departs (best effort), so rounds stop counting on it at once.
+
+        A push the leader sealed but has not committed yet is waited for, up to ``timeout_s`` (an
+        outer step's own wait, ``round_timeout_s``, may be shorter), so a cluster that exits right
+        after its last outer step leaves nothing behind; nothing is pulled. Returns (and logs, on
+        the speaker) what became of the cluster's pushes: ``pushed`` (sealed), ``applied``,
+        ``rejected``, ``failed``, ``skipped`` outer steps, ``version`` (the global version the
+        cluster last pulled or had its last push committed in) and ``pending`` (a push still
+        uncommitted at the bound, or None). Only the speaker (the cluster's rank 0) knows the
+        leader's side; other ranks get their own counters. Safe to call twice."""
+        if self._closed is not None:
+            return self._closed
+        fate = None
         if self.speaker is not None:
+            fate = self.speaker.finish(timeout_s)
             self.speaker.close(leave)
         self.transfer.close()
+        version = self.base
+        if fate is not None and fate.get("state") in ("applied", "rejected"):
+            version = max(version, int(fate["version"]))
+        self._closed = {**{k: self.stats[k] for k in ("pushed", "applied", "rejected", "failed", "skipped")},
+                        "version": version,
+                        "pending": fate["push"] if fate is not None and fate["state"] == "pending" else None}
+        if self.speaker is not None:
+            log.info("cluster %s leaves: %s", self.name or self.speaker.cluster_id, self._closed)
+            if self._closed["pending"] is not None:
+                log.warning("cluster %s leaves with push %s uncommitted after %.0f s: the leader may still "
+                            "commit it", self.name, self._closed["pending"], timeout_s)
+        return self._closed
+
+    def __enter__(self) -> "OuterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------- cluster ranks
     def _share(self, obj):

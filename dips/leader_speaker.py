@@ -15,6 +15,9 @@ from .layout import ModelLayout
 from .rpc import RpcClient, RpcError, Tls
 
 log = logging.getLogger("dips.client")
+# A leader that is gone refuses at once; one that is slow (a loaded host) may take a few seconds,
+# and an outer step skipped for a late heartbeat loses that round's progress for nothing.
+HEARTBEAT_TIMEOUT_S = 5.0
 
 
 class LeaderSpeaker:
@@ -40,6 +43,28 @@ class LeaderSpeaker:
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="dips-client-heartbeat")
         self._hb.start()
 
+    def finish(self, timeout: float) -> dict | None:
+        """The fate of the pending push (None: no push pending), waiting up to ``timeout`` seconds
+        for its round; nothing is pulled. A push whose fate is unknown at the bound is reported
+        as ``pending``: the leader still holds it sealed and may commit it after the cluster left."""
+        if self.pending is None:
+            return None
+        push, deadline = self.pending, time.monotonic() + timeout
+        while True:  # WaitPush waits 30 s at most per call
+            left = deadline - time.monotonic()
+            try:
+                fate = self.leader.call("WaitPush", timeout=max(left, 0.0) + 5.0, push=push, wait=max(left, 0.0))
+            except RpcError as exc:
+                log.warning("waiting for push %s at close: %s", push, exc)
+                return {"push": push, "state": "pending"}
+            if fate["state"] != "pending" or left <= 0:
+                break
+        if fate["state"] != "pending":
+            self.pending = None
+            if fate["state"] in ("applied", "rejected"):
+                self.stats[fate["state"]] += 1
+        return {"push": push, **fate}
+
     def close(self, leave: bool) -> None:
         """Stop heartbeating and, with ``leave``, tell the leader the cluster departs (best effort)."""
         self._stop.set()
@@ -62,13 +87,13 @@ class LeaderSpeaker:
         while not self._stop.is_set():
             try:
                 if self.cluster_id is not None:
-                    reply = self.leader.call("Heartbeat", timeout=1.0, **self._me())
+                    reply = self.leader.call("Heartbeat", timeout=HEARTBEAT_TIMEOUT_S, **self._me())
                     if not reply.get("known"):
                         log.warning("cluster %s is unknown to the leader; it will re-join", self.cluster_id)
                         self.cluster_id = None
                     self.done = self.done or bool(reply.get("done"))
                 else:
-                    self.leader.call("Status", timeout=1.0)
+                    self.leader.call("Status", timeout=HEARTBEAT_TIMEOUT_S)
                 self._leader_up.set()
             except RpcError:
                 self._leader_up.clear()

@@ -74,9 +74,10 @@ def encode(msg: dict) -> bytes:
     return json.dumps(msg, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> dict:
-    """A control message: a JSON object, bounded, finite (``BadMessage`` otherwise)."""
-    return untrusted.json_object(data, "control message", MAX_MESSAGE_BYTES, max_depth=MAX_DEPTH)
+def decode(data: bytes, text: bool = True) -> dict:
+    """A control message: a JSON object, bounded, finite, its strings Unicode text unless ``text``
+    is False (``BadMessage`` otherwise)."""
+    return untrusted.json_object(data, "control message", MAX_MESSAGE_BYTES, max_depth=MAX_DEPTH, text=text)
 
 
 _LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -137,14 +138,18 @@ class RpcServer:
     def _wrap(self, service: str, name: str, fn: Callable[[dict], Awaitable[dict]], tokens: tuple[JobToken, ...]):
         async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             self.stats.add(len(request))
-            try:
-                msg = decode(request)
+            try:  # the token is checked before the text: a malformed token is refused as any wrong one
+                msg = decode(request, text=False)
             except BadMessage as exc:  # not logged: anyone who reaches the port could fill the log
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
             presented = msg.pop("tok", None)
             if not any(t.matches(presented) for t in tokens):
                 self._refusals.warning("%s", JobToken.refusal(presented, f"{service}/{name} from {context.peer()}"))
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing token for this method")
+            try:
+                untrusted.check_text(msg, "control message")
+            except BadMessage as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
             code, why = None, ""
             try:
                 reply = encode(await fn(msg))

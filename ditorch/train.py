@@ -120,7 +120,15 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
         dist.all_gather_object(vendors, ditorch.vendor_name())
         if rank == 0:
             _describe(trainer, vendors)
-        TrainingRun(trainer).run(after_step=_outer_steps(trainer, ps_args) if ps_args else None)
+        outer = _outer_client(trainer, ps_args) if ps_args else None
+        TrainingRun(trainer).run(after_step=_outer_steps(outer, trainer) if outer else None)
+        if outer is not None:  # the last outer step's push is committed (or said not to be) before leaving
+            left = outer.close()
+            if rank == 0:
+                print(f"ditorch.train: Di-PS: {left['pushed']} pushes sealed, {left['applied']} applied, "
+                      f"{left['rejected']} rejected, {left['failed']} failed, {left['skipped']} outer steps skipped; "
+                      f"global version {left['version']}"
+                      + (f"; push {left['pending']} still uncommitted" if left["pending"] else ""), flush=True)
     except (PlanError, ValueError, KeyError, FileNotFoundError) as exc:
         print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr)
         return 2
@@ -135,17 +143,23 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
     return 0
 
 
-def _outer_steps(trainer, args):
-    """Join the Di-PS job as one pipeline cluster; the returned hook runs its outer steps."""
+def _outer_client(trainer, args):
+    """Join the Di-PS job as one pipeline cluster."""
     from dips.client import OuterClient
     from ditorch.ps_pipeline import PipelineStages
     from dips.rpc import Tls
-    from heteropp.runtime.trainer import global_batch_size
 
     outer = OuterClient(PipelineStages(trainer), args.ps, args.inner_steps, token_file=args.ps_token_file,
                         name=args.ps_name, join=False, tls=Tls(args.ps_tls_ca) if args.ps_tls_ca else None)
     if not outer.join(timeout_s=120.0):
         raise ValueError(f"could not join the Di-PS leader at {args.ps} within 120 s")
+    return outer
+
+
+def _outer_steps(outer, trainer):
+    """The hook that runs the cluster's outer steps after each training step."""
+    from heteropp.runtime.trainer import global_batch_size
+
     tokens = global_batch_size(trainer.plan) * trainer.plan.model.seq
 
     def after_step(step: int) -> bool:

@@ -47,9 +47,44 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
-def json_object(data: bytes | str, what: str, max_bytes: int, max_depth: int = 8) -> dict:
+def _first_non_text(value: Any) -> str:
+    """Which string of ``value`` is not Unicode text: a lone surrogate, which JSON's ``\\ud800``
+    escapes can carry but UTF-8 cannot."""
+    def bad(s: Any) -> bool:
+        if not isinstance(s, str):
+            return False
+        try:
+            s.encode()
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        for key, child in (v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()):
+            if bad(key):
+                return f"a key ({_shown(key)})"
+            if bad(child):
+                return f"field {_shown(key)}" if isinstance(key, str) else "a list element"
+            stack.append(child)
+    return "a string"
+
+
+def check_text(value: Any, what: str) -> None:
+    """Raise :class:`BadMessage` when a string in ``value`` (keys included) is not Unicode text,
+    so nothing a peer sent fails later in ``encode()``, a path or a log line."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise BadMessage(f"{what}: {_first_non_text(value)} holds a lone surrogate; "
+                         f"expected Unicode text") from None
+
+
+def json_object(data: bytes | str, what: str, max_bytes: int, max_depth: int = 8, text: bool = True) -> dict:
     """The JSON object in ``data`` (``what`` names the message in errors): at most ``max_bytes``,
-    nested at most ``max_depth`` deep, numbers finite."""
+    nested at most ``max_depth`` deep, numbers finite, and (``text``) every string Unicode text
+    (:func:`check_text`; a server that must check a token first passes False and checks after)."""
     if len(data) > max_bytes:
         raise BadMessage(f"{what} is {len(data)} bytes; expected at most {max_bytes}")
     try:
@@ -64,6 +99,8 @@ def json_object(data: bytes | str, what: str, max_bytes: int, max_depth: int = 8
         raise BadMessage(f"{what} is a JSON {type(value).__name__}; expected an object")
     if _depth(value, max_depth) > max_depth:
         raise BadMessage(f"{what} is nested deeper than {max_depth} levels")
+    if text:
+        check_text(value, what)
     return value
 
 

@@ -56,18 +56,22 @@ def closed_by_peer(s: socket.socket, within: float = 5.0) -> bool:
 class FakeRank0:
     """The store and rank 0 of one group under `prefix` in `store` (tcp only, `lanes` lanes)."""
 
-    def __init__(self, store: torch.distributed.Store, prefix: str = "", lanes: int = 2, transport: str = "tcp"):
-        self.store, self.prefix, self.lanes, self.transport = store, prefix, lanes, transport
+    def __init__(self, store: torch.distributed.Store, prefix: str = "", lanes: int = 2, transport: str = "tcp",
+                 real: int = 1):
+        """``real``: the rank of the real backend (rank 1 of two by default; the last of a larger
+        group whose other ranks the test plays, each dialling it as rank 0 does)."""
+        self.store, self.prefix, self.lanes, self.transport, self.real = store, prefix, lanes, transport, real
         self.key = secrets.token_bytes(32)
         import dicomm
 
         store.set(prefix + "dicomm/auth", self.key)
         # This host, and the one transport rank 1 is to use with us.
-        store.set(prefix + "dicomm/info/0", f"{dicomm.local_host_id()}\n{transport}".encode())
+        for rank in range(real):
+            store.set(prefix + f"dicomm/info/{rank}", f"{dicomm.local_host_id()}\n{transport}".encode())
 
     def rank1_address(self, timeout: float = 30.0) -> tuple[str, int] | str:
         """Rank 1's listener: (host, port) for tcp, the abstract socket name for shm."""
-        key = self.prefix + f"dicomm/{self.transport}/addr/1"
+        key = self.prefix + f"dicomm/{self.transport}/addr/{self.real}"
         self.store.wait([key], datetime.timedelta(seconds=timeout))
         address = self.store.get(key).decode()
         if self.transport == "shm":

@@ -9,6 +9,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,71 @@ def test_more_half_open_connections_than_descriptors_do_not_keep_the_peer_out():
     _, wall, _, cpu = out.split()
     assert float(wall) < 5, (out, err[-2000:])
     assert float(cpu) < 2, (out, err[-2000:])
+
+
+RANK_LAST = """
+import datetime, sys, time, torch, dicomm
+rank, world = int(sys.argv[2]), int(sys.argv[3])
+store = torch.distributed.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False,
+                                   timeout=datetime.timedelta(seconds=60))
+pg = dicomm.ProcessGroupDicomm(store, rank, world, 60.0)
+print("init done", flush=True)
+"""
+
+
+def open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def wait_until(condition, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_group_dialling_at_once_is_admitted_whole_once_descriptors_are_free_again():
+    """The last rank of a 13-rank group runs out of descriptors under a flood of silent
+    connections (EMFILE), which lowers its greeting bound; once the flood is gone and its
+    descriptor limit is back, the other 12 ranks (played here) open all 24 lanes at once and every
+    one is admitted: none is evicted for room as the flood's were."""
+    import resource
+
+    world, lanes = 13, 2
+    store, port = master_store()
+    fake = FakeRank0(store, lanes=lanes, real=world - 1)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT="tcp", DICOMM_TCP_STREAMS=str(lanes))
+    proc = subprocess.Popen([sys.executable, "-c", RANK_LAST, str(port), str(world - 1), str(world)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    held, flood = [], []
+    try:
+        fake.rank1_address()  # listening, and waiting for the group in its first accept
+        limit = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+        base = open_descriptors(proc.pid)
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (base + 40, limit[1]))
+        flood = [fake.connect() for _ in range(150)]
+        # Evictions for room start only once accept() failed: the group's own bound is 116.
+        assert closed_by_peer(flood[0], within=8), "the flood never ran the rank out of descriptors"
+        for s in flood:
+            s.close()
+        wait_until(lambda: open_descriptors(proc.pid) <= base + 2, "the flood's descriptors were freed")
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limit)
+        dialled = [(rank, lane, fake.connect()) for rank in range(world - 1) for lane in range(lanes)]
+        hellos = []
+        for rank, lane, s in dialled:
+            hellos.append(HELLO.pack(HELLO_MAGIC, rank, os.getpid(), 0, secrets.token_bytes(32), lane, lanes))
+            s.sendall(hellos[-1])
+        for (rank, lane, s), mine in zip(dialled, hellos):
+            s.settimeout(10)
+            answer = s.recv(HELLO.size + 32, socket.MSG_WAITALL)
+            assert len(answer) == HELLO.size + 32, f"rank {rank} lane {lane} was dropped before its handshake"
+            s.sendall(proof(fake.key, "dial", mine, answer[:HELLO.size]))
+            held.append(s)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "init done" in out, err[-3000:]
+    finally:
+        for s in held + flood:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()

@@ -144,6 +144,28 @@ def test_round_log_counts_staleness(tmp_path):
         b.close()
 
 
+def test_a_cluster_that_exits_right_after_its_last_outer_step_leaves_every_push_committed(tmp_path):
+    """Async mode, a round timeout of 0 (the outer step never waits for its push's round): the
+    push of the last outer step is still uncommitted when training ends. close() (or leaving the
+    ``with`` block) finishes it, so the leader's committed version counts every push the cluster
+    sealed the moment the cluster is gone; 20 clusters in a row, one after the other."""
+    with in_process_ps(tmp_path, mode="async") as (leader, _, token):
+        for i in range(20):
+            before = leader.status()["version"]
+            client = OuterClient(build_model(MODEL, i), leader.address, inner_steps=1, token=token, name=f"c{i}",
+                                 round_timeout_s=0.0)
+            with client:
+                for step in range(3):
+                    perturb(client.model, 100 * i + step)
+                    client.step(tokens=1)
+            left = client.close()  # a second close reports what the first one did
+            status = leader.status()
+            assert left["pending"] is None and left["pushed"] >= 1, left
+            assert status["version"] - before == left["pushed"] == left["applied"], (i, left, status)
+            assert status["complete"] == status["version"] and left["version"] == status["version"]
+            assert f"c{i}" not in status["clusters"]
+
+
 def test_a_cluster_that_leaves_is_not_waited_for(tmp_path):
     """A departing cluster says so: a sync round closes at once, not when its heartbeats lapse
     (30 s here, far beyond the test's wait)."""

@@ -153,6 +153,33 @@ def test_hostile_control_requests_are_refused_without_filling_the_log(ps, caplog
     assert c.step(tokens=10) and leader.status()["version"] >= 1
 
 
+@pytest.mark.parametrize("tok", ["\ud800", "x\udfff" * 20, ["\ud800"], {"\ud800": 1}, 7, None, ""],
+                         ids=["lone-high", "lone-low-repeated", "in-a-list", "as-a-key", "integer", "null", "empty"])
+def test_a_malformed_token_is_refused_as_a_wrong_one(ps, caplog, tok):
+    """JSON escapes can carry a lone surrogate, which is no Unicode text: as a token it is refused
+    like any wrong token, never with a traceback."""
+    leader, followers, token, c = ps
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(grpc.RpcError) as info:
+            c.speaker.leader._channel.unary_unary("/dips.Leader/Status")(json.dumps({"tok": tok}).encode(), timeout=30)
+        assert info.value.code().name == "PERMISSION_DENIED"
+    assert not any(r.exc_info for r in caplog.records), "a traceback was logged"
+
+
+@pytest.mark.parametrize("method,fields", [("WaitPush", {"push": "\ud800"}), ("Heartbeat", {"id": "c\udc80"}),
+                                           ("RegisterCluster", {"name": "\ud800", "fingerprint": "f"}),
+                                           ("Status", {"\ud800": 1}), ("Status", {"x": ["a", {"y": "\udfff"}]})])
+def test_a_lone_surrogate_in_any_field_is_refused_before_it_reaches_a_handler(ps, caplog, method, fields):
+    leader, followers, token, c = ps
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(grpc.RpcError) as info:
+            c.speaker.leader._channel.unary_unary(f"/dips.Leader/{method}")(
+                json.dumps({"tok": token.secret, **fields}).encode(), timeout=30)
+        assert info.value.code().name == "INVALID_ARGUMENT" and "surrogate" in info.value.details()
+    assert not any(r.exc_info for r in caplog.records), "a traceback was logged"
+    assert c.step(tokens=10)  # the leader serves on
+
+
 def test_a_cluster_cannot_speak_for_another(ps):
     """Clusters share the job token; each id is bound to the secret its registration returned."""
     leader, followers, token, c = ps

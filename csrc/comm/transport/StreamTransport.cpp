@@ -125,13 +125,14 @@ void StreamTransport::acceptOne() {
     greeting_.back().fd = Fd(c);
     greeting_.back().deadline = Clock::now() + kHelloWindow;
     acceptRest_ = std::chrono::milliseconds(0);
+    if (greetingBound_.lowered()) greetingBound_.accepted(groupGreetings(), freeDescriptors());
     return;
   }
   const int err = errno;
   if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM) return;  // e.g. the dialer gave up
   if (!greeting_.empty()) {
-    greetingCap_ = std::max<size_t>(4, greeting_.size() / 2);
-    while (greeting_.size() > greetingCap_ - 1) evictOldestGreeting();  // their descriptors are free again
+    greetingBound_.exhausted(greeting_.size());
+    while (greeting_.size() > maxGreetings() - 1) evictOldestGreeting();  // their descriptors are free again
     return;
   }
   // Nothing of ours to free: rest instead of polling a listener whose connection cannot be taken.

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/transport/GreetingBound.h"
 #include "comm/transport/Handshake.h"
 #include "comm/transport/Socket.h"
 #include "comm/transport/StreamConfig.h"
@@ -48,17 +49,15 @@ class StreamTransport : public Transport {
   };
   std::vector<Greeting> greeting_;
   static constexpr std::chrono::seconds kHelloWindow{10};
-  // At most maxGreetings() connections are greeted at once (twice what the whole group could
-  // dial at once, and 64 more): one more evicts the oldest (a real peer completes its handshake
-  // within milliseconds of connecting, so a flood of idle connections evicts only its own). Out
-  // of descriptors (EMFILE), the bound drops to half the greetings held, the oldest go, and the
-  // descriptors they free are there for the next connection and for the pairs being set up;
-  // with nothing to evict the listener rests (kAcceptRest, doubling) instead of spinning on a
-  // connection it cannot accept.
-  size_t maxGreetings() const {
-    return std::min(greetingCap_, 64 + 2 * static_cast<size_t>(ctx_.size) * static_cast<size_t>(config_.lanes));
+  // At most maxGreetings() connections are greeted at once (GreetingBound.h): one more evicts
+  // the oldest (a real peer completes its handshake within milliseconds of connecting, so a flood
+  // of idle connections evicts only its own). With nothing to evict when out of descriptors, the
+  // listener rests (kAcceptRest, doubling) instead of spinning on a connection it cannot accept.
+  size_t groupGreetings() const {
+    return 64 + 2 * static_cast<size_t>(ctx_.size) * static_cast<size_t>(config_.lanes);
   }
-  size_t greetingCap_ = SIZE_MAX;
+  size_t maxGreetings() const { return greetingBound_.limit(groupGreetings()); }
+  GreetingBound greetingBound_;
   static constexpr std::chrono::milliseconds kAcceptRest{1};
   static constexpr std::chrono::milliseconds kAcceptRestMax{100};
   Clock::time_point acceptRestUntil_{};

@@ -1,5 +1,6 @@
 // Unit checks of the transport's bookkeeping objects, with no sockets: the failure latch both
-// pair kinds keep, and the receiving side's book of rendezvous transfers. Built and run by
+// pair kinds keep, the receiving side's book of rendezvous transfers, and the listener's bound on
+// the connections it greets at once. Built and run by
 // tests/comm/test_transport_units.py; prints one line per failed check, exits non-zero if any.
 #include <cstdio>
 #include <cstring>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "comm/transport/FailureLatch.h"
+#include "comm/transport/GreetingBound.h"
 #include "comm/transport/RendezvousBook.h"
 
 namespace {
@@ -129,12 +131,34 @@ void bookDropsIntoNothingAndHandsBackTheRest() {
 
 }  // namespace
 
+void greetingBoundFallsWhenOutOfDescriptorsAndReturnsWithRoom() {
+  const size_t group = 64 + 2 * 13 * 2;  // 13 ranks, 2 lanes
+  dicomm::GreetingBound bound;
+  EXPECT(!bound.lowered() && bound.limit(group) == group);
+  bound.accepted(group, 0);  // not lowered: an accept changes nothing
+  EXPECT(bound.limit(group) == group);
+  bound.exhausted(40);  // EMFILE with 40 held: half of them
+  EXPECT(bound.lowered() && bound.limit(group) == 20);
+  bound.exhausted(3);  // never below the floor
+  EXPECT(bound.limit(group) == dicomm::GreetingBound::kFloor);
+  bound.accepted(group, 30);  // some room: half of it
+  EXPECT(bound.limit(group) == 15);
+  bound.accepted(group, 10);  // less room later: it does not fall on an accept
+  EXPECT(bound.limit(group) == 15);
+  bound.accepted(group, group - 1);
+  EXPECT(bound.lowered() && bound.limit(group) == (group - 1) / 2);
+  bound.accepted(group, group);  // room for the whole group's bound: the group's again
+  EXPECT(!bound.lowered() && bound.limit(group) == group);
+  EXPECT(bound.limit(8) == 8);
+}
+
 int main() {
   latchIsUpUntilFailedOrClosed();
   closedLatchRefusesFailure();
   rootCausePrefersTheAbortNotice();
   bookLandsPartsInPlaceOnce();
   bookDropsIntoNothingAndHandsBackTheRest();
+  greetingBoundFallsWhenOutOfDescriptorsAndReturnsWithRoom();
   if (failures == 0) std::printf("transport units: all checks passed\n");
   return failures == 0 ? 0 : 1;
 }
