@@ -188,8 +188,11 @@ class KernelRecorder {
 
 void noteCorrelation(uint64_t id) {
   if (!t_frames.empty() && t_frames.back()->awaiting_correlation) {
-    t_frames.back()->correlation = id;
-    t_frames.back()->awaiting_correlation = false;
+    OpFrame* frame = t_frames.back();
+    frame->correlation = id;
+    frame->awaiting_correlation = false;
+    // The profiler stamps the op's start just before it pushes the id: the kernel starts after.
+    if (frame->device >= 0) frame->start_ns = deviceClockNs(frame->device);
   }
 }
 
