@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Not "--log": torchrun's parser reads it as an abbreviation of its own --log-dir and stops.
     p.add_argument("--loss-log", type=Path, default=None, help="per-step loss log (JSON lines) for `ditorch mre`")
     p.add_argument("--trace", type=Path, default=None, help="Chrome trace JSON of every rank's actions")
+    p.add_argument("--profile-steps", default=None, metavar="A-B|N",
+                   help="torch.profiler trace of steps A-B (or N steps after the first) with the dipu kernels: "
+                        "one Chrome trace per rank, PROFILE_DIR/rank<R>.json (docs/compile.md)")
+    p.add_argument("--profile-dir", type=Path, default=Path("profile"), help="where --profile-steps writes")
     p.add_argument("--data", type=Path, default=None,
                    help="token file (flat uint16/uint32 token ids, e.g. from `ditorch data prepare`); "
                         "default: the built-in byte corpus")
@@ -67,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     from heteropp.runtime.trainer import TrainOptions
 
     try:
+        global _profile_steps, _profile_dir
+        if args.profile_steps is not None:
+            from ditorch_ext.profiler import parse_profile_steps
+            _profile_steps, _profile_dir = parse_profile_steps(args.profile_steps), args.profile_dir
         plan = Plan.from_json(args.plan)
         options = TrainOptions(
             steps=args.steps, lr=args.lr, clip=args.clip, seed=args.seed, precision=args.precision, schedule=args.schedule,
@@ -121,7 +129,14 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
         if rank == 0:
             _describe(trainer, vendors)
         outer = _outer_client(trainer, ps_args) if ps_args else None
-        TrainingRun(trainer).run(after_step=_outer_steps(outer, trainer) if outer else None)
+        after_step = _outer_steps(outer, trainer) if outer else None
+        profiler = _step_profiler(rank)
+        if profiler is not None:
+            after_step = profiler.wrap(after_step)
+            profiler.before_run()
+        TrainingRun(trainer).run(after_step=after_step)
+        if profiler is not None:
+            profiler.close()
         if outer is not None:  # the last outer step's push is committed (or said not to be) before leaving
             left = outer.close()
             if rank == 0:
@@ -141,6 +156,19 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
         os._exit(1)  # the group is broken; a clean shutdown would wait on the dead peer
     dist.destroy_process_group()
     return 0
+
+
+_profile_steps: tuple[int, int] | None = None  # --profile-steps, parsed
+_profile_dir = Path("profile")
+
+
+def _step_profiler(rank: int):
+    """The torch.profiler of --profile-steps for this rank, or None."""
+    if _profile_steps is None:
+        return None
+    from ditorch_ext.profiler import StepProfiler
+
+    return StepProfiler(*_profile_steps, _profile_dir / f"rank{rank}.json")
 
 
 def _outer_client(trainer, args):

@@ -112,3 +112,29 @@ def test_the_legacy_fallback_times_dipu_ops_with_the_device_stubs():
             x @ x
     avg = {e.key: e for e in prof.key_averages()}
     assert avg["aten::mm"].device_time_total > 0
+
+
+def test_profile_steps_parse_ranges_and_counts_and_refuse_the_rest():
+    from ditorch_ext.profiler import parse_profile_steps
+
+    assert parse_profile_steps("3-5") == (3, 5)
+    assert parse_profile_steps("2") == (2, 3)  # after the first, warm-up step
+    for bad in ("0", "5-3", "0-2", "a-b", "", "1-"):
+        with pytest.raises(ValueError, match="profile-steps"):
+            parse_profile_steps(bad)
+
+
+def test_a_step_profiler_traces_only_its_steps(tmp_path):
+    from ditorch_ext.profiler import StepProfiler
+
+    x = torch.randn(64, 64, device="dipu")
+    prof = StepProfiler(2, 3, tmp_path / "rank0.json")
+    hook = prof.wrap(None)
+    prof.before_run()
+    for step in range(5):
+        for _ in range(step + 1):  # step s (0-based) runs s + 1 matmuls
+            x @ x
+        assert hook(step) is False
+    assert prof.written
+    kernels = [e for e in json.loads((tmp_path / "rank0.json").read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    assert sum(1 for k in kernels if k["name"] == "aten::mm [dipu]") == 2 + 3  # steps 2 and 3 (1-based)
