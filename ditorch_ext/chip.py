@@ -1,13 +1,19 @@
 """Which chip this process emulates: chosen by ``DITORCH_CHIP`` at import or ``set_chip()``."""
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
+import sys
+
+import torch
 
 from ditorch_ext import _C
 from ditorch_ext.profiles import HOST, NUMERICS_FIELDS, ChipProfile, memory_scale_from_env, resolve, time_scale_or_default
 
 _current: tuple[ChipProfile, float] = (HOST, 1.0)
 _time_scale = 1.0
+_report_registered = False
 
 
 def set_chip(chip: str | ChipProfile, memory_scale: float | None = None, time_scale: float | None = None) -> ChipProfile:
@@ -15,21 +21,28 @@ def set_chip(chip: str | ChipProfile, memory_scale: float | None = None, time_sc
 
     ``memory_scale`` multiplies the chip's memory (default: ``$DITORCH_MEMORY_SCALE`` or 1), so
     a 96 GB chip can be emulated as 96 MB with ``memory_scale=0.001``. ``time_scale`` (default:
-    ``$DITORCH_TIME_SCALE`` or 1) makes the chip that many times slower than its profile, so that
-    ranks outnumbering cores still run at their profiles' relative speeds; the host profile is
-    never slowed.
+    ``$DITORCH_TIME_SCALE`` or 1) makes every kernel take that many times its datasheet time
+    (docs/device.md, "Speed"), so that the host keeps up with the chips it emulates; the host
+    profile is never slowed. With a time scale above 1 the process reports at exit how far its
+    host fell behind the emulated device, if it did.
     """
-    global _current, _time_scale
+    global _current, _time_scale, _report_registered
     profile = resolve(chip)
     scale = memory_scale_from_env() if memory_scale is None else float(memory_scale)
     if not scale > 0:
         raise ValueError(f"memory_scale={memory_scale!r} is invalid; expected a positive number")
     stretch = time_scale_or_default(time_scale)
     capacity = 0 if profile is HOST else profile.capacity_bytes(scale)
+    sheet = profile.datasheet
+    torch.ops.ditorch_emu.set_datasheet(list(sheet.peak_flops), sheet.memory_bytes_per_s, sheet.launch_s,
+                                        sheet.fp32_matmul_as_tf32)
     _C.set_chip_profile(
-        name=profile.name, memory_bytes=capacity, slowdown=1.0 if profile is HOST else profile.slowdown * stretch,
+        name=profile.name, memory_bytes=capacity, slowdown=0.0 if profile is HOST else stretch,
         **{field: getattr(profile, field) for field in NUMERICS_FIELDS})
     _current, _time_scale = (profile, scale), stretch
+    if stretch > 1 and profile is not HOST and not _report_registered:
+        atexit.register(_report_host_lateness)
+        _report_registered = True
     return profile
 
 
@@ -41,6 +54,45 @@ def current() -> tuple[ChipProfile, float]:
 def time_scale() -> float:
     """The time scale the active chip runs under."""
     return _time_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class EmulationStats:
+    """What the emulated device's timeline saw (csrc/device/SpeedEmulation.h)."""
+
+    kernels: int
+    device_busy_s: float  # device time charged: the chip's roofline times the time scale
+    host_late_s: float  # time the device sat idle waiting for the host's next kernel
+    late_kernels: int
+
+    @property
+    def host_late_fraction(self) -> float:
+        """Host lateness against device time: 0 when the host kept up with the chip."""
+        return self.host_late_s / self.device_busy_s if self.device_busy_s > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"the host fell behind the emulated device by {self.host_late_s:.3f} s over {self.device_busy_s:.3f} s "
+                f"of device time ({100 * self.host_late_fraction:.1f}%, {self.late_kernels} of {self.kernels} kernels "
+                f"launched late)")
+
+
+def emulation_stats(reset: bool = False) -> EmulationStats:
+    """The device timeline's counters since the process started (or the last reset)."""
+    kernels, busy, late, late_kernels = torch.ops.ditorch_emu.emulation_stats(reset)
+    return EmulationStats(int(kernels), busy * 1e-9, late * 1e-9, int(late_kernels))
+
+
+# Lateness below this share of device time is noise (a sleep's overshoot, a preemption).
+LATE_REPORT_FRACTION = 0.02
+
+
+def _report_host_lateness() -> None:
+    if _current[0] is HOST or _time_scale <= 1:
+        return
+    stats = emulation_stats()
+    if stats.host_late_fraction > LATE_REPORT_FRACTION:
+        print(f"ditorch: chip {_current[0].name} at time scale {_time_scale:g}: {stats.describe()}; this process ran "
+              f"slower than its chip, a larger time scale lets the host keep up", file=sys.stderr)
 
 
 def configure_from_env() -> None:

@@ -1,14 +1,20 @@
-"""Chip profiles: what makes one process behave like chip A, B, C or D of the H2 paper.
+"""Chip profiles: what makes one process behave like chip A, B, C or D of the H2 paper, or like a
+real part of the catalog (ditorch_ext/catalog.py).
 
-A profile sets the emulated chip's memory capacity (enforced by the allocator), its speed
-(every kernel is slowed so that wall time scales like the chip's throughput; a job-wide *time
-scale* slows every chip alike so that ranks sharing cores keep their profiles' speed), its numerics
-(matmul input rounding, denormal flushing) and its node shape (chips and NICs per node, used by
-HeteroPP's planner and DiComm's topology).
+A profile is a datasheet: peak dense throughput per precision (fp32, tf32, bf16, fp16, fp8 where
+the part has it), memory bandwidth and capacity, kernel launch latency, and the node around the
+chip (chips and NICs per node, scale-up and NIC bandwidths). An emulated kernel takes the
+roofline of its FLOPs and bytes on that datasheet (csrc/device/KernelCosts.h) times the job's
+*time scale*, never the host's own time; the time scale slows every chip alike so that the host,
+whose CPU is far slower than any accelerator, keeps up (``time_scale_for``). The profile also
+sets the chip's memory capacity (enforced by the allocator) and its numerics (matmul input
+rounding, accumulation, denormal flushing).
 
-Built-in profiles follow Table 5 of the H2 paper: FP16 throughput relative to an A100 (the
-midpoint of the paper's range), memory per chip and chips per node. NICs per node and numerics
-are not in the paper; they are chosen to be typical of such parts and documented per field.
+H2's chips A-D follow Table 5 of the paper: throughput relative to an A100 (the midpoint of the
+paper's range), memory per chip and chips per node. Their datasheet is the A100's with every
+rate scaled by that relative speed (launch latency divided by it), so their relative speeds
+hold for every kernel. NICs per node and numerics are not in the paper; they are chosen to be
+typical of such parts and documented per field.
 """
 from __future__ import annotations
 
@@ -18,19 +24,53 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-# The host runs kernels at the speed of a chip this many times an A100; a slower chip is made
-# proportionally slower in wall time. 2.0 keeps every Table-5 chip (the fastest is 1.75) at or
-# below the host so every profile can be emulated faithfully.
+# A relative speed this high was "the host's own speed" when chips were the host's time scaled;
+# kept as the speed of a chip fast enough that the host bounds it (examples/table1_mre.py runs
+# its chips at host speed with it).
 EMU_REFERENCE_SPEED = 2.0
+
+# The A100 SXM4 80 GB datasheet (dense, no sparsity), the reference of Table 5's relative
+# speeds: NVIDIA A100 Tensor Core GPU datasheet (docs/device.md, "Catalog").
+A100_TFLOPS = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0, "fp8": 0.0}
+A100_MEMORY_GBPS = 2039.0
+# Kernel launch latency: not on any datasheet. A CUDA kernel launch costs the host ~4-5 us and a
+# small kernel's end-to-end device time is of that order; one figure for every catalog part.
+LAUNCH_US = 5.0
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Datasheet:
+    """What the emulated device's roofline reads (SI units)."""
+
+    peak_flops: tuple[float, ...]  # per PRECISIONS; 0: no such unit
+    memory_bytes_per_s: float
+    launch_s: float
+    fp32_matmul_as_tf32: bool
+
+    def peak(self, precision: str) -> float:
+        """The FLOP/s ``precision`` runs at (a missing unit falls back as KernelCosts.cpp does)."""
+        chain = {"fp32": ("fp32",), "tf32": ("tf32", "fp32"), "bf16": ("bf16", "fp16", "fp32"),
+                 "fp16": ("fp16", "bf16", "fp32"), "fp8": ("fp8", "fp16", "bf16")}[precision]
+        for p in chain:
+            value = self.peak_flops[PRECISIONS.index(p)]
+            if value > 0:
+                return value
+        return self.peak_flops[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class ChipProfile:
-    """One accelerator type. Memory in GiB before ``memory_scale``; speed relative to an A100."""
+    """One accelerator type. Memory in GiB before ``memory_scale``.
+
+    Speed: either ``relative_speed`` alone (H2's chips: the A100's datasheet scaled) or a
+    datasheet (``fp32_tflops`` and ``memory_gbps`` at least; ``relative_speed`` then defaults to
+    the bf16 peak against the A100's)."""
 
     name: str
     memory_gb: float
-    relative_speed: float
+    relative_speed: float | None
     chips_per_node: int
     nics_per_node: int
     # Numerics (defaults: the host's IEEE arithmetic; see docs/device.md for each built-in's choice).
@@ -41,6 +81,17 @@ class ChipProfile:
     special_function_bits: int = 23  # mantissa bits of exp, softmax, rsqrt, silu, ... results
     flush_denormals: bool = False  # subnormal floats in op outputs become zero
     description: str = ""
+    # Datasheet (dense peaks in TFLOP/s, 0 = no such unit; bandwidths in GB/s = 1e9 B/s).
+    fp32_tflops: float | None = None
+    tf32_tflops: float = 0.0
+    bf16_tflops: float = 0.0
+    fp16_tflops: float = 0.0
+    fp8_tflops: float = 0.0
+    memory_gbps: float | None = None
+    launch_us: float | None = None  # default LAUNCH_US (divided by relative_speed for H2's chips)
+    intra_node_gbps: float | None = None  # scale-up bandwidth per chip, one direction
+    nic_gbps: float | None = None  # scale-out bandwidth per chip, one direction
+    source: str = ""  # where the figures come from (a datasheet, or "measured on ... by ditorch profile")
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, expected: str) -> ValueError:
@@ -50,8 +101,27 @@ class ChipProfile:
             raise ValueError(f"chip profile name must be a non-empty string, got {self.name!r}")
         if not _is_number(self.memory_gb) or self.memory_gb <= 0:
             raise bad("memory_gb", self.memory_gb, "a positive number of GiB")
-        if not _is_number(self.relative_speed) or not 0 < self.relative_speed <= EMU_REFERENCE_SPEED:
-            raise bad("relative_speed", self.relative_speed, f"a number in (0, {EMU_REFERENCE_SPEED}]")
+        has_sheet = self.fp32_tflops is not None or self.memory_gbps is not None
+        if has_sheet:
+            for field in ("fp32_tflops", "memory_gbps"):
+                value = getattr(self, field)
+                if not _is_number(value) or value <= 0:
+                    raise bad(field, value, "a positive number (a datasheet needs fp32_tflops and memory_gbps)")
+            for p in PRECISIONS[1:]:
+                value = getattr(self, f"{p}_tflops")
+                if not _is_number(value) or value < 0:
+                    raise bad(f"{p}_tflops", value, "a number >= 0 (0: the part has no such unit)")
+            if self.relative_speed is None:
+                object.__setattr__(self, "relative_speed", self.datasheet.peak("bf16") / 1e12 / A100_TFLOPS["bf16"])
+        elif self.relative_speed is None:
+            raise bad("relative_speed", None, "a positive number (times an A100), or a datasheet "
+                      "(fp32_tflops, memory_gbps, ...)")
+        if not _is_number(self.relative_speed) or self.relative_speed <= 0:
+            raise bad("relative_speed", self.relative_speed, "a positive number (times an A100)")
+        for field in ("launch_us", "intra_node_gbps", "nic_gbps"):
+            value = getattr(self, field)
+            if value is not None and (not _is_number(value) or value < 0 or (field != "launch_us" and value == 0)):
+                raise bad(field, value, "a positive number" if field != "launch_us" else "a number >= 0")
         for field in ("chips_per_node", "nics_per_node"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -68,9 +138,29 @@ class ChipProfile:
                 raise bad(field, getattr(self, field), "true or false")
 
     @property
+    def has_datasheet(self) -> bool:
+        """Whether the profile states its own figures (else they are the A100's times relative_speed)."""
+        return self.fp32_tflops is not None
+
+    @property
+    def datasheet(self) -> Datasheet:
+        """The figures the emulated device's roofline runs on."""
+        if self.has_datasheet:
+            tflops = [getattr(self, f"{p}_tflops") for p in PRECISIONS]
+            bandwidth, launch = self.memory_gbps, LAUNCH_US if self.launch_us is None else self.launch_us
+        else:
+            tflops = [A100_TFLOPS[p] * self.relative_speed for p in PRECISIONS]
+            bandwidth = A100_MEMORY_GBPS * self.relative_speed
+            launch = (LAUNCH_US if self.launch_us is None else self.launch_us) / self.relative_speed
+        # A part whose fp32 matmuls keep 10 mantissa bits runs them on its TF32 units; H2's chips
+        # keep one speed relative to one another on every kernel, so theirs stay at the fp32 rate.
+        return Datasheet(tuple(t * 1e12 for t in tflops), bandwidth * 1e9, launch * 1e-6,
+                         fp32_matmul_as_tf32=self.has_datasheet and self.matmul_mantissa_bits <= 10)
+
+    @property
     def slowdown(self) -> float:
-        """Wall-time factor the emu vendor applies to each kernel."""
-        return EMU_REFERENCE_SPEED / self.relative_speed
+        """How many times an A100's time this chip takes for the same kernel (1 / relative_speed)."""
+        return 1.0 / self.relative_speed
 
     def capacity_bytes(self, memory_scale: float = 1.0) -> int:
         return int(self.memory_gb * (1 << 30) * memory_scale)
@@ -90,14 +180,6 @@ HOST = ChipProfile(
     description="no emulation: host speed, exact fp32, capacity bounded only by the host",
 )
 
-# The reference of Table 1: the paper's A100, training with the same bf16 recipe. Its arithmetic
-# is the host's (fp32 accumulation, round-to-nearest-even, IEEE special functions); only speed,
-# memory and node shape are its own.
-A100 = ChipProfile(
-    "A100", memory_gb=80.0, relative_speed=1.0, chips_per_node=8, nics_per_node=8,
-    description="the reference accelerator: A100 80 GB; IEEE arithmetic, fp32 accumulation, nearest-even",
-)
-
 BUILTIN: dict[str, ChipProfile] = {
     p.name: p
     for p in (
@@ -113,10 +195,14 @@ BUILTIN: dict[str, ChipProfile] = {
         ChipProfile("D", 32, 1.75, 8, 8, matmul_mantissa_bits=10, accumulator_bits=8, accumulation_block=8,
                     round_toward_zero=True, special_function_bits=6, flush_denormals=True,
                     description="1.5-2.0x A100 FP16, 32 GB per chip, 8 chips per node"),
-        A100,
         HOST,
     )
 }
+
+from ditorch_ext.catalog import CATALOG  # noqa: E402  (the catalog's parts are ChipProfiles)
+
+BUILTIN.update(CATALOG)
+A100 = CATALOG["A100"]
 
 _FIELDS = {f.name for f in dataclasses.fields(ChipProfile)}
 
@@ -128,11 +214,12 @@ def profile_from_dict(name: str, values: Mapping[str, Any], source: str = "profi
     unknown = sorted(set(values) - _FIELDS)
     if unknown:
         raise ValueError(f"{source}: chip {name!r} has unknown field(s) {unknown}; expected some of {sorted(_FIELDS - {'name'})}")
-    required = {"memory_gb", "relative_speed", "chips_per_node", "nics_per_node"}
+    required = {"memory_gb", "chips_per_node", "nics_per_node"}
+    required |= {"fp32_tflops", "memory_gbps"} if "relative_speed" not in values else set()
     missing = sorted(required - set(values))
     if missing:
         raise ValueError(f"{source}: chip {name!r} is missing field(s) {missing}")
-    return ChipProfile(**{**values, "name": name})
+    return ChipProfile(**{"relative_speed": None, **values, "name": name})
 
 
 # The top-level key of an emulated chip profile file. It is not the planner's ``chips:`` (chip
@@ -174,7 +261,9 @@ def resolve(chip: str | ChipProfile) -> ChipProfile:
         return chip
     profiles = known_profiles()
     if chip not in profiles:
-        raise ValueError(f"unknown chip {chip!r}; known chips: {', '.join(sorted(profiles))}")
+        parts = sorted(set(CATALOG) - {"A100"} & set(profiles))  # the A100 is listed with H2's chips, its reference
+        others = sorted(set(profiles) - set(parts))
+        raise ValueError(f"unknown chip {chip!r}; known chips: {', '.join(others)}; catalog parts: {', '.join(parts)}")
     return profiles[chip]
 
 
@@ -204,19 +293,27 @@ def time_scale_or_default(value: Any, source: str = "time_scale") -> float:
     return (time_scale_from_env() or 1.0) if value is None else check_time_scale(value, source)
 
 
-# A rank's host work is more than its kernels' charged cost: Python, autograd, communication
-# threads, and kernels slowed by neighbours. At k = ranks per core, a 6-rank pipeline on 2 cores
-# kept the cores 90% busy and ran 8% behind its simulation; at 1.5x that, 1% (docs/device.md).
+# A rank's host work is more than its kernels: Python, autograd, communication threads, and
+# neighbours taking the core. A time scale this many times what one rank alone needs leaves room
+# for them (docs/device.md, "Speed").
 HOST_HEADROOM = 1.5
 
 
-def time_scale_for(ranks_per_host: int, cores: int | None = None) -> float:
-    """The time scale that keeps ``ranks_per_host`` emulated chips faithful on ``cores`` cores
-    (default: this host's): 1 while every rank has a core, else ranks per core times
-    ``HOST_HEADROOM``. A chip's host work then fits in its emulated time even when every rank
-    computes at once."""
+def time_scale_for(ranks_per_host: int, cores: int | None = None, host_ratio: float = 1.0) -> float:
+    """The time scale that lets ``ranks_per_host`` emulated chips on ``cores`` cores (default:
+    this host's) keep their datasheet speeds relative to one another.
+
+    ``host_ratio`` is how many times longer the host takes for the job's work than the fastest
+    chip of the job does at time scale 1 (``heteropp.runtime.profiler.host_ratio`` measures it
+    for a model; 1 means unknown). The result is that ratio times ranks per core (at least 1)
+    times ``HOST_HEADROOM``, rounded up to two significant digits: each rank's host work then fits
+    in its device time even when every rank computes at once."""
+    if not _is_number(host_ratio) or host_ratio <= 0:
+        raise ValueError(f"host_ratio={host_ratio!r} is invalid; expected a positive number")
     cores = cores or os.cpu_count() or 1
-    return 1.0 if ranks_per_host <= cores else HOST_HEADROOM * ranks_per_host / cores
+    scale = max(1.0, host_ratio * HOST_HEADROOM * max(1.0, ranks_per_host / cores))
+    digits = 10 ** (math.floor(math.log10(scale)) - 1)
+    return float(math.ceil(round(scale / digits, 9)) * digits) if scale >= 10 else math.ceil(scale * 10 - 1e-9) / 10
 
 
 def memory_scale_from_env() -> float:

@@ -2,6 +2,8 @@
 
 Runs, as a user would, each command of the HeteroPP workflow and shows what it prints:
 
+0. choose the time scale: how many times longer this host takes for a layer than the fastest
+   chip of the cluster does by its datasheet, times ranks per core and headroom;
 1. ``ditorch profile``: measure the model's layer times on each chip type at TP 1 and 2;
 2. ``ditorch plan``: HeteroAuto picks stages, TP sizes and layers for the cluster;
 3. ``torchrun -m ditorch.train``: the heterogeneous run (one process per chip, dicomm);
@@ -39,15 +41,28 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from ditorch_ext.profiles import time_scale_for  # noqa: E402
-from heteropp.runtime.profiler import write_cluster  # noqa: E402
+from ditorch_ext.profiles import resolve, time_scale_for  # noqa: E402
+from heteropp.model_spec import ModelSpec  # noqa: E402
+from heteropp.runtime.profiler import host_ratio, write_cluster  # noqa: E402
 
 NOISE = ("rdma transport not usable", "FutureWarning", "return func(", "OMP_NUM_THREADS", "*****")
+
+
+# Seconds each phase took ("1/9" -> seconds), printed at the end.
+PHASE_SECONDS: dict[str, float] = {}
 
 
 def run(cmd: list[str], env: dict, step: str, check: bool = True) -> int:
     """Run one command with its output shown (minus torchrun's and dicomm's boilerplate)."""
     print(f"\n[{step}] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    start = time.perf_counter()
+    try:
+        return _run(cmd, env, step, check)
+    finally:
+        PHASE_SECONDS[step] = PHASE_SECONDS.get(step, 0.0) + time.perf_counter() - start
+
+
+def _run(cmd: list[str], env: dict, step: str, check: bool) -> int:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
@@ -87,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gbs", default="1K", help="global batch in tokens (1K = 8 sequences of 128)")
     p.add_argument("--memory-scale", default="0.01", help="chip memory scale (0.01: a 32 GB chip holds 328 MiB)")
     p.add_argument("--reprofile", action="store_true", help="measure the chips again even if profiles exist")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="run the chips this many times slower than their datasheets (default: chosen for this host)")
     p.add_argument("--ps-steps", type=int, default=24, help="steps of each cluster in the Di-PS phase")
     p.add_argument("--no-hsr", action="store_true", help="skip measuring each chip group alone (step 7)")
     p.add_argument("--no-ps", action="store_true", help="skip the Di-PS phase (step 8)")
@@ -100,15 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DITORCH_MEMORY_SCALE=args.memory_scale, PYTHONPATH=str(REPO))
-    # one kernel cost table for the profiles and every run (docs/device.md, Speed)
-    env.setdefault("DITORCH_KERNEL_COSTS", str(out / "kernel-costs.bin"))
     py = sys.executable
     ditorch = [py, "-m", "ditorch.cli"]
     world = sum(counts.values())
-    # Ranks outnumber cores here: every chip runs this many times slower than its profile so
-    # that its host work fits in its emulated time (docs/device.md, "Speed").
-    time_scale = time_scale_for(world)
     started = time.perf_counter()
+    # Every chip runs at its datasheet's speed times one time scale, chosen so that this host
+    # keeps up with the fastest chip while ranks outnumber cores (docs/device.md, "Speed").
+    fastest = max(counts, key=lambda c: resolve(c).relative_speed)
+    ratio = host_ratio(fastest, ModelSpec.load(args.model), memory_scale=float(args.memory_scale))
+    time_scale = args.time_scale or time_scale_for(world, host_ratio=ratio)
+    PHASE_SECONDS["0/9"] = time.perf_counter() - started
+    print(f"\n[0/9] this host takes {ratio:.1f}x chip {fastest}'s time for a layer of {Path(args.model).name}: "
+          f"{world} ranks on {os.cpu_count()} cores run at time scale {time_scale:g} "
+          f"({PHASE_SECONDS['0/9']:.0f} s)", flush=True)
 
     for chip in counts:
         profile = out / f"chip-{chip}.yaml"
@@ -136,12 +157,17 @@ def main(argv: list[str] | None = None) -> int:
              "constant", "--steps", "4", "--out", str(out / "hsr")], env, "7/9")
         hsr = json.loads((out / "hsr" / "hsr.json").read_text())
     if not args.no_ps:
+        ps_started = time.perf_counter()
         verdict = two_clusters_through_dips(args, counts, plan, out, env) or verdict
+        PHASE_SECONDS["8/9"] = time.perf_counter() - ps_started
     if not args.no_volunteer:
         import volunteer_demo
 
+        volunteer_started = time.perf_counter()
         verdict = volunteer_demo.main(["--model", args.model], step="9/9") or verdict
+        PHASE_SECONDS["9/9"] = time.perf_counter() - volunteer_started
     summarize(out, plan, hsr)
+    print("\nphase times: " + ", ".join(f"{step} {seconds:.0f} s" for step, seconds in sorted(PHASE_SECONDS.items())))
     print(f"\nhetero demo: {'PASS' if verdict == 0 else 'FAIL'} in {time.perf_counter() - started:.0f} s; "
           f"loss curves {out / 'loss_curves.png'}, timeline {out / 'timeline.png'}, "
           f"trace {out / 'trace.json'} (open in https://ui.perfetto.dev)"

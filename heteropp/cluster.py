@@ -82,6 +82,11 @@ class ChipSpec:
     # What `ditorch profile` measured the layer times as (its PROFILER_VERSION), so a cache of
     # profiles can tell one from an older measurement. None: not written by the profiler.
     profiler_version: int | None = None
+    # A chip profile (a catalog part such as H100, or H2's A-D) whose datasheet gives the layer
+    # times by the roofline (heteropp/roofline.py), with no profiling.
+    datasheet: str | None = None
+    # Where the figures come from: "datasheet: ..." or "measured: ..." (`ditorch profile` writes it).
+    source: str | None = None
 
     def __post_init__(self) -> None:
         def positive(field: str, value: Any, integer: bool = False) -> None:
@@ -102,10 +107,11 @@ class ChipSpec:
             raise ValueError(
                 f"chip {self.name!r}: usable_memory_fraction must be in (0, 1], got {self.usable_memory_fraction!r}"
             )
-        sources = [s for s in ("effective_tflops", "calibration", "measured_ms") if getattr(self, s) is not None]
+        sources = [s for s in ("effective_tflops", "calibration", "measured_ms", "datasheet")
+                   if getattr(self, s) is not None]
         if len(sources) != 1:
             raise ValueError(
-                f"chip {self.name!r}: give exactly one of effective_tflops, calibrate, layer_times_ms "
+                f"chip {self.name!r}: give exactly one of effective_tflops, calibrate, layer_times_ms, datasheet "
                 f"(got {sources or 'none'})"
             )
 
@@ -149,6 +155,10 @@ class ChipSpec:
             d["emulated_time_scale"] = self.emulated_time_scale
         if self.profiler_version is not None:
             d["profiler_version"] = self.profiler_version
+        if self.datasheet is not None:
+            d["datasheet"] = self.datasheet
+        if self.source is not None:
+            d["source"] = self.source
         return d
 
     @classmethod
@@ -159,11 +169,14 @@ class ChipSpec:
             {
                 "count", "memory_gb", "chips_per_node", "tp_max", "intra_node_gbps", "hbm_gbps", "nic_gbps",
                 "usable_memory_fraction", "effective_tflops", "calibrate", "layer_times_ms", "peak_tflops",
-                "activation_mb", "emulated_time_scale", "profiler_version",
+                "activation_mb", "emulated_time_scale", "profiler_version", "datasheet", "source",
             },
+            {"count"} if "datasheet" in d else
             {"count", "memory_gb", "chips_per_node", "intra_node_gbps", "hbm_gbps", "nic_gbps"},
             where,
         )
+        if "datasheet" in d:
+            d = {**_datasheet_defaults(d["datasheet"], where), **d}
         calibration = None
         if "calibrate" in d:
             c = d["calibrate"]
@@ -197,7 +210,35 @@ class ChipSpec:
             activation_mb=None if "activation_mb" not in d else _activation_mb(d["activation_mb"], where),
             emulated_time_scale=None if "emulated_time_scale" not in d else _time_scale(d["emulated_time_scale"], where),
             profiler_version=None if "profiler_version" not in d else _profiler_version(d["profiler_version"], where),
+            datasheet=None if "datasheet" not in d else str(d["datasheet"]),
+            source=None if "source" not in d else str(d["source"]),
         )
+
+
+def _datasheet_defaults(part: Any, where: str) -> dict:
+    """A chip entry's figures from the chip profile ``part`` names (the catalog, H2's A-D or
+    $DITORCH_PROFILE_FILE): what the entry does not state itself."""
+    from ditorch_ext.profiles import known_profiles
+
+    profiles = known_profiles()
+    if not isinstance(part, str) or part not in profiles:
+        raise ValueError(f"{where}: datasheet {part!r} is not a known chip; known: {', '.join(sorted(profiles))}")
+    p = profiles[part]
+    sheet = p.datasheet
+    return {
+        "memory_gb": p.memory_gb * (1 << 30) / GB,
+        "chips_per_node": p.chips_per_node,
+        "intra_node_gbps": p.intra_node_gbps or _A100_INTRA_NODE_GBPS * p.relative_speed,
+        "hbm_gbps": sheet.memory_bytes_per_s / GB,
+        "nic_gbps": p.nic_gbps or _A100_NIC_GBPS,
+        "peak_tflops": sheet.peak("bf16") / 1e12,
+        "source": f"datasheet: {p.source or p.description or part}",
+    }
+
+
+# Links of a part whose profile does not state them (H2's A-D): the A100's (docs/device.md).
+_A100_INTRA_NODE_GBPS = 300.0
+_A100_NIC_GBPS = 25.0
 
 
 def _profiler_version(value: Any, where: str) -> int:
@@ -276,6 +317,8 @@ class ClusterSpec:
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a mapping with 'chips' and 'links'")
         _refuse_emulated_profile_file(d, path)
+        if "parts" in d:
+            d = _fleet_of_parts(d, path)
         # a cluster may take its chip types from library files (one, or a list: e.g. one file
         # per chip written by `ditorch profile`) and only set counts
         if "chip_library" in d:
@@ -303,6 +346,28 @@ class ClusterSpec:
             }
         d.setdefault("name", path.stem)
         return cls.from_dict(d, where=str(path))
+
+
+def _fleet_of_parts(d: dict, path: Path) -> dict:
+    """``{parts: {H100: 16, MI300X: 8}, links: ...}``: a fleet named by chip profiles (catalog
+    parts) and counts, planned from their datasheets. Links, when not given, are each part's
+    NIC bandwidth (the slowest of the fleet) at 5 us inside a cluster and 20 us between."""
+    _check_keys(d, {"name", "parts", "links", "tp_max"}, {"parts"}, str(path))
+    parts = d["parts"]
+    if not isinstance(parts, dict) or not parts:
+        raise ValueError(f"{path}: 'parts' must map chip profile names (e.g. H100) to chip counts")
+    tp_max = d.get("tp_max")
+    chips = {}
+    for name, count in parts.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"{path}: parts[{name!r}] must be a positive number of chips, got {count!r}")
+        chips[str(name)] = {"datasheet": str(name), "count": count, **({"tp_max": tp_max} if tp_max else {})}
+    links = d.get("links")
+    if links is None:
+        nic = min(_datasheet_defaults(str(n), str(path))["nic_gbps"] for n in parts)
+        links = {"inter_node": {"bandwidth_gbps": nic, "latency_us": 5},
+                 "inter_cluster": {"bandwidth_gbps": nic, "latency_us": 20}}
+    return {"name": d.get("name", path.stem), "chips": chips, "links": links}
 
 
 def _refuse_emulated_profile_file(d: Any, path: Path) -> None:

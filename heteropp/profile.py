@@ -73,31 +73,49 @@ class ChipProfile:
                 raise KeyError(
                     f"chip {self.chip.name!r}: no measured layer timings for TP={tp}; measured TP sizes are {sorted(measured)}"
                 )
-            m = measured[tp]
+            m, ms = measured[tp], self._ms
             # a measured backward is split evenly: dgrad and wgrad have equal FLOPs
             return LayerTimes(
-                fwd=m["fwd"] * 1e-3,
-                bwd_input=m["bwd"] * 0.5e-3,
-                bwd_weight=m["bwd"] * 0.5e-3,
-                recompute=m.get("recompute", m["fwd"]) * 1e-3,
+                fwd=m["fwd"] * ms,
+                bwd_input=m["bwd"] * 0.5 * ms,
+                bwd_weight=m["bwd"] * 0.5 * ms,
+                recompute=m.get("recompute", m["fwd"]) * ms,
             )
+        if self.chip.datasheet is not None:
+            return self._datasheet_layer_times(tp)
         matmul = self.model.layer_forward_flops() / (tp * self.effective_flops)
         comm = 2.0 * self.tp_allreduce_time(tp)  # attention block + MLP block
         return LayerTimes(fwd=matmul + comm, bwd_input=matmul + comm, bwd_weight=matmul, recompute=matmul + comm)
+
+    @property
+    def _ms(self) -> float:
+        """Seconds per measured millisecond: a profile's chip time runs at its time scale."""
+        return 1e-3 * (self.chip.emulated_time_scale or 1.0)
+
+    def _datasheet_layer_times(self, tp: int) -> LayerTimes:
+        """The layer's kernels on the datasheet (forward and backward), plus the TP all-reduces
+        over the chip's scale-up links; the backward split evenly as a measured one is."""
+        from ditorch_ext.profiles import resolve
+
+        from .roofline import layer_kernel_times
+
+        k = layer_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet)
+        comm = 2.0 * self.tp_allreduce_time(tp)  # attention block + MLP block
+        return LayerTimes(fwd=k.fwd + comm, bwd_input=k.bwd / 2 + comm, bwd_weight=k.bwd / 2, recompute=k.fwd + comm)
 
     def end_times(self, tp: int) -> tuple[float, float, float, float]:
         """Seconds per micro-batch the pipeline's ends add: (embedding forward, embedding
         backward, head forward, head backward); measured profiles only, else zeros (the
         paper's cost model leaves them out)."""
         measured = (self.chip.measured_ms or {}).get(tp, {})
-        return tuple(measured.get(k, 0.0) * 1e-3 for k in END_TIME_KEYS)
+        return tuple(measured.get(k, 0.0) * self._ms for k in END_TIME_KEYS)
 
     def update_time(self, tp: int, dp: int) -> float:
         """Per-layer optimizer time: ZeRO-1 Adam step on 1/dp of the shard, plus the
         gradient reduce-scatter and parameter all-gather over DP (bf16, not overlapped)."""
         measured = self.chip.measured_ms
         if measured is not None and tp in measured and "update" in measured[tp]:
-            return measured[tp]["update"] * 1e-3
+            return measured[tp]["update"] * self._ms
         params = self.model.params_per_layer / tp
         step = params / dp * _ADAM_BYTES_PER_PARAM / self.chip.hbm_bandwidth
         sync = 0.0 if dp == 1 else 2.0 * (dp - 1) / dp * params * BF16 / self.chip.nic_bandwidth

@@ -19,7 +19,8 @@ void checkBits(const ChipProfile& p, const char* field, int bits) {
 const ChipProfile& chipProfile() { return active(); }
 
 void setChipProfile(const ChipProfile& profile) {
-  TORCH_CHECK(profile.slowdown >= 1.0, "chip profile '", profile.name, "': slowdown ", profile.slowdown, " must be >= 1");
+  TORCH_CHECK(profile.slowdown >= 0.0, "chip profile '", profile.name, "': time scale ", profile.slowdown,
+              " must be >= 0 (0: speed not emulated)");
   TORCH_CHECK(profile.memory_bytes >= 0, "chip profile '", profile.name, "': memory must be >= 0");
   const Numerics& n = profile.numerics;
   checkBits(profile, "matmul_mantissa_bits", n.matmul_input_bits);
@@ -29,8 +30,8 @@ void setChipProfile(const ChipProfile& profile) {
               n.accumulation_block, " must be >= 0");
   active() = profile;
   // A vendor with a stream runtime runs kernels asynchronously at the device's own speed: the time a
-  // kernel takes is not seen on the host, so there is nothing to stretch (memory and numerics apply).
-  if (vendor().streamRuntime()) active().slowdown = 1.0;
+  // kernel takes is not seen on the host, so there is nothing to emulate (memory and numerics apply).
+  if (vendor().streamRuntime()) active().slowdown = 0.0;
 }
 
 }  // namespace ditorch

@@ -26,7 +26,9 @@ struct Numerics {
 struct ChipProfile {
   std::string name = "host";
   int64_t memory_bytes = 0;  // per device; 0 = unlimited
-  double slowdown = 1.0;     // wall-time factor applied to every kernel (>= 1)
+  // The job's time scale: how many times slower than its datasheet (KernelCosts.h) the chip
+  // runs; 0: its speed is not emulated (the host profile, a vendor with its own stream runtime).
+  double slowdown = 0.0;
   Numerics numerics;
 };
 

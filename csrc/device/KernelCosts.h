@@ -1,57 +1,50 @@
 #pragma once
-// The machine's kernel costs: what each kernel signature costs the host, measured once per
-// machine and shared by every process that names one file (`DITORCH_KERNEL_COSTS`).
+// What a kernel costs an emulated chip: its work (FLOPs and bytes moved, counted from the op's
+// shapes and dtypes) on the chip's datasheet (peak throughput per precision, memory bandwidth,
+// launch latency), by the roofline model:
 //
-// A kernel's host time drifts with the host (a VM's neighbours, its clock) and swells when
-// ranks contend for caches and memory bandwidth; the emulated device magnifies both by the
-// chip's slowdown. The least of a signature's recent runs in one process filters contention
-// only when some recent run had the caches to itself, and a profile taken at one minute and a
-// pipeline run at the next still charge different costs for the same kernel; the least of all
-// runs ever is no fix either, as it keeps falling the more a kernel runs (a pipeline runs it
-// thousands of times, a profile dozens). So a signature's cost is the least of its first
-// kKernelCostSamples runs on the machine (a profile's, taken alone, when the profile runs
-// first) and is fixed from then on: the profile, every rank and every later run charge it, and
-// emulated chips keep one speed across processes and minutes.
+//   seconds = launch latency + max(FLOPs / peak FLOP/s of the kernel's precision,
+//                                   bytes moved / memory bandwidth)
 //
-// File: "DTKCOST2", a little-endian uint64 count, then count entries (uint64 signature, int64
-// nanoseconds, uint64 samples). Read when the first kernel is charged; merged back under an
-// flock at exit, through a temporary file renamed over it, so a failed or torn write leaves the
-// previous table.
-#include <cstdint>
-#include <string>
-#include <unordered_map>
+// The matmul family (mm, addmm, bmm, baddbmm, linear, mv, addmv, dot), scaled dot-product
+// attention (forward and backward) and convolution (forward and backward) are counted in FLOPs
+// with torch.utils.flop_counter's formulas; every other op is memory-bound on the bytes it
+// reads and writes. Nothing here reads a clock: a chip's time for a kernel is the same on every
+// host. ditorch_ext/roofline.py is the same model in Python (the planner's datasheet layer
+// times); tests/device/test_kernel_costs.py holds the two to hand-computed kernels.
+#include "device/SpeedEmulation.h"
 
 namespace ditorch {
 
-// The environment variable naming the table's file; unset or empty: no shared table.
-constexpr const char* kKernelCostsEnv = "DITORCH_KERNEL_COSTS";
-// Bound on signatures read or kept: a model's distinct kernels are a few hundred per shape set.
-constexpr uint64_t kMaxKernelCosts = 1 << 16;
+// The precisions a datasheet gives a peak for, in the order Python hands them over.
+enum class Precision : int { FP32 = 0, TF32, BF16, FP16, FP8, kCount };
 
-// Runs of a signature whose least host time becomes its fixed cost.
-constexpr uint64_t kKernelCostSamples = 32;
-
-struct KernelCost {
-  int64_t ns = 0;  // the least host time of the samples so far
-  uint64_t samples = 0;  // fixed once kKernelCostSamples
-  bool fixed() const { return samples >= kKernelCostSamples; }
-  // One more run (ignored once fixed).
-  void add(int64_t host_ns);
-  // Another table's knowledge of the same signature: a fixed cost wins; else the samples pool.
-  void merge(const KernelCost& other);
+struct Datasheet {
+  double peak_flops[int(Precision::kCount)] = {};  // FLOP/s; 0: the part has no such unit
+  double memory_bytes_per_s = 0;
+  double launch_s = 0;
+  // fp32 matmuls run on TF32 units (a chip whose numerics round fp32 matmul inputs to 10 bits)
+  bool fp32_matmul_as_tf32 = false;
+  bool defined() const { return memory_bytes_per_s > 0 && peak_flops[int(Precision::FP32)] > 0; }
 };
 
-using KernelCostMap = std::unordered_map<uint64_t, KernelCost>;
+// The active chip's datasheet (all zeros when the chip's speed is not emulated).
+const Datasheet& chipDatasheet();
+void setChipDatasheet(const Datasheet& datasheet);
 
-// Reads `path` into `costs` (KernelCost::merge per signature). A missing file is an empty
-// table; a malformed one is an error naming what is wrong (returned, `costs` untouched).
-std::string readKernelCosts(const std::string& path, KernelCostMap& costs);
-// Merges `costs` (the samples this process added) into `path` under its lock; returns an error
-// message, or "" on success.
-std::string mergeKernelCosts(const std::string& path, const KernelCostMap& costs);
+struct KernelWork {
+  double flops = 0;   // counted only for the compute-bound families
+  double bytes = 0;   // read and written
+  Precision precision = Precision::FP32;  // the units the FLOPs run on
+  bool launched = true;  // false: metadata only, no kernel on a real device
+};
 
-// The cost of `signature` in this machine's table, this run (`host_ns`) counted while the cost
-// is not fixed yet; -1 when no table is configured (the caller falls back to its own window).
-int64_t leastKnownHostTime(uint64_t signature, int64_t host_ns);
+// The work of the kernel `signature` describes (its arguments as the op received them).
+KernelWork kernelWork(const KernelSignature& signature);
+// The peak FLOP/s `datasheet` offers `precision`: a part without that unit runs it on the next
+// wider one (FP8 on FP16, FP16/BF16 on each other, then FP32; TF32 on FP32).
+double peakFlops(const Datasheet& datasheet, Precision precision);
+// The roofline time of `work` on `datasheet`, launch latency included, in seconds.
+double chipSeconds(const KernelWork& work, const Datasheet& datasheet);
 
 }  // namespace ditorch

@@ -2,11 +2,11 @@
 
 #include "device/KernelCosts.h"
 
-#include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <ctime>
 #include <mutex>
-#include <unordered_map>
 
 namespace ditorch {
 namespace {
@@ -14,13 +14,13 @@ namespace {
 // The host may run this far ahead of the device before it sleeps, and sleeps down to half of it:
 // host work between kernels is hidden while it stays within the device's time and the remaining
 // lead (as behind an accelerator's launch queue), so a rank preempted for a few milliseconds by
-// its neighbours does not fall behind its profile; a sleep's overshoot (~60 us) is small against it.
+// its neighbours does not fall behind; a sleep's overshoot (~60 us) is small against it.
 constexpr int64_t kMaxLeadNs = 10000000;
 constexpr int64_t kLeadAfterSleepNs = kMaxLeadNs / 2;
 
-int64_t clockNs(clockid_t clock) {
+int64_t monotonicNs() {
   timespec ts;
-  clock_gettime(clock, &ts);
+  clock_gettime(CLOCK_MONOTONIC, &ts);
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
@@ -31,6 +31,15 @@ class DeviceTimeline {
   // Queue `busy_ns` of device time launched at `launch_ns`; returns when the device will be idle.
   int64_t enqueue(int64_t launch_ns, int64_t busy_ns) {
     std::lock_guard<std::mutex> lock(mu_);
+    // The device idled from idle_at_ to this launch: the host was late, unless it waited at a
+    // synchronisation point since the last kernel (a real device idles there too).
+    if (!synced_ && idle_at_ns_ > 0 && launch_ns > idle_at_ns_) {
+      stats_.host_late_ns += launch_ns - idle_at_ns_;
+      ++stats_.late_kernels;
+    }
+    synced_ = false;
+    ++stats_.kernels;
+    stats_.device_busy_ns += busy_ns;
     idle_at_ns_ = std::max(idle_at_ns_, launch_ns) + busy_ns;
     return idle_at_ns_;
   }
@@ -38,10 +47,22 @@ class DeviceTimeline {
     std::lock_guard<std::mutex> lock(mu_);
     return idle_at_ns_;
   }
+  void markSynced() {
+    std::lock_guard<std::mutex> lock(mu_);
+    synced_ = true;
+  }
+  EmulationStats stats(bool reset) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const EmulationStats s = stats_;
+    if (reset) stats_ = EmulationStats{};
+    return s;
+  }
 
  private:
   mutable std::mutex mu_;
   int64_t idle_at_ns_ = 0;  // CLOCK_MONOTONIC
+  bool synced_ = true;
+  EmulationStats stats_;
 };
 
 DeviceTimeline& timeline() {
@@ -55,79 +76,78 @@ void sleepUntil(int64_t deadline_ns) {
   }
 }
 
-// The least host time of a kernel signature's last kWindow runs. A window, not all history: the
-// least of more samples is lower, so a pipeline running a kernel thousands of times would be
-// charged less for it than the profile that ran it dozens. Per thread (the autograd thread runs
-// the backward's kernels), so no lock; bounded, as a model's distinct kernels are a few hundred.
-class RecentHostTimes {
- public:
-  static constexpr int kWindow = 16;
-  int64_t add(int64_t host_ns) {
-    times_[next_] = host_ns;
-    next_ = (next_ + 1) % kWindow;
-    count_ = std::min(count_ + 1, kWindow);
-    return *std::min_element(times_, times_ + count_);
-  }
-
- private:
-  int64_t times_[kWindow] = {};
-  int next_ = 0, count_ = 0;
-};
-
-int64_t leastRecentHostTime(uint64_t signature, int64_t host_ns) {
-  const int64_t known = leastKnownHostTime(signature, host_ns);
-  if (known >= 0) return known;
-  constexpr size_t kMaxSignatures = 1 << 14;
-  thread_local std::unordered_map<uint64_t, RecentHostTimes> recent;
-  if (recent.size() >= kMaxSignatures) recent.clear();
-  return recent[signature].add(host_ns);
-}
-
 }  // namespace
 
-KernelSignature::KernelSignature(const c10::FunctionSchema& op) {
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of "name.overload"
-  for (const std::string* part : {&op.name(), &op.overload_name()}) {
-    for (const char c : *part) h = (h ^ uint8_t(c)) * 0x100000001b3ull;
-    h = (h ^ uint8_t('.')) * 0x100000001b3ull;
-  }
-  mix(h);
+int64_t TensorShape::bytes() const { return numel * int64_t(c10::elementSize(dtype)); }
+
+KernelSignature::KernelSignature(const c10::FunctionSchema& op) : name_(&op.name()) {}
+
+const std::string& KernelSignature::name() const {
+  static const std::string none;
+  return name_ ? *name_ : none;
 }
 
 void KernelSignature::addTensor(const at::Tensor& t) {
-  if (!t.defined()) return mix(0);
-  mix(uint64_t(t.scalar_type()) << 1 | uint64_t(t.is_contiguous()));
-  for (const int64_t size : t.sizes()) mix(uint64_t(size));
+  TensorShape shape;
+  if (t.defined()) {
+    shape.dtype = t.scalar_type();
+    shape.numel = t.numel();
+    const auto sizes = t.sizes();
+    shape.dims = std::min<int>(int(sizes.size()), TensorShape::kMaxDims);
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      const int kept = std::min<int>(int(d), TensorShape::kMaxDims - 1);
+      shape.sizes[kept] = d < TensorShape::kMaxDims ? sizes[d] : shape.sizes[kept] * sizes[d];
+    }
+    const int64_t bytes = shape.bytes();
+    input_bytes_ += bytes;
+    largest_bytes_ = std::max(largest_bytes_, bytes);
+  }
+  if (tensors_ < kMaxShapes) shapes_[tensors_] = shape;
+  ++tensors_;
 }
 
-KernelClock kernelClockNow(double slowdown) {
-  if (slowdown <= 1.0) return {};
-  const clockid_t clock = at::get_num_threads() == 1 ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
-  const int64_t launch = clockNs(CLOCK_MONOTONIC);
-  return {launch, clock == CLOCK_MONOTONIC ? launch : clockNs(clock), clock, true};
+void KernelSignature::addInt(int64_t v) {
+  if (ints_count_ < kMaxInts) ints_[ints_count_] = v;
+  ++ints_count_;
 }
 
-void chargeKernel(const KernelClock& start, double slowdown, const KernelSignature& signature) {
-  if (!start.read || slowdown <= 1.0) return;
-  const int64_t host_ns = leastRecentHostTime(signature.value(), clockNs(start.cost_clock) - start.cost_start_ns);
-  timeline().enqueue(start.launch_ns, int64_t(double(host_ns) * slowdown));
+KernelClock kernelClockNow(double time_scale) {
+  if (time_scale <= 0) return {};
+  return {monotonicNs(), true};
+}
+
+void chargeKernel(const KernelClock& start, double time_scale, const KernelSignature& signature) {
+  if (!start.read || time_scale <= 0) return;
+  const double seconds = chipSeconds(kernelWork(signature), chipDatasheet());
+  timeline().enqueue(start.launch_ns, int64_t(seconds * time_scale * 1e9));
 }
 
 void paceHost() {
   const int64_t idle_at = timeline().idleAt();
-  if (idle_at - clockNs(CLOCK_MONOTONIC) > kMaxLeadNs) sleepUntil(idle_at - kLeadAfterSleepNs);
+  if (idle_at - monotonicNs() > kMaxLeadNs) sleepUntil(idle_at - kLeadAfterSleepNs);
 }
 
 void occupyDevice(int64_t device_ns) {
-  timeline().enqueue(clockNs(CLOCK_MONOTONIC), device_ns);
+  timeline().enqueue(monotonicNs(), device_ns);
   paceHost();
 }
 
 void settleEmulatedTime() {
   const int64_t idle_at = timeline().idleAt();
-  if (idle_at > clockNs(CLOCK_MONOTONIC)) sleepUntil(idle_at);
+  if (idle_at > monotonicNs()) sleepUntil(idle_at);
+  timeline().markSynced();
 }
 
-int64_t emulatedTimeDebtNs() { return std::max<int64_t>(0, timeline().idleAt() - clockNs(CLOCK_MONOTONIC)); }
+int64_t emulatedTimeDebtNs() { return std::max<int64_t>(0, timeline().idleAt() - monotonicNs()); }
+
+EmulationStats emulationStats(bool reset) { return timeline().stats(reset); }
 
 }  // namespace ditorch
+
+// Read from Python as torch.ops.ditorch_emu.* (ditorch_ext/chip.py).
+TORCH_LIBRARY_FRAGMENT(ditorch_emu, m) {
+  m.def("emulation_stats(bool reset=False) -> int[]", [](bool reset) {
+    const ditorch::EmulationStats s = ditorch::emulationStats(reset);
+    return std::vector<int64_t>{s.kernels, s.device_busy_ns, s.host_late_ns, s.late_kernels};
+  });
+}

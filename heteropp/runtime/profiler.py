@@ -2,6 +2,12 @@
 TP size, and write the ``layer_times_ms`` chip description ``cluster.yaml`` reads, so a plan
 can come from measurements of this machine.
 
+On the emulated vendor the chip runs at its datasheet's roofline times the time scale
+(docs/device.md, "Speed"), and the times written are the chip's own: the measured time divided
+by the time scale, the same on every host that keeps up with the chip (the profile says by how
+much its host fell behind, if it did). Without ``--time-scale`` the scale is chosen for this
+host: ``host_ratio`` measures how many times longer the host takes for the layer than the chip.
+
 For TP size t, t processes run one real stage layer of the model (the project's LLaMA or a
 Hugging Face config's own decoder layer, as ``ditorch.train`` builds it) over dicomm, so the
 times include the TP all-reduces the runtime pays. Per micro-batch and layer it measures the
@@ -37,7 +43,8 @@ CHAIN = 4
 # Written into each chip entry (``profiler_version``): what the layer times mean. Version 2 times
 # a layer's update as the runtime's whole local step (see _worker); a cache of profiles (the
 # demo's) measures again when an entry's version differs.
-PROFILER_VERSION = 2
+PROFILER_VERSION = 3
+# Version 3 writes the chip's own time (measured / time scale), from datasheet-roofline emulation.
 
 
 def _timed(fn, sync, repeats: int) -> float:
@@ -117,8 +124,12 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
             torch.autograd.backward(h.pop("out"), grad)
 
     # Forward and backward alternate, as in training; the first rounds warm the allocator up.
+    from ditorch_ext.chip import emulation_stats
+
     fwd_samples, bwd_samples = [], []
     for i in range(repeats + 3):
+        if i == 3:
+            emulation_stats(reset=True)
         for fn, samples in ((forwards, fwd_samples), (backwards, bwd_samples)):
             sync()
             start = time.perf_counter()
@@ -126,9 +137,12 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
             sync()
             if i >= 3:
                 samples.append((time.perf_counter() - start) / CHAIN)
-    fwd, bwd = statistics.median(fwd_samples), statistics.median(bwd_samples)
-    update = _timed(update_step, sync, repeats)
-    ends = _end_times(spec, family, tp, rank, device, autocast, sync, repeats, sequence_parallel)
+    lateness = emulation_stats()
+    # the chip's own time: what the emulated device took, divided by the time scale it ran at
+    fwd, bwd = statistics.median(fwd_samples) / time_scale, statistics.median(bwd_samples) / time_scale
+    update = _timed(update_step, sync, repeats) / time_scale
+    ends = {k: v / time_scale
+            for k, v in _end_times(spec, family, tp, rank, device, autocast, sync, repeats, sequence_parallel).items()}
     holder.clear()
     # Garbage from the timing runs (autograd graphs in reference cycles, finished collectives'
     # work objects) is collected first and the collector kept off in the measured forward: a
@@ -164,7 +178,8 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
         Path(out).write_text(json.dumps({"fwd": fwd * 1e3, "bwd": bwd * 1e3, "recompute": fwd * 1e3,
                                          "update": update * 1e3, **{k: v * 1e3 for k, v in ends.items()},
                                          "activation_bytes": activation,
-                                         "p2p_bytes_per_s": bandwidth}))
+                                         "p2p_bytes_per_s": bandwidth,
+                                         "host_late_percent": 100 * lateness.host_late_fraction}))
     dist.destroy_process_group()
 
 
@@ -205,6 +220,57 @@ def _end_times(spec: ModelSpec, family, tp: int, rank: int, device, autocast, sy
     return out
 
 
+def _ratio_worker(rank: int, chip: str, model: dict, precision: str, memory_scale: float, sequence_parallel: bool,
+                  out: str) -> None:
+    """One rank, the chip at time scale 1: the host's CPU time for a layer's forward and
+    backward against the chip's (the device time charged)."""
+    import torch
+
+    import ditorch_ext
+    from ditorch_ext.chip import emulation_stats
+    from heteropp.runtime.model_family import model_family
+    from heteropp.roofline import _shape_only_group
+
+    torch.set_num_threads(1)
+    ditorch_ext.set_chip(chip, memory_scale=memory_scale, time_scale=1.0)
+    device = torch.device("dipu", 0)
+    spec = ModelSpec.from_dict(model, name=model.get("name"))
+    layer = min(1, spec.n_layers - 1)
+    with torch.device(device):
+        stage = model_family(spec).stage((layer, layer + 1), False, False, _shape_only_group(1),
+                                         sequence_parallel=sequence_parallel)
+    x = torch.randn(1, spec.seq, spec.hidden, device=device)
+    autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    ratios = []
+    for i in range(4):
+        torch.dipu.synchronize()
+        emulation_stats(reset=True)
+        start = time.process_time()  # the host's work, whatever its neighbours take of the cores
+        with autocast:
+            out_t = stage(x.detach().requires_grad_())
+        out_t.backward(torch.ones_like(out_t))
+        torch.dipu.synchronize()
+        host = time.process_time() - start
+        if i >= 1:  # the first run warms the allocator up
+            ratios.append(host / max(emulation_stats().device_busy_s, 1e-9))
+    Path(out).write_text(json.dumps({"ratio": statistics.median(ratios)}))
+
+
+def host_ratio(chip: str, spec: ModelSpec, precision: str = "bf16", memory_scale: float = 1.0,
+               sequence_parallel: bool = True) -> float:
+    """How many times longer this host takes for one layer of ``spec`` (forward and backward,
+    one thread, in CPU time: neighbours on the cores do not count) than ``chip`` does by its
+    datasheet: the time scale at which one rank of that chip alone just keeps up
+    (``ditorch_ext.profiles.time_scale_for`` adds ranks per core and headroom)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ratio.json")
+        mp.start_processes(_ratio_worker, nprocs=1, start_method="spawn",
+                           args=(chip, spec.to_dict(), precision, memory_scale, sequence_parallel, out))
+        return max(1.0, json.loads(Path(out).read_text())["ratio"])
+
+
 def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
                repeats: int = 5, sequence_parallel: bool = True, time_scale: float = 1.0) -> dict:
     """Measure one layer of ``spec``'s model at TP size ``tp`` on ``tp`` spawned ranks; returns
@@ -230,8 +296,11 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
     from ditorch_ext.profiles import resolve
 
     profile = resolve(chip)
+    import platform
+
     gbps = [r["p2p_bytes_per_s"] / 1e9 for r in results.values() if r.get("p2p_bytes_per_s")]
     bandwidth = round(min(gbps), 3) if gbps else default_gbps
+    late = max((r.get("host_late_percent") or 0.0) for r in results.values())
     return {
         "count": profile.chips_per_node,
         "memory_gb": round(profile.capacity_bytes(memory_scale) / 1e9, 6),
@@ -245,7 +314,25 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
         "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},
         "emulated_time_scale": time_scale,
         "profiler_version": PROFILER_VERSION,
+        "source": (f"measured: ditorch profile on {platform.node() or 'this host'} ({_cpu_name()}), "
+                   f"{_vendor()} vendor at time scale {time_scale:g}; the host fell behind the chip by {late:.1f}%"),
     }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def _vendor() -> str:
+    return os.environ.get("DITORCH_VENDOR") or "emu"
 
 
 def write_cluster(path: str | Path, counts: dict[str, int], link_gbps: float = 1.0, latency_us: float = 50) -> Path:
@@ -272,8 +359,12 @@ def register(subparsers) -> None:
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE or 0.001)")
     p.add_argument("--time-scale", default=None,
-                   help="run the chip this many times slower than its profile (default $DITORCH_TIME_SCALE or 1); "
-                        "the plan's runs use the same, so take ranks per core of the run, e.g. 2 for 4 ranks on 2 cores")
+                   help="run the chip this many times slower than its datasheet (default $DITORCH_TIME_SCALE, else "
+                        "chosen for this host: its time for the layer against this chip's, times --ranks per core "
+                        "and headroom); the plan's runs use the same")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="emulated ranks the plan's runs will put on this host (default: the largest --tp), for the "
+                        "time scale chosen when none is given")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="measure the layer as ditorch.train --no-sequence-parallel runs it")
@@ -290,15 +381,23 @@ def profile_command(args) -> int:
             raise ValueError(f"--tp {args.tp}: expected powers of two like 1,2,4")
         spec = ModelSpec.load(args.model, seq=args.seq)
         scale = args.memory_scale or float(os.environ.get("DITORCH_MEMORY_SCALE", "0.001"))
-        from ditorch_ext.profiles import resolve, time_scale_or_default
+        from ditorch_ext.profiles import resolve, time_scale_from_env, time_scale_or_default
 
         resolve(args.chip)
-        stretch = time_scale_or_default(args.time_scale, "--time-scale")
+        if args.time_scale is None and time_scale_from_env() is None:
+            from ditorch_ext.profiles import time_scale_for
+
+            ratio = host_ratio(args.chip, spec, args.precision, scale, args.sequence_parallel)
+            stretch = time_scale_for(getattr(args, "ranks", None) or max(tps), host_ratio=ratio)
+            print(f"this host takes {ratio:.1f}x chip {args.chip}'s time for the layer: time scale {stretch:g}")
+        else:
+            stretch = time_scale_or_default(args.time_scale, "--time-scale")
     except (ValueError, OSError) as exc:
         print(f"ditorch profile: {exc}", file=sys.stderr)
         return 2
     results = {}
-    print(f"profiling one layer of {Path(args.model).name} on chip {args.chip} ({args.precision}):")
+    print(f"profiling one layer of {Path(args.model).name} on chip {args.chip} ({args.precision}) at time scale "
+          f"{stretch:g}; chip milliseconds (measured / time scale):")
     print(f"{'TP':>3} {'fwd ms':>8} {'bwd ms':>8} {'recomp ms':>9} {'update ms':>9} {'act MiB':>8} {'p2p GB/s':>8} "
           f"{'embed f/b ms':>13} {'head f/b ms':>13}")
     for tp in tps:
@@ -308,6 +407,10 @@ def profile_command(args) -> int:
         print(f"{tp:>3} {r['fwd']:>8.2f} {r['bwd']:>8.2f} {r['recompute']:>9.2f} {r['update']:>9.2f} "
               f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "
               f"{r['head_fwd']:>6.2f}/{r['head_bwd']:<6.2f}", flush=True)
+        if (r.get("host_late_percent") or 0) > 2:
+            print(f"    the host fell behind the chip by {r['host_late_percent']:.1f}% of its device time at time scale "
+                  f"{stretch:g}: these times are the host's, not the chip's; profile at a larger --time-scale",
+                  flush=True)
     desc = {"chips": {args.chip: chip_description(args.chip, results, scale, time_scale=stretch)}}
     try:  # what the planner will read: a measurement it would refuse is not written
         ChipSpec.from_dict(args.chip, desc["chips"][args.chip])
@@ -317,7 +420,8 @@ def profile_command(args) -> int:
     seq = f" --seq {args.seq}" if args.seq else ""
     header = (f"# ditorch profile --chip {args.chip} --model {args.model}{seq} --tp {args.tp} --precision {args.precision}\n"
               f"# measured one layer per micro-batch of {spec.seq} tokens; memory is the emulated "
-              f"capacity at memory scale {scale:g}, time at time scale {stretch:g}\n")
+              f"capacity at memory scale {scale:g}; times are the chip's own (measured at time scale {stretch:g} "
+              f"and divided by it)\n")
     Path(args.out).write_text(header + yaml.safe_dump(desc, sort_keys=False))
     print(f"wrote {args.out}")
     return 0

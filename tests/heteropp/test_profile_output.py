@@ -27,7 +27,7 @@ def _profile(monkeypatch, tmp_path, activation_bytes: float) -> tuple[int, Path]
     monkeypatch.setattr(profiler, "profile_tp", lambda *a, **k: _measured(activation_bytes))
     out = tmp_path / "chip-B.yaml"
     args = argparse.Namespace(chip="B", model=str(MODEL), seq=None, tp="1", precision="bf16", memory_scale=0.001,
-                              time_scale=None, repeats=1,
+                              time_scale="1", ranks=None, repeats=1,
                               sequence_parallel=True, out=str(out))
     return profiler.profile_command(args), out
 

@@ -1,0 +1,155 @@
+"""A model's layer times on a chip from its datasheet alone: the planner's times for parts that
+were never profiled (a fleet named by catalog parts, ``ditorch plan --cluster fleet.yaml``).
+
+The layer is the one the runtime trains (``model_family(spec).stage``, sharded for TP as a rank
+of a TP group holds it), run under dipu's bf16 autocast on fake dipu tensors (meta storage), so
+nothing is computed or allocated. Every op it
+dispatches, forward and backward, is priced as the emulated device prices it (the same C++
+counting, ``torch.ops.ditorch_emu.kernel_work``, and csrc/device/KernelCosts.h's roofline): an
+emulated chip at time scale 1 and this estimate charge the same kernels the same time, up to
+the copies a run makes between host and device.
+TP collectives are not kernels here; the cost model adds them from the chip's links
+(heteropp/profile.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from .model_spec import ModelSpec
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTimes:
+    """Chip seconds of one micro-batch through one layer, and the kernels behind them."""
+
+    fwd: float
+    bwd: float
+    fwd_kernels: int
+    bwd_kernels: int
+
+
+def kernel_seconds(op: str, tensors: list, ints: list[int], datasheet) -> float:
+    """One op's roofline time on ``datasheet`` (a ``ditorch_ext.profiles.Datasheet``)."""
+    import torch
+
+    import ditorch_ext  # noqa: F401  (loads the C++ counting)
+
+    flops, nbytes, precision, launched = torch.ops.ditorch_emu.kernel_work(op, tensors, ints)
+    if not launched:
+        return 0.0
+    compute = flops / datasheet.peak(PRECISIONS[int(precision)]) if flops > 0 else 0.0
+    return datasheet.launch_s + max(compute, nbytes / datasheet.memory_bytes_per_s)
+
+
+def _signature_args(func, args, kwargs) -> tuple[list, list[int]]:
+    """The op's tensors and integers in argument order, as the emulated device's shim reads them
+    (csrc/device/Shim.cpp, signatureOf)."""
+    import torch
+
+    tensors, ints = [], []
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            value = args[i]
+        elif arg.name in kwargs:
+            value = kwargs[arg.name]
+        else:
+            value = arg.default_value if arg.has_default_value() else None
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) or v is None for v in value):
+            tensors.extend(value)
+        elif isinstance(value, bool):
+            ints.append(int(value))
+        elif isinstance(value, int):
+            ints.append(value)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                for v in value):
+            ints.extend(value)
+    return tensors, ints
+
+
+class _Pricing:
+    """A TorchDispatchMode that adds up every op's roofline time on one datasheet."""
+
+    def __init__(self, datasheet):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        pricing = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func.namespace != "aten":  # prim::device and the like: no kernel
+                    return func(*args, **kwargs)
+                tensors, ints = _signature_args(func, args, kwargs)
+                seconds = kernel_seconds(func._schema.name, tensors, ints, datasheet)
+                pricing.seconds += seconds
+                pricing.kernels += seconds > 0
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+        self.seconds = 0.0
+        self.kernels = 0
+
+    def take(self) -> tuple[float, int]:
+        out = (self.seconds, self.kernels)
+        self.seconds, self.kernels = 0.0, 0
+        return out
+
+
+def _shape_only_group(tp: int):
+    """A TP group whose collectives only shape their results: the rank's compute is traced,
+    the communication is the cost model's."""
+    from heteropp.runtime.tensor_parallel import TPGroup
+
+    class ShapeOnly(TPGroup):
+        def all_reduce(self, t, op=None):
+            return t
+
+        def all_gather(self, t):
+            return t.new_empty((self.size * t.shape[0],) + tuple(t.shape[1:]))
+
+        def reduce_scatter_sequence(self, t):
+            return t.new_empty((t.shape[0], t.shape[1] // self.size) + tuple(t.shape[2:]))
+
+    return ShapeOnly(None, tp, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def layer_kernel_times(spec: ModelSpec, tp: int, datasheet, dtype: str = "bf16",
+                       sequence_parallel: bool = True) -> KernelTimes:
+    """Forward and backward chip seconds of one layer of ``spec`` (one micro-batch of one
+    sequence) on one rank of a TP group of ``tp``, its kernels in ``dtype``."""
+    import torch
+
+    from heteropp.runtime.model_family import model_family
+
+    import ditorch_ext  # noqa: F401  (the dipu device, its autocast policy and the C++ counting)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from heteropp.runtime.model_family import model_family
+
+    family = model_family(spec)
+    family.check_tp(tp, f"datasheet layer times at TP {tp}")
+    layer = min(1, spec.n_layers - 1)
+    autocast = torch.autocast("dipu", dtype=torch.bfloat16 if dtype == "bf16" else torch.float16,
+                              enabled=dtype != "fp32")
+    pricing = _Pricing(datasheet)
+    # Fake dipu tensors: meta storage (nothing computed or allocated) that dispatches as dipu, so
+    # dipu's autocast casts what a run's autocast casts.
+    with FakeTensorMode(allow_non_fake_inputs=False), torch.device("dipu"):
+        stage = family.stage((layer, layer + 1), False, False, _shape_only_group(tp),
+                             sequence_parallel=sequence_parallel)
+        local_seq = spec.seq // tp if stage.sp else spec.seq
+        x = torch.empty(1, local_seq, spec.hidden, requires_grad=True)
+        with pricing.mode, autocast:
+            out = stage(x)
+        fwd, fwd_kernels = pricing.take()
+        grad = torch.empty_like(out)
+        with pricing.mode:
+            torch.autograd.backward(out, grad)
+        bwd, bwd_kernels = pricing.take()
+    return KernelTimes(fwd, bwd, fwd_kernels, bwd_kernels)
