@@ -1,0 +1,60 @@
+"""`ditorch plan` of a fleet named by catalog parts and counts: no profiling, the layer times from
+each part's datasheet by the roofline of the traced layer (heteropp/roofline.py)."""
+from __future__ import annotations
+
+import pytest
+
+from heteropp import Plan
+from heteropp.cli import main
+from heteropp.cluster import ClusterSpec
+from heteropp.model_spec import ModelSpec
+from heteropp.profile import ChipProfile
+from heteropp_cases import CONFIGS
+
+SMALL = CONFIGS / "llama-small.yaml"
+
+
+def test_a_fleet_of_parts_is_planned_from_datasheets(tmp_path, capsys):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("name: mixed\nparts: {H100: 2, A100: 2}\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(fleet), "--model", str(SMALL), "--gbs", "2K", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "H100" in text and "A100" in text and "estimated iteration" in text
+    plan = Plan.from_json(out)
+    assert plan.num_chips == 4
+    chips = {c.name: c for c in plan.cluster.chips}
+    assert chips["H100"].datasheet == "H100" and chips["H100"].source.startswith("datasheet: NVIDIA H100")
+    assert chips["H100"].memory == pytest.approx(80 * 2**30) and chips["H100"].hbm_bandwidth == pytest.approx(3350e9)
+
+
+def test_an_unknown_part_is_named():
+    with pytest.raises(ValueError, match=r"datasheet 'H900' is not a known chip; known: .*H100"):
+        ClusterSpec.from_dict({"chips": {"X": {"datasheet": "H900", "count": 1}},
+                               "links": {"inter_node": {"bandwidth_gbps": 1}, "inter_cluster": {"bandwidth_gbps": 1}}})
+
+
+def test_a_fleet_count_that_is_no_positive_integer_is_refused(tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("parts: {H100: 0}\n")
+    with pytest.raises(ValueError, match=r"parts\['H100'\] must be a positive number of chips, got 0"):
+        ClusterSpec.from_yaml(fleet)
+
+
+def _layer(chip: str, tp: int = 1):
+    cluster = ClusterSpec.from_dict({"chips": {chip: {"datasheet": chip, "count": 2, "tp_max": 2}},
+                                     "links": {"inter_node": {"bandwidth_gbps": 1}, "inter_cluster": {"bandwidth_gbps": 1}}})
+    return ChipProfile(cluster.chips[0], ModelSpec.load(SMALL)).layer_times(tp)
+
+
+def test_h2_chips_keep_their_relative_speeds_in_datasheet_layer_times():
+    # every rate of A-D is the A100's times its relative speed: whole layers scale exactly
+    a, c, d = _layer("A"), _layer("C"), _layer("D")
+    assert c.fwd / a.fwd == pytest.approx(0.75 / 0.25, rel=1e-9)
+    assert a.bwd / d.bwd == pytest.approx(1.75 / 0.75, rel=1e-9)
+
+
+def test_a_faster_part_has_faster_layers():
+    h100, a100, l40s = _layer("H100"), _layer("A100"), _layer("L40S")
+    assert h100.fwd < a100.fwd < l40s.fwd  # HBM3 over HBM2e over GDDR6 (the small layer is memory- and launch-bound)
+    assert _layer("H100", 2).fwd > 0
