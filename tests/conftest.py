@@ -1,5 +1,24 @@
-"""Shared helpers live in this folder (emulated_hosts.py): make them importable from every suite."""
+"""Shared helpers live in this folder (emulated_hosts.py, busy_load.py): make them importable
+from every suite. With ``DITORCH_TEST_BUSY=N`` the session that drives the run (xdist's
+controller, or the one process) runs N busy processes beside the suite, for its whole length."""
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from busy_load import busy_processes  # noqa: E402  (needs the path above)
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller owns the load
+        return
+    config._busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_processes())]
+    if config._busy:
+        print(f"conftest: {len(config._busy)} busy processes run beside the suite", file=sys.stderr)
+
+
+def pytest_unconfigure(config):
+    for p in getattr(config, "_busy", []):
+        p.kill()
+        p.wait()

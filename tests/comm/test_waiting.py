@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from busy_load import BUSY_ENV, busy_processes
+
 
 def _busy_within(seconds: float, want: bool) -> bool:
     import dicomm
@@ -22,7 +24,7 @@ def _busy_within(seconds: float, want: bool) -> bool:
     return False
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_busy_process_per_core_makes_the_host_busy():
     cores = len(os.sched_getaffinity(0))
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores + 1)]
@@ -32,5 +34,9 @@ def test_a_busy_process_per_core_makes_the_host_busy():
         for p in load:
             p.kill()
             p.wait()
-    # Quiet again once the load has gone (unless something else keeps this machine busy).
-    assert _busy_within(10, False), "the host still counted as busy 10 s after its load stopped"
+    # Quiet again once the load has gone, unless the harness keeps the machine busy on purpose.
+    # Tests on the other worker (ranks of a training job) can keep it busy for a while: a bound
+    # of a minute, left at the first quiet sample.
+    if busy_processes():
+        pytest.skip(f"{BUSY_ENV} keeps the host busy for the whole run: it cannot turn quiet here")
+    assert _busy_within(60, False), "the host still counted as busy 60 s after its load stopped"

@@ -57,9 +57,18 @@ def chip_file(tmp: Path) -> Path:
 def torchrun(plan_path: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
              env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node nproc -m ditorch.train --plan plan_path *args``."""
+    return _launch(["-m", "ditorch.train", "--plan", str(plan_path), "--quiet", *args], nproc, tmp, timeout, env)
+
+
+def torchrun_script(script: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
+                    env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nproc script *args``, with the same chips as :func:`torchrun`."""
+    return _launch([str(script), *args], nproc, tmp, timeout, env)
+
+
+def _launch(target: list[str], nproc: int, tmp: Path, timeout: float, env: dict | None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, DITORCH_PROFILE_FILE=str(chip_file(tmp)), DITORCH_MEMORY_SCALE="0.001",
                     PYTHONPATH=str(ROOT))
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "ditorch.train", "--plan", str(plan_path), "--quiet", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=tmp)

@@ -17,6 +17,8 @@ from dips.harness import ClusterSpec, read_log, start_cluster
 from dips.leader import Leader, LeaderConfig
 from dips.model import build_model
 from heteropp.model_spec import ModelSpec
+from heteropp.runtime.reference import train_reference
+from heteropp.runtime.trainer import TrainOptions
 from plans import MODEL, make_plan, torchrun
 
 STEPS = 6
@@ -60,9 +62,10 @@ def losses(path) -> list[float]:
 def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages, dp, model):
     """One pipeline cluster, H = 1, outer lr 1, momentum 0, no clipping, no penalty: every outer
     step hands the cluster its own parameters back (up to the BF16 of the wire), so training
-    equals the same pipeline without the PS, and the PS ends holding the cluster's model. With
-    DP 2 the second replica gets the pulled values from the first, and the run checks after every
-    outer step that both replicas hold the same bytes (a checkpoint keeps only one of them)."""
+    equals plain training (one CPU process: the pipeline equals it in fp32, tests/runtime/
+    test_exactness.py), and the PS ends holding the cluster's model. With DP 2 the second replica
+    gets the pulled values from the first, and the run checks after every outer step that both
+    replicas hold the same bytes (a checkpoint keeps only one of them)."""
     if "model_type" in model:
         (tmp_path / "config.json").write_text(json.dumps(model))
         plan = make_plan(stages, dp=dp, model=ModelSpec.from_hf(tmp_path / "config.json"))
@@ -70,8 +73,7 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
         plan = make_plan(stages, dp=dp)
     plan.to_json(tmp_path / "plan.json")
     common = ["--steps", str(STEPS), "--precision", "fp32"]
-    plain = torchrun(tmp_path / "plan.json", plan.num_chips, common + ["--loss-log", "plain.jsonl"], tmp_path)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain, _ = train_reference(plan, TrainOptions(steps=STEPS, progress=False))
     with parameter_server(tmp_path, model, mode="async", outer_lr=1.0, outer_momentum=0.0,
                           clip_norm=None) as (leader, token):
         run = torchrun(tmp_path / "plan.json", plan.num_chips,
@@ -85,7 +87,8 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
         assert status["version"] == STEPS
         assert [(r["accepted"], r["clusters"]) for r in leader.rounds_log] == [(1, ["pipeline"])] * STEPS
         final = global_parameters(leader, token, model)
-    for step, (a, b) in enumerate(zip(losses(tmp_path / "ps.jsonl"), losses(tmp_path / "plain.jsonl")), 1):
+    assert len(losses(tmp_path / "ps.jsonl")) == STEPS
+    for step, (a, b) in enumerate(zip(losses(tmp_path / "ps.jsonl"), plain), 1):
         assert a == pytest.approx(b, rel=5e-4), f"step {step}: through the PS {a}, plain {b}"
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -1,5 +1,6 @@
 """Checkpoints resume under another plan on the same loss curve; bad plans fail before training
-with errors naming the stage and the value; a killed rank ends the run with an error, never a hang."""
+with errors naming the stage and the value (one through the launcher, the rest as each rank checks
+them); a killed rank ends the run with an error, never a hang."""
 from __future__ import annotations
 
 import json
@@ -42,30 +43,43 @@ def test_resume_under_another_plan_continues_the_curve(tmp_path):
         assert resumed[step] == pytest.approx(whole_losses[step], rel=1e-5), step
 
 
-def _expect_refusal(tmp_path, plan, nproc, pattern, args=(), env=None):
-    plan.to_json(tmp_path / "plan.json")
-    run = torchrun(tmp_path / "plan.json", nproc, ["--steps", "2", *args], tmp_path, env=env, timeout=120)
-    assert run.returncode != 0
-    assert re.search(pattern, run.stderr), run.stderr[-3000:]
-
-
-def test_bad_plans_fail_before_training(tmp_path):
+def test_a_bad_plan_fails_every_rank_before_training(tmp_path):
+    """Through the launcher: a plan for 3 ranks started on 2 ends both with the reason, no step run."""
     two = make_plan([("X", 2, 2, False), ("Y", 1, 2, False)])
-    _expect_refusal(tmp_path, two, 2, r"the plan needs exactly 3 ranks .* world size 2")
+    two.to_json(tmp_path / "plan.json")
+    run = torchrun(tmp_path / "plan.json", 2, ["--steps", "2", "--loss-log", "run.jsonl"], tmp_path, timeout=120)
+    assert run.returncode != 0
+    assert re.search(r"the plan needs exactly 3 ranks .* world size 2", run.stderr), run.stderr[-3000:]
+    assert not (tmp_path / "run.jsonl").exists() or not (tmp_path / "run.jsonl").read_text().strip()
+
+
+def _check(plan, memory_scale: float | None = None) -> None:
+    """What every rank's trainer checks before it makes a group (check_plan_fits), in this process."""
+    from heteropp.runtime.trainer import TrainOptions, check_plan_fits
+
+    check_plan_fits(plan, TrainOptions(steps=2, memory_scale=memory_scale, progress=False))
+
+
+def test_bad_plans_are_refused_naming_the_stage_and_the_value(tmp_path, monkeypatch):
+    from heteropp.plan import PlanError
+
+    monkeypatch.setenv("DITORCH_PROFILE_FILE", str(chip_file(tmp_path)))
     # memory: at this scale X holds 3.9 MiB and Z 1.3 MiB; the plan puts more than that on Z
     small = make_plan([("X", 1, 2, False), ("Z", 1, 2, False)])
     assert 1.31 * 2**20 < small.stage_memory(1) < small.stage_memory(0) < 3.9 * 2**20
     need = f"{small.stage_memory(1) / 2**20:.2f}"
-    _expect_refusal(tmp_path, small, 2, rf"stage 1 \(chip Z.*needs {need} MiB .* holds 1.31 MiB",
-                    env={"DITORCH_MEMORY_SCALE": "4e-5"})
+    with pytest.raises(PlanError, match=rf"stage 1 \(chip Z.*needs {need} MiB .* holds 1.31 MiB"):
+        _check(small, memory_scale=4e-5)
+    _check(small, memory_scale=1e-3)  # where the chips hold it, the same plan passes
     # a chip the process cannot emulate
-    unknown = make_plan([("X", 1, 2, False), ("Q", 1, 2, False)])
-    _expect_refusal(tmp_path, unknown, 2, r"stage 1: unknown chip 'Q'")
+    with pytest.raises(PlanError, match=r"stage 1: unknown chip 'Q'"):
+        _check(make_plan([("X", 1, 2, False), ("Q", 1, 2, False)]))
     # a model the stage cannot split: ffn 120 over tp 4 is fine, 4 KV heads over 4 too, 250 vocab is not
     odd = make_plan([("X", 4, 2, False), ("Y", 1, 2, False)],
                     model={"vocab_size": 250, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4,
                            "ffn_dim": 128, "max_seq_len": 32})
-    _expect_refusal(tmp_path, odd, 5, r"tp=4 does not divide the model's vocab_size=250")
+    with pytest.raises(PlanError, match=r"tp=4 does not divide the model's vocab_size=250"):
+        _check(odd)
 
 
 def test_a_killed_rank_fails_every_other_rank_naming_it(tmp_path):
