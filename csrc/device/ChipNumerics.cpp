@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
+#include <atomic>
 #include <cfloat>
 #include <unordered_map>
 #include <unordered_set>
@@ -202,4 +204,36 @@ void flushDenormals(const at::Tensor& t) {
   }
 }
 
+namespace {
+std::atomic<bool> bf16_via_fp32{false};
+}  // namespace
+
+void setBf16MatmulViaFp32(bool on) { bf16_via_fp32.store(on, std::memory_order_relaxed); }
+
+bool bf16MatmulViaFp32() { return bf16_via_fp32.load(std::memory_order_relaxed); }
+
+bool bf16MatmulViaFp32Covers(const c10::OperatorHandle& op) {
+  if (!bf16MatmulViaFp32()) return false;
+  const c10::FunctionSchema& schema = op.schema();
+  return schema.overload_name().empty() && reproducedMatmuls().count(schema.name()) > 0;
+}
+
+bool runBf16MatmulViaFp32(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!bf16MatmulViaFp32Covers(op)) return false;
+  const auto args = stack->end() - op.schema().arguments().size();
+  for (auto it = args; it != stack->end(); ++it)
+    if (it->isTensor() && it->toTensor().scalar_type() != at::kBFloat16) return false;
+  for (auto it = args; it != stack->end(); ++it)
+    if (it->isTensor()) *it = it->toTensor().to(at::kFloat);
+  op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()), stack);
+  stack->back() = stack->back().toTensor().to(at::kBFloat16);
+  return true;
+}
+
 }  // namespace ditorch
+
+// Set from Python as torch.ops.ditorch_emu.set_bf16_matmul_via_fp32 (ditorch_ext/chip.py).
+TORCH_LIBRARY_FRAGMENT(ditorch_emu, m) {
+  m.def("set_bf16_matmul_via_fp32(bool on) -> ()", [](bool on) { ditorch::setBf16MatmulViaFp32(on); });
+  m.def("bf16_matmul_via_fp32() -> bool", [] { return ditorch::bf16MatmulViaFp32(); });
+}

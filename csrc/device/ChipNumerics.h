@@ -47,4 +47,18 @@ void copyOnChip(const at::Tensor& dst, const at::Tensor& src, const Numerics& nu
 // In place: floating values below the dtype's smallest normal become (signed) zero.
 void flushDenormals(const at::Tensor& t);
 
+// bf16 matmuls on a host without bf16 units (no AVX512-BF16, no AMX), where ATen's bf16 kernel
+// is several times slower than fp32's: the functional mm, addmm, bmm and baddbmm run as fp32
+// kernels on their bf16 inputs widened (exactly: a bf16 value is an fp32 one) and the result is
+// rounded to bf16 once, nearest-even: fp32 accumulation, as the accelerators do. The chip's own
+// numerics are reproduced afterwards from the bf16 inputs, as for any kernel. Set per process
+// (ditorch_ext/chip.py: from the host's CPU flags, or DITORCH_BF16_VIA_FP32).
+void setBf16MatmulViaFp32(bool on);
+bool bf16MatmulViaFp32();
+// Whether the switch is on and covers `op` (the unboxed shim hands such ops to the boxed one).
+bool bf16MatmulViaFp32Covers(const c10::OperatorHandle& op);
+// Runs `op` on `stack` (kernel-device tensors) in fp32 with its result rounded to bf16 when the
+// switch covers it and every tensor argument is bf16; returns false, the stack untouched, otherwise.
+bool runBf16MatmulViaFp32(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
 }  // namespace ditorch

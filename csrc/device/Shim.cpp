@@ -138,8 +138,7 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
   const KernelSignature signature = start.read ? signatureOf(op, *stack) : KernelSignature();
   {
     KernelAllocationScope scope(device);
-    op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()),
-                       stack);
+    if (!runBf16MatmulViaFp32(op, stack)) op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()), stack);
   }
   chargeKernel(start, chip.slowdown, signature);  // the device time is the kernel's; the numerics below overlap it
 

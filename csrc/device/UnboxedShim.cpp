@@ -7,8 +7,10 @@
 // the shim's path unboxed instead, their arguments borrowed, not copied.
 //
 // Only the plain case is served here: the tensors on one dipu device (0-dim CPU scalars allowed),
-// a vendor kernel for the op and a chip without numerics of its own. Anything else is boxed and
-// handed to the boxed shim, which runs, reproduces or refuses it exactly as it does every op.
+// a vendor kernel for the op, a chip without numerics of its own and no bf16 matmul run in fp32.
+// Anything else is boxed and handed to the boxed shim, which runs, reproduces or refuses it
+// exactly as it does every op.
+#include "device/ChipNumerics.h"
 #include "device/ChipProfile.h"
 #include "device/CpuFallback.h"
 #include "device/KernelArguments.h"
@@ -108,7 +110,7 @@ struct UnboxedShim<Op, Ret(Args...)> {
     int device = -1;
     (joinDevice<Args>(device, args), ...);
     const ChipProfile& chip = chipProfile();
-    if (device < 0 || chip.numerics.any() || vendorLacks(handle()))
+    if (device < 0 || chip.numerics.any() || vendorLacks(handle()) || bf16MatmulViaFp32Covers(handle()))
       return c10::impl::BoxedKernelWrapper<Ret(Args...)>::call(c10::BoxedKernel::makeFromFunction<&shimKernel>(),
                                                                 handle(), keys, std::forward<Args>(args)...);
     KernelArguments call(device);
