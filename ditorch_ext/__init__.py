@@ -30,6 +30,10 @@ def _register() -> None:
 _register()
 configure_from_env()
 
+from ditorch_ext import inductor as _inductor  # noqa: E402
+
+_inductor.register()  # torch.compile on dipu (registered when Dynamo and Inductor load)
+
 
 def vendor_name() -> str:
     """The vendor whose kernels run dipu ops (``emu`` here)."""
