@@ -2,8 +2,8 @@
 
 Runs, as a user would, each command of the HeteroPP workflow and shows what it prints:
 
-0. choose the time scale: how many times longer this host takes for a layer than the fastest
-   chip of the cluster does by its datasheet, times ranks per core and headroom;
+0. choose the time scale: how many times longer this host takes for a layer than each chip of
+   the cluster does by its datasheet (the largest), times ranks per core and headroom;
 1. ``ditorch profile``: measure the model's layer times on each chip type at TP 1 and 2;
 2. ``ditorch plan``: HeteroAuto picks stages, TP sizes and layers for the cluster;
 3. ``torchrun -m ditorch.train``: the heterogeneous run (one process per chip, dicomm);
@@ -19,7 +19,7 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
    chips A, B and C join parameter-server stages, one is killed, one leaves, one joins late,
    and the loss curve still equals single-process training's.
 
-    python examples/hetero_demo.py [--steps 50] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps] [--no-volunteer]
+    python examples/hetero_demo.py [--steps 20] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps] [--no-volunteer]
 
 Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG, Di-PS loss plot) and
 ``out/volunteer``.
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from ditorch_ext.profiles import resolve, time_scale_for  # noqa: E402
+from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.runtime.profiler import host_ratio, write_cluster  # noqa: E402
 
@@ -96,7 +96,9 @@ def usable_profile(path: Path, chip: str, time_scale: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50)
+    # Work per phase sized so the demo fits 12 minutes on 2 cores: the time scale makes every
+    # step as long as the host needs to keep up with the chips (docs/device.md, "Speed").
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--chips", default="A:1,B:1,C:2", help="chip type:count pairs of the emulated cluster")
     p.add_argument("--model", default="examples/configs/llama-small.yaml")
     p.add_argument("--gbs", default="1K", help="global batch in tokens (1K = 8 sequences of 128)")
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reprofile", action="store_true", help="measure the chips again even if profiles exist")
     p.add_argument("--time-scale", type=float, default=None,
                    help="run the chips this many times slower than their datasheets (default: chosen for this host)")
-    p.add_argument("--ps-steps", type=int, default=24, help="steps of each cluster in the Di-PS phase")
+    p.add_argument("--ps-steps", type=int, default=12, help="steps of each cluster in the Di-PS phase")
     p.add_argument("--no-hsr", action="store_true", help="skip measuring each chip group alone (step 7)")
     p.add_argument("--no-ps", action="store_true", help="skip the Di-PS phase (step 8)")
     p.add_argument("--no-volunteer", action="store_true", help="skip the devices-that-come-and-go phase (step 9)")
@@ -122,20 +124,31 @@ def main(argv: list[str] | None = None) -> int:
     world = sum(counts.values())
     started = time.perf_counter()
     # Every chip runs at its datasheet's speed times one time scale, chosen so that this host
-    # keeps up with the fastest chip while ranks outnumber cores (docs/device.md, "Speed").
-    fastest = max(counts, key=lambda c: resolve(c).relative_speed)
-    ratio = host_ratio(fastest, ModelSpec.load(args.model), memory_scale=float(args.memory_scale))
-    time_scale = args.time_scale or time_scale_for(world, host_ratio=ratio)
-    PHASE_SECONDS["0/9"] = time.perf_counter() - started
-    print(f"\n[0/9] this host takes {ratio:.1f}x chip {fastest}'s time for a layer of {Path(args.model).name}: "
-          f"{world} ranks on {os.cpu_count()} cores run at time scale {time_scale:g} "
-          f"({PHASE_SECONDS['0/9']:.0f} s)", flush=True)
+    # keeps up with every chip while ranks outnumber cores (docs/device.md, "Speed"): the chip
+    # whose layer costs the host the most against its own time (a fast chip, or one whose
+    # numerics the host reproduces at length) sets it.
+    time_scale = args.time_scale
+    chosen = out / "time-scale.json"  # the scale chosen before, kept with the profiles taken at it
+    if time_scale is None and chosen.exists() and not args.reprofile:
+        time_scale = float(json.loads(chosen.read_text())["time_scale"])
+        print(f"\n[0/9] time scale {time_scale:g}, chosen before ({chosen}; --reprofile to choose again)")
+    if time_scale is None:
+        spec = ModelSpec.load(args.model)
+        ratios = {chip: host_ratio(chip, spec) for chip in counts}
+        worst = max(ratios, key=ratios.get)
+        time_scale = time_scale_for(world, host_ratio=ratios[worst])
+        PHASE_SECONDS["0/9"] = time.perf_counter() - started
+        print(f"\n[0/9] this host's time for a layer of {Path(args.model).name} against each chip's: "
+              + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items())
+              + f"; {world} ranks on {os.cpu_count()} cores run at time scale {time_scale:g} "
+              f"({PHASE_SECONDS['0/9']:.0f} s)", flush=True)
+        chosen.write_text(json.dumps({"time_scale": time_scale, "host_ratios": ratios}) + "\n")
 
     for chip in counts:
         profile = out / f"chip-{chip}.yaml"
         if args.reprofile or not usable_profile(profile, chip, time_scale):
-            run([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp", "1,2", "--time-scale",
-                 f"{time_scale:g}", "--out", str(profile)], env, "1/9")
+            run([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp", "1,2", "--repeats", "3",
+                 "--time-scale", f"{time_scale:g}", "--out", str(profile)], env, "1/9")
         else:
             print(f"\n[1/9] chip {chip}: using the profile measured before ({profile}; --reprofile to measure again)")
     cluster = write_cluster(out / "cluster-emu.yaml", counts)
@@ -154,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     hsr = None
     if len(counts) > 1 and not args.no_hsr:
         run([*ditorch, "hsr", "--cluster", str(cluster), "--model", args.model, "--gbs", args.gbs, "--batch",
-             "constant", "--steps", "4", "--out", str(out / "hsr")], env, "7/9")
+             "constant", "--steps", "3", "--out", str(out / "hsr")], env, "7/9")
         hsr = json.loads((out / "hsr" / "hsr.json").read_text())
     if not args.no_ps:
         ps_started = time.perf_counter()
