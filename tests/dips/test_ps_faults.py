@@ -55,6 +55,7 @@ def version_reaches(rpc, v):
     return lambda: (status(rpc) or {}).get("complete", -1) >= v
 
 
+@pytest.mark.timeout(900)  # each wait below is bounded; together they may exceed the default on a loaded host
 def test_leader_and_follower_failures(tmp_path):
     token = JobToken.create(tmp_path / "job.key")
     JobToken.create(tmp_path / "servers.key")
@@ -71,27 +72,29 @@ def test_leader_and_follower_failures(tmp_path):
     clusters = [start_cluster(s) for s in specs]
     rpc = RpcClient("dips.Leader", addr, token)
     try:
-        wait_for(version_reaches(rpc, 2), 90, "two outer rounds")
+        wait_for(version_reaches(rpc, 2), 180, "two outer rounds")
 
         # --- the leader dies; clusters keep training; it restarts from its metadata
         before = status(rpc)["complete"]
         leader.send_signal(signal.SIGKILL)
         leader.wait()
         t_kill = time.time()
-        time.sleep(3.0)
-        during = [r for s in specs for r in read_log(s.log) if "loss" in r and t_kill + 0.5 < r["t"] < t_kill + 3]
-        assert len(during) >= 10, "inner training stopped while the leader was down"
+
+        def steps_since_kill() -> list[int]:
+            return [sum(1 for r in read_log(s.log) if "loss" in r and r["t"] > t_kill + 0.5) for s in specs]
+        # every cluster goes on with inner steps while the leader is down (it is not restarted yet)
+        wait_for(lambda: min(steps_since_kill()) >= 5, 120, "inner steps of every cluster while the leader is down")
         leader = subprocess.Popen(leader_cmd(addr, tmp_path, follower_addrs), env=python_env(), stdout=log,
                                   stderr=subprocess.STDOUT)
-        wait_for(lambda: status(rpc) is not None, 30, "leader restart")
+        wait_for(lambda: status(rpc) is not None, 120, "leader restart")  # a loaded host imports torch slowly
         assert status(rpc)["version"] >= before          # resumed, not reset
-        wait_for(version_reaches(rpc, before + 3), 60, "rounds after the leader restart")
+        wait_for(version_reaches(rpc, before + 3), 180, "rounds after the leader restart")
 
         # --- a follower dies mid-training; the leader relaunches it from its latest checkpoint
         index = b"0"
         before = status(rpc)["complete"]
         os.kill(follower_pid(tmp_path / "followers" / "follower-0"), signal.SIGKILL)
-        wait_for(version_reaches(rpc, before + 3), 90, "rounds after the follower restart")
+        wait_for(version_reaches(rpc, before + 3), 180, "rounds after the follower restart")
         leader_log = (tmp_path / "leader.log").read_bytes()  # the relaunched follower logs there too
         assert b"restarting it from its latest checkpoint" in leader_log
         assert re.search(rb"follower " + index + rb" starts at version \d+ \(ckpt-\d+\.pt", leader_log)
@@ -103,7 +106,7 @@ def test_leader_and_follower_failures(tmp_path):
             st = status(rpc)
             return st is not None and st["complete"] == st["version"] and not json.loads(
                 (tmp_path / "leader.json").read_text())["collecting"]
-        wait_for(settled, 30, "last rounds to settle")
+        wait_for(settled, 120, "last rounds to settle")
         pushes = json.loads((tmp_path / "leader.json").read_text())["pushes"]
         states = [p["state"] for p in pushes]
         assert "sealed" not in states and states.count("applied") >= 6
