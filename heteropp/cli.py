@@ -88,8 +88,9 @@ def format_expectation(exp) -> str:
 
 def emulation_note(plan: Plan, cores: int | None = None) -> str | None:
     """A warning when the plan's emulated chips, all on this host, would outnumber its cores by
-    more than the time scale they were profiled at: their host work would then not fit in their
-    emulated time, and the run would be slower than the plan says."""
+    more than the time scale they were profiled at: their host work would then surely not fit in
+    their emulated time, and the run would be slower than the plan says. (A scale above that
+    may still be too small; the run reports how far its host fell behind, docs/device.md.)"""
     import os
 
     profiled = plan.cluster.emulated_time_scale
@@ -97,8 +98,9 @@ def emulation_note(plan: Plan, cores: int | None = None) -> str | None:
     if profiled is None or plan.num_chips <= cores * profiled:
         return None
     return (f"note: the chips were profiled at emulation time scale {profiled:g}, but {plan.num_chips} emulated ranks "
-            f"on this host's {cores} cores need at least {plan.num_chips / cores:g} to run as fast as planned; "
-            f"profile with --time-scale {plan.num_chips / cores:g}")
+            f"on this host's {cores} cores need more than {plan.num_chips / cores:g} times what one rank needs to "
+            f"run as fast as planned; profile with --ranks {plan.num_chips} (the time scale is then chosen for "
+            f"{plan.num_chips} ranks on this host)")
 
 
 def plan_command(args) -> int:

@@ -341,6 +341,12 @@ def _vendor() -> str:
     return os.environ.get("DITORCH_VENDOR") or "emu"
 
 
+def _speed_emulated() -> bool:
+    """Whether the ranks' vendor emulates a chip's speed: emu, and the native vendor over the CPU
+    (its kernels run on the calling thread); a device with streams (cuda, ...) runs at its own."""
+    return _vendor() in ("emu", "cpu")
+
+
 def write_cluster(path: str | Path, counts: dict[str, int], link_gbps: float = 1.0, latency_us: float = 50) -> Path:
     """A cluster.yaml over chip files ``chip-NAME.yaml`` (as ``ditorch profile --out`` names them
     beside it) with ``counts`` chips of each; every stage boundary gets the same link."""
@@ -390,7 +396,10 @@ def profile_command(args) -> int:
         from ditorch_ext.profiles import resolve, time_scale_from_env, time_scale_or_default
 
         resolve(args.chip)
-        if args.time_scale is None and time_scale_from_env() is None:
+        if not _speed_emulated():
+            # a real device runs at its own speed: its times are its own, no scale to divide by
+            stretch = 1.0
+        elif args.time_scale is None and time_scale_from_env() is None:
             from ditorch_ext.profiles import time_scale_for
 
             ratio = host_ratio(args.chip, spec, args.precision, scale, args.sequence_parallel)

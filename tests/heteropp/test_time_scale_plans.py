@@ -60,7 +60,7 @@ def test_the_plan_warns_when_its_ranks_outnumber_cores_beyond_the_time_scale():
     ranks = plan.num_chips
     assert ranks > 2
     note = emulation_note(plan, cores=2)
-    assert note is not None and f"{ranks} emulated ranks" in note and f"--time-scale {ranks / 2:g}" in note
+    assert note is not None and f"{ranks} emulated ranks" in note and f"--ranks {ranks}" in note
     fitting = dataclasses.replace(plan, cluster=_cluster({"A": ranks / 2, "B": ranks / 2}, count=3))
     assert emulation_note(fitting, cores=2) is None
     assert emulation_note(dataclasses.replace(plan, cluster=_cluster({"A": None, "B": None}, count=3)), cores=2) is None
