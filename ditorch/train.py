@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.profiler trace of steps A-B (or N steps after the first) with the dipu kernels: "
                         "one Chrome trace per rank, PROFILE_DIR/rank<R>.json (docs/compile.md)")
     p.add_argument("--profile-dir", type=Path, default=Path("profile"), help="where --profile-steps writes")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each stage's decoder layers (regional compilation, Inductor; docs/compile.md)")
     p.add_argument("--data", type=Path, default=None,
                    help="token file (flat uint16/uint32 token ids, e.g. from `ditorch data prepare`); "
                         "default: the built-in byte corpus")
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from heteropp.runtime.trainer import TrainOptions
 
     try:
-        global _profile_steps, _profile_dir
+        global _profile_steps, _profile_dir, _compile_layers
+        _compile_layers = args.compile
         if args.profile_steps is not None:
             from ditorch_ext.profiler import parse_profile_steps
             _profile_steps, _profile_dir = parse_profile_steps(args.profile_steps), args.profile_dir
@@ -122,6 +125,8 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
     rank = dist.get_rank()
     try:
         trainer = PipelineTrainer(plan, options)
+        if _compile_layers:
+            trainer.module.compile_layers()
         if options.resume:
             trainer.resume(options.resume)
         vendors = [None] * dist.get_world_size()  # a job may span vendors: one per host
@@ -160,6 +165,7 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
 
 _profile_steps: tuple[int, int] | None = None  # --profile-steps, parsed
 _profile_dir = Path("profile")
+_compile_layers = False  # --compile
 
 
 def _step_profiler(rank: int):

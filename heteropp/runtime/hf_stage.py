@@ -108,6 +108,9 @@ class HFStageModule(PipelineStage):
     def final_norm(self) -> nn.Module:
         return self.model.norm
 
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.model.layers.values())
+
     def run_layers(self, x: torch.Tensor, seq: int) -> torch.Tensor:
         positions = torch.arange(seq, device=x.device).unsqueeze(0)
         rotary = self.rotary(x, positions)

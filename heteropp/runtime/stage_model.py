@@ -143,6 +143,18 @@ class PipelineStage(nn.Module):
         """This stage's layers over ``x`` (sequences of ``seq`` tokens, whole or sharded)."""
         raise NotImplementedError
 
+    def decoder_layers(self) -> list[nn.Module]:
+        """This stage's decoder layers, in order."""
+        raise NotImplementedError
+
+    def compile_layers(self, **compile_options) -> None:
+        """Regional compilation, as torchtitan does it: each decoder layer compiled on its own
+        (``nn.Module.compile``, in place: parameter names, state dicts and hooks stay the
+        module's), so one layer's graph serves every layer of the same shape and a TP collective
+        inside a layer breaks only that layer's graph. ``compile_options`` go to torch.compile."""
+        for layer in self.decoder_layers():
+            layer.compile(**compile_options)
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
             x = self.embedding(x)
@@ -215,6 +227,9 @@ class StageModule(PipelineStage):
     @property
     def lm_head(self) -> nn.Module:
         return self.head
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.layers.values())
 
     def run_layers(self, x: torch.Tensor, seq: int) -> torch.Tensor:
         cos, sin = rotary_tables(self.config, seq, x.device)
