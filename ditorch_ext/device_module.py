@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections import OrderedDict
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -128,28 +129,52 @@ def stream(stream: Optional[torch.Stream]) -> Iterator[None]:
 # -- memory -------------------------------------------------------------------------------
 
 
-def memory_stats(device: Device = None) -> dict[str, int]:
-    return dict(_C.memory_stats(_index(device)))
+def memory_stats_as_nested_dict(device: Device = None) -> dict[str, Any]:
+    """The dipu allocator's statistics nested as ``torch.cuda.memory_stats_as_nested_dict`` nests
+    them (the same ``c10::CachingDeviceAllocator::DeviceStats`` behind both)."""
+    return _C.memory_stats(_index(device))
+
+
+def memory_stats(device: Device = None) -> "OrderedDict[str, int]":
+    """The dipu allocator's statistics, flat and sorted, under the names ``torch.cuda.memory_stats``
+    uses (``"allocated_bytes.all.current"``, ``"segment.large_pool.peak"``, ...; the same as
+    ``torch.accelerator.memory_stats()`` when dipu is the accelerator). See docs/device.md for
+    what dipu's allocator counts."""
+    flat: list[tuple[str, int]] = []
+
+    def flatten(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                flatten(f"{prefix}.{key}" if prefix else key, inner)
+        else:
+            flat.append((prefix, value))
+
+    flatten("", memory_stats_as_nested_dict(device))
+    return OrderedDict(sorted(flat))
 
 
 def memory_allocated(device: Device = None) -> int:
-    return _C.memory_stats(_index(device))["allocated_bytes.all.current"]
+    return memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
 def max_memory_allocated(device: Device = None) -> int:
-    return _C.memory_stats(_index(device))["allocated_bytes.all.peak"]
+    return memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"]
 
 
 def memory_reserved(device: Device = None) -> int:
-    return _C.memory_stats(_index(device))["reserved_bytes.all.current"]
+    return memory_stats_as_nested_dict(device)["reserved_bytes"]["all"]["current"]
 
 
 def max_memory_reserved(device: Device = None) -> int:
-    return _C.memory_stats(_index(device))["reserved_bytes.all.peak"]
+    return memory_stats_as_nested_dict(device)["reserved_bytes"]["all"]["peak"]
 
 
 def reset_peak_memory_stats(device: Device = None) -> None:
     _C.reset_peak_memory_stats(_index(device))
+
+
+def reset_accumulated_memory_stats(device: Device = None) -> None:
+    _C.reset_accumulated_memory_stats(_index(device))
 
 
 def empty_cache() -> None:
@@ -157,16 +182,54 @@ def empty_cache() -> None:
     _C.empty_cache()
 
 
-def mem_get_info(device: Device = None) -> tuple[int, int]:
-    """(free, total) bytes: the chip profile's capacity less what ditorch holds, and on a native
-    vendor no more than the device itself has free."""
+def _format_bytes(n: int) -> str:
+    for unit in ("B  ", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:6.0f} {unit}" if unit == "B  " else f"{n:6.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
+    """A table of the allocator's statistics in the layout of ``torch.cuda.memory_summary``: for each
+    metric its current value, peak, total allocated and total freed, over all blocks and (unless
+    `abbreviated`) the large and small pools."""
     index = _index(device)
-    total = get_device_properties(index).total_memory
-    free = total - memory_reserved(index)
-    device_free, device_total = _device_memory(index)
-    if device_total:
-        free = min(free, device_free)
-    return max(free, 0), total
+    stats = memory_stats_as_nested_dict(index)
+    rows = [("allocated_bytes", "Allocated memory", True), ("active_bytes", "Active memory", True),
+            ("requested_bytes", "Requested memory", True), ("reserved_bytes", "Device reserved memory", True),
+            ("inactive_split_bytes", "Non-releasable memory", True), ("allocation", "Allocations", False),
+            ("active", "Active allocs", False), ("segment", "Device reserved segments", False),
+            ("inactive_split", "Non-releasable allocs", False)]
+    pools = [("all", "")] if abbreviated else [("all", ""), ("large_pool", "      from large pool"),
+                                                ("small_pool", "      from small pool")]
+    width = 75
+    lines = ["=" * width,
+             f" dipu memory summary, device {index} ({get_device_name(index)})".ljust(width),
+             "-" * width,
+             f" {'Metric':<30}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>10}",
+             "-" * width]
+    for key, label, in_bytes in rows:
+        for pool, pool_label in pools:
+            s = stats[key][pool]
+            fmt = _format_bytes if in_bytes else (lambda n: f"{n:>10d}")
+            values = " | ".join(f"{fmt(s[k]):>10}" for k in ("current", "peak", "allocated", "freed"))
+            lines.append(f" {(pool_label or label):<30}| {values}")
+        lines.append("-" * width)
+    for key, label in (("num_alloc_retries", "Vendor allocation retries"), ("num_ooms", "Out-of-memory errors"),
+                       ("num_device_alloc", "Vendor mallocs"), ("num_device_free", "Vendor frees")):
+        lines.append(f" {label:<30}| {stats[key]:>10d}")
+    lines.append("=" * width)
+    return "\n".join(lines) + "\n"
+
+
+def mem_get_info(device: Device = None) -> tuple[int, int]:
+    """(free, total) bytes, as ``torch.accelerator.get_memory_info`` reports them: the chip profile's
+    capacity (on a native vendor no more than the device's own) less what ditorch holds, and no
+    more than the device has free; an unlimited chip (the host profile) has the host's memory on
+    emu and the device's on a native vendor."""
+    free, total = _C.mem_get_info(_index(device))
+    return int(free), int(total)
 
 
 # -- random numbers -------------------------------------------------------------------------

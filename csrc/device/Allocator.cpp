@@ -3,6 +3,7 @@
 #include "device/ChipProfile.h"
 #include "device/Guard.h"
 #include "device/MemoryWindow.h"
+#include "device/Stream.h"
 #include "device/vendor/Vendor.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -12,6 +13,8 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+
+#include <unistd.h>
 
 namespace ditorch {
 namespace {
@@ -33,9 +36,66 @@ std::string formatBytes(int64_t bytes) {
   return buf;
 }
 
+// The stats pools, as CUDA splits them: blocks up to 1 MiB are small, larger ones large.
+int poolOf(size_t size) {
+  using c10::CachingAllocator::StatType;
+  return static_cast<int>(size <= kSmallLimit ? StatType::SMALL_POOL : StatType::LARGE_POOL);
+}
+void increase(c10::CachingAllocator::StatArray& stat, int pool, size_t amount) {
+  stat[0].increase(amount);  // StatType::AGGREGATE
+  stat[pool].increase(amount);
+}
+void decrease(c10::CachingAllocator::StatArray& stat, int pool, size_t amount) {
+  stat[0].decrease(amount);
+  stat[pool].decrease(amount);
+}
+// A live block: `size` bytes (rounded), `requested` asked for.
+void countAllocation(DeviceStats& st, size_t size, size_t requested) {
+  const int pool = poolOf(size);
+  increase(st.allocation, pool, 1);
+  increase(st.active, pool, 1);
+  increase(st.allocated_bytes, pool, size);
+  increase(st.active_bytes, pool, size);
+  increase(st.requested_bytes, pool, requested);
+}
+void countFree(DeviceStats& st, size_t size, size_t requested) {
+  const int pool = poolOf(size);
+  decrease(st.allocation, pool, 1);
+  decrease(st.active, pool, 1);
+  decrease(st.allocated_bytes, pool, size);
+  decrease(st.active_bytes, pool, size);
+  decrease(st.requested_bytes, pool, requested);
+}
+// Device memory held from the vendor (live or cached): one segment per block, as nothing splits.
+void countSegment(DeviceStats& st, size_t size) {
+  const int pool = poolOf(size);
+  increase(st.segment, pool, 1);
+  increase(st.reserved_bytes, pool, size);
+}
+void countSegmentFree(DeviceStats& st, size_t size) {
+  const int pool = poolOf(size);
+  decrease(st.segment, pool, 1);
+  decrease(st.reserved_bytes, pool, size);
+}
+
 struct Block {
   size_t size;
+  size_t requested;
   int device;
+};
+
+// A kernel result in the vendor's own memory, adopted as a dipu block as it is (no copy): counted
+// in its device's statistics while the dipu storage holds it, then freed by its own deleter. Live
+// ones form a list (deviceOf walks it; adopting and freeing are O(1) and allocate nothing: spent
+// records are kept per thread for the next result).
+struct AdoptedBlock {
+  c10::DataPtr owned;    // the kernel's block, when the kernel storage gave it up
+  c10::Storage shared;   // else the kernel storage that still holds it
+  const void* data = nullptr;
+  size_t size = 0;
+  int device = 0;
+  AdoptedBlock* prev = nullptr;
+  AdoptedBlock* next = nullptr;
 };
 
 // All state behind one mutex: allocation is far cheaper than the kernels it feeds.
@@ -43,8 +103,8 @@ struct State {
   std::mutex mu;
   std::unordered_map<void*, Block> live;
   std::vector<std::map<size_t, std::vector<void*>>> cached;  // per device: size -> blocks
-  std::vector<MemoryStats> stats;
-  std::unordered_map<const void*, std::pair<int, int>> adopted;  // adopted block -> (device, dipu storages over it)
+  std::vector<DeviceStats> stats;
+  AdoptedBlock* adopted = nullptr;  // head of the live adopted blocks
 
   void ensure(int device) {
     if (static_cast<int>(stats.size()) <= device) {
@@ -54,8 +114,11 @@ struct State {
   }
   void releaseCached(int device) {
     for (auto& [size, ptrs] : cached[device]) {
-      for (void* p : ptrs) vendor().free(p, device);
-      stats[device].reserved -= static_cast<int64_t>(size * ptrs.size());
+      for (void* p : ptrs) {
+        vendor().free(p, device);
+        countSegmentFree(stats[device], size);
+        stats[device].num_device_free++;
+      }
     }
     cached[device].clear();
   }
@@ -74,37 +137,57 @@ void freeBlock(void* ptr) {
   TORCH_INTERNAL_ASSERT(it != s.live.end(), "ditorch: freeing a pointer the device allocator does not own");
   Block b = it->second;
   s.live.erase(it);
-  MemoryStats& st = s.stats[b.device];
-  st.allocated -= static_cast<int64_t>(b.size);
-  st.num_frees++;
+  DeviceStats& st = s.stats[b.device];
+  countFree(st, b.size, b.requested);
   if (!vendor().cachesMemory()) {
     s.cached[b.device][b.size].push_back(ptr);
     return;
   }
-  st.reserved -= static_cast<int64_t>(b.size);
+  countSegmentFree(st, b.size);
+  st.num_device_free++;
   vendor().free(ptr, b.device);
 }
 
-// A kernel result in the vendor's own memory, adopted as a dipu block as it is (no copy): counted
-// in its device's statistics while the dipu storage holds it, then freed by its own deleter.
-struct AdoptedBlock {
-  c10::DataPtr owned;    // the kernel's block, when the kernel storage gave it up
-  c10::Storage shared;   // else the kernel storage that still holds it
-  size_t size;
-  int device;
+// Spent AdoptedBlock records kept for the next adoption on this thread (a result freed on another
+// thread leaves its record there).
+struct SpareAdoptedBlocks {
+  static constexpr size_t kMax = 64;
+  std::vector<AdoptedBlock*> blocks;
+  ~SpareAdoptedBlocks() {
+    for (AdoptedBlock* b : blocks) delete b;
+  }
 };
+thread_local SpareAdoptedBlocks t_spare_adopted;
+
+AdoptedBlock* newAdoptedBlock() {
+  auto& spare = t_spare_adopted.blocks;
+  if (spare.empty()) return new AdoptedBlock();
+  AdoptedBlock* b = spare.back();
+  spare.pop_back();
+  return b;
+}
+
+void recycleAdoptedBlock(AdoptedBlock* block) {
+  // The vendor's block goes back to its own allocator here, outside our lock.
+  block->owned.clear();
+  block->shared = c10::Storage();
+  auto& spare = t_spare_adopted.blocks;
+  if (spare.size() < SpareAdoptedBlocks::kMax) spare.push_back(block);
+  else delete block;
+}
 
 void freeAdopted(void* context) {
-  std::unique_ptr<AdoptedBlock> block(static_cast<AdoptedBlock*>(context));
+  auto* block = static_cast<AdoptedBlock*>(context);
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  const void* ptr = block->owned ? block->owned.get() : block->shared.data();
-  auto it = s.adopted.find(ptr);
-  if (it != s.adopted.end() && --it->second.second == 0) s.adopted.erase(it);
-  MemoryStats& st = s.stats[block->device];
-  st.allocated -= static_cast<int64_t>(block->size);
-  st.reserved -= static_cast<int64_t>(block->size);
-  st.num_frees++;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    (block->prev ? block->prev->next : s.adopted) = block->next;
+    if (block->next) block->next->prev = block->prev;
+    DeviceStats& st = s.stats[block->device];
+    countFree(st, block->size, block->size);
+    countSegmentFree(st, block->size);
+  }
+  recycleAdoptedBlock(block);
 }
 
 thread_local int t_kernel_device = -1;
@@ -149,31 +232,30 @@ c10::DataPtr DeviceAllocator::allocateOn(size_t bytes, int device, c10::Device t
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   s.ensure(device);
-  MemoryStats& st = s.stats[device];
+  DeviceStats& st = s.stats[device];
   void* ptr = nullptr;
+  size_t block_size = size;
   auto& cache = s.cached[device];
   // Reuse a cached block unless it would waste more than a quarter of itself.
   auto it = cache.lower_bound(size);
   if (it != cache.end() && it->first <= size + size / 4) {
     ptr = it->second.back();
     it->second.pop_back();
-    Block b{it->first, device};
+    block_size = it->first;
     if (it->second.empty()) cache.erase(it);
-    s.live.emplace(ptr, b);
-    st.allocated += static_cast<int64_t>(b.size);
-    st.num_cache_hits++;
   } else {
     const int64_t capacity = chipProfile().memory_bytes;
-    if (capacity > 0 && st.reserved + static_cast<int64_t>(size) > capacity) s.releaseCached(device);
-    if (capacity > 0 && st.reserved + static_cast<int64_t>(size) > capacity) {
+    if (capacity > 0 && st.reserved_bytes[0].current + static_cast<int64_t>(size) > capacity) s.releaseCached(device);
+    if (capacity > 0 && st.reserved_bytes[0].current + static_cast<int64_t>(size) > capacity) {
       st.num_ooms++;
       TORCH_CHECK_WITH(OutOfMemoryError, false, "DIPU out of memory. Tried to allocate ", formatBytes(size),
                        " on dipu:", device, " (chip '", chipProfile().name, "' with ", formatBytes(capacity),
-                       " total capacity; ", formatBytes(st.allocated), " already allocated; ",
-                       formatBytes(st.reserved), " reserved in total by ditorch).");
+                       " total capacity; ", formatBytes(st.allocated_bytes[0].current), " already allocated; ",
+                       formatBytes(st.reserved_bytes[0].current), " reserved in total by ditorch).");
     }
     ptr = vendor().malloc(size, device);
     if (!ptr) {
+      st.num_alloc_retries++;
       s.releaseCached(device);
       ptr = vendor().malloc(size, device);
     }
@@ -182,13 +264,11 @@ c10::DataPtr DeviceAllocator::allocateOn(size_t bytes, int device, c10::Device t
       TORCH_CHECK_WITH(OutOfMemoryError, false, "DIPU out of memory. The ", vendor().name(),
                        " vendor could not allocate ", formatBytes(size), " on dipu:", device, ".");
     }
-    s.live.emplace(ptr, Block{size, device});
-    st.reserved += static_cast<int64_t>(size);
-    st.allocated += static_cast<int64_t>(size);
+    countSegment(st, size);
+    st.num_device_alloc++;
   }
-  st.num_allocs++;
-  st.peak_allocated = std::max(st.peak_allocated, st.allocated);
-  st.peak_reserved = std::max(st.peak_reserved, st.reserved);
+  s.live.emplace(ptr, Block{block_size, bytes, device});
+  countAllocation(st, block_size, bytes);
   // context == data so raw_allocate/raw_deleter work (the host allocator role needs them).
   return c10::DataPtr(ptr, ptr, &freeBlock, tag);
 }
@@ -197,27 +277,32 @@ c10::DataPtr DeviceAllocator::adopt(c10::DataPtr owned, c10::Storage shared, siz
   void* data = owned ? owned.get() : shared.mutable_data();
   const c10::Device tag(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));
   if (!data) return c10::DataPtr(nullptr, tag);
+  AdoptedBlock* block = newAdoptedBlock();
+  block->owned = std::move(owned);
+  block->shared = std::move(shared);
+  block->data = data;
+  block->size = bytes;
+  block->device = device;
   State& s = state();
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.ensure(device);
-    MemoryStats& st = s.stats[device];
-    const int64_t capacity = chipProfile().memory_bytes;
-    if (capacity > 0 && st.reserved + static_cast<int64_t>(bytes) > capacity) {
-      st.num_ooms++;
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "DIPU out of memory. A kernel's result of ", formatBytes(bytes),
-                       " on dipu:", device, " does not fit chip '", chipProfile().name, "' with ", formatBytes(capacity),
-                       " total capacity; ", formatBytes(st.allocated), " already allocated.");
-    }
-    auto [it, first] = s.adopted.try_emplace(data, device, 0);
-    it->second.second++;
-    st.allocated += static_cast<int64_t>(bytes);
-    st.reserved += static_cast<int64_t>(bytes);
-    st.num_allocs++;
-    st.peak_allocated = std::max(st.peak_allocated, st.allocated);
-    st.peak_reserved = std::max(st.peak_reserved, st.reserved);
+  std::unique_lock<std::mutex> lock(s.mu);
+  s.ensure(device);
+  DeviceStats& st = s.stats[device];
+  const int64_t capacity = chipProfile().memory_bytes;
+  if (capacity > 0 && st.reserved_bytes[0].current + static_cast<int64_t>(bytes) > capacity) {
+    st.num_ooms++;
+    const int64_t allocated = st.allocated_bytes[0].current;
+    lock.unlock();
+    recycleAdoptedBlock(block);  // the result is refused: its memory goes back now
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "DIPU out of memory. A kernel's result of ", formatBytes(bytes),
+                     " on dipu:", device, " does not fit chip '", chipProfile().name, "' with ", formatBytes(capacity),
+                     " total capacity; ", formatBytes(allocated), " already allocated.");
   }
-  auto* block = new AdoptedBlock{std::move(owned), std::move(shared), bytes, device};
+  block->prev = nullptr;
+  block->next = s.adopted;
+  if (s.adopted) s.adopted->prev = block;
+  s.adopted = block;
+  countSegment(st, bytes);
+  countAllocation(st, bytes, bytes);
   return c10::DataPtr(data, block, &freeAdopted, tag);
 }
 
@@ -243,8 +328,6 @@ void DeviceAllocator::copy_data(void* dst, const void* src, std::size_t bytes) c
   vendor().memcpy(dst, src, bytes, CopyKind::DeviceToDevice, currentDevice());
 }
 
-bool DeviceAllocator::owns(const void* ptr) const { return deviceOf(ptr) >= 0; }
-
 bool DeviceAllocator::isBlock(const c10::DataPtr& p) {
   return p.get() != nullptr && p.get_deleter() == &freeBlock && p.get_context() == p.get();
 }
@@ -254,29 +337,79 @@ int DeviceAllocator::deviceOf(const void* ptr) const {
   std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.live.find(const_cast<void*>(ptr));
   if (it != s.live.end()) return it->second.device;
-  auto adopted = s.adopted.find(ptr);
-  return adopted == s.adopted.end() ? -1 : adopted->second.first;
+  for (const AdoptedBlock* b = s.adopted; b; b = b->next)
+    if (b->data == ptr) return b->device;
+  return -1;
 }
 
-MemoryStats DeviceAllocator::stats(int device) const {
+DeviceStats DeviceAllocator::getDeviceStats(c10::DeviceIndex device) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   s.ensure(device);
   return s.stats[device];
 }
 
-void DeviceAllocator::resetPeakStats(int device) {
+void DeviceAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   s.ensure(device);
-  s.stats[device].peak_allocated = s.stats[device].allocated;
-  s.stats[device].peak_reserved = s.stats[device].reserved;
+  DeviceStats& st = s.stats[device];
+  for (auto* array : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
+                      &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes})
+    for (auto& stat : *array) stat.reset_accumulated();
+  st.num_alloc_retries = 0;
+  st.num_ooms = 0;
+  st.num_sync_all_streams = 0;
+  st.num_device_alloc = 0;
+  st.num_device_free = 0;
+  st.oversize_allocations.reset_accumulated();
+  st.oversize_segments.reset_accumulated();
 }
 
-void DeviceAllocator::emptyCache() {
+void DeviceAllocator::resetPeakStats(c10::DeviceIndex device) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.ensure(device);
+  DeviceStats& st = s.stats[device];
+  for (auto* array : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
+                      &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes})
+    for (auto& stat : *array) stat.reset_peak();
+  st.oversize_allocations.reset_peak();
+  st.oversize_segments.reset_peak();
+}
+
+void DeviceAllocator::emptyCache(c10::MempoolId_t /*mempool_id: dipu has no private pools*/) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   for (int d = 0; d < static_cast<int>(s.cached.size()); ++d) s.releaseCached(d);
+}
+
+void DeviceAllocator::recordStream(const c10::DataPtr& ptr, c10::Stream stream) {
+  if (!ptr.get() || !vendor().streamRuntime()) return;
+  if (isBlock(ptr)) return vendor().recordStream(ptr.get(), nullptr, toNativeStream(stream));
+  if (ptr.get_deleter() == &freeAdopted) {
+    const auto* block = static_cast<const AdoptedBlock*>(ptr.get_context());
+    vendor().recordStream(ptr.get(), block->owned ? &block->owned : &block->shared.data_ptr(), toNativeStream(stream));
+  }
+}
+
+std::pair<size_t, size_t> DeviceAllocator::getMemoryInfo(c10::DeviceIndex device) {
+  checkDevice(device);
+  auto [device_free, device_total] = vendor().memoryInfo(device);
+  const bool device_limits = device_total > 0;  // a native vendor's device; emu's is the chip alone
+  if (!device_limits) {
+    // Emu's device memory is host memory: an unlimited chip (the host profile) has the host's.
+    const auto page = static_cast<size_t>(sysconf(_SC_PAGE_SIZE));
+    device_free = page * static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES));
+    device_total = page * static_cast<size_t>(sysconf(_SC_PHYS_PAGES));
+  }
+  const auto capacity = static_cast<size_t>(std::max<int64_t>(chipProfile().memory_bytes, 0));
+  size_t total = device_total;
+  if (capacity > 0) total = device_limits ? std::min(capacity, device_total) : capacity;
+  const auto reserved = static_cast<size_t>(getDeviceStats(device).reserved_bytes[0].current);
+  size_t free = total > reserved ? total - reserved : 0;
+  if (device_limits || capacity == 0) free = std::min(free, device_free);
+  return {free, total};
 }
 
 DeviceAllocator& deviceAllocator() {

@@ -1,22 +1,30 @@
 #pragma once
-// Device memory: a caching allocator over the vendor's malloc with CUDA-style statistics and
-// the chip profile's capacity enforced (torch.OutOfMemoryError past it).
+// Device memory: a caching allocator over the vendor's malloc, with the chip profile's capacity
+// enforced (torch.OutOfMemoryError past it). It is a c10::DeviceAllocator, so PyTorch's generic
+// memory API (torch.accelerator.memory_allocated(), memory_stats(), empty_cache(), ...) reads
+// its statistics, kept in CUDA's own structure (c10::CachingDeviceAllocator::DeviceStats).
+//
+// What the statistics count (docs/device.md, "Device memory"):
+//   - a block of ours is rounded up to 512 bytes (requests up to 1 MiB: the small pool) or to
+//     128 KiB (larger: the large pool); allocated_bytes and reserved_bytes count rounded sizes,
+//     requested_bytes the sizes asked for;
+//   - a kernel result adopted from a native vendor's own allocator counts its nbytes as they are
+//     (the native allocator rounds in its own way) as one allocation and one segment.
+#include "device/TorchCompat.h"
+
 #include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Storage.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cstdint>
-#include <vector>
+#include <utility>
 
 namespace ditorch {
 
-struct MemoryStats {
-  int64_t allocated = 0, peak_allocated = 0;  // bytes in live blocks
-  int64_t reserved = 0, peak_reserved = 0;    // bytes held from the vendor (live + cached)
-  int64_t num_allocs = 0, num_frees = 0, num_ooms = 0, num_cache_hits = 0;
-};
+using DeviceStats = c10::CachingDeviceAllocator::DeviceStats;
 
-class DeviceAllocator final : public c10::Allocator {
+class DeviceAllocator final : public c10::DeviceAllocator {
  public:
   // Allocates on the current device.
   c10::DataPtr allocate(size_t bytes) override;
@@ -33,14 +41,28 @@ class DeviceAllocator final : public c10::Allocator {
   c10::DeleterFnPtr raw_deleter() const override;
   void copy_data(void* dst, const void* src, std::size_t bytes) const override;
 
-  bool owns(const void* ptr) const;
-  // Whether `p` is a whole block this allocator handed out (its deleter is ours): no lock, no
-  // lookup, so the shim can ask it of every kernel result.
+  // c10::DeviceAllocator: what torch.accelerator's memory API calls.
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t mempool_id = {0, 0}) override;
+  // A block used on another stream than the one it was allocated on: on a vendor with a stream
+  // runtime (its caching allocator frees by stream), the vendor's allocator records the use;
+  // on a synchronous vendor every stream's work is done when the host frees, so nothing to do.
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override;
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override;
+  void resetAccumulatedStats(c10::DeviceIndex device) override;
+  void resetPeakStats(c10::DeviceIndex device) override;
+  // (free, total) bytes of the chip: its profile's capacity less what ditorch reserved, and no
+  // more than the vendor's device has free where it says (a native vendor).
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override;
+
+  // Whether `p` is a whole block this allocator handed out (its deleter is ours):
+  // no lock, no lookup, so the shim can ask it of every kernel result.
   static bool isBlock(const c10::DataPtr& p);
-  int deviceOf(const void* ptr) const;  // -1 when not ours
-  MemoryStats stats(int device) const;
-  void resetPeakStats(int device);
-  void emptyCache();  // returns every cached block to the vendor
+  // The dipu device of a pointer at the start of a block of ours; -1 when it is not one. A kernel
+  // result adopted from a native vendor is the vendor's memory: its device is the vendor's to say
+  // (Vendor::deviceOfPointer).
+  int deviceOf(const void* ptr) const;
+  bool owns(const void* ptr) const { return deviceOf(ptr) >= 0; }
 };
 
 DeviceAllocator& deviceAllocator();

@@ -29,19 +29,49 @@ void init() {
   registerShimBeforeComposites();
 }
 
+py::dict statToDict(const c10::CachingAllocator::Stat& stat) {
+  py::dict d;
+  d["current"] = stat.current;
+  d["peak"] = stat.peak;
+  d["allocated"] = stat.allocated;
+  d["freed"] = stat.freed;
+  return d;
+}
+
+py::dict statArrayToDict(const c10::CachingAllocator::StatArray& stats) {
+  py::dict d;
+  d["all"] = statToDict(stats[0]);  // StatType::AGGREGATE, SMALL_POOL, LARGE_POOL
+  d["small_pool"] = statToDict(stats[1]);
+  d["large_pool"] = statToDict(stats[2]);
+  return d;
+}
+
+// The allocator's statistics as a nested dict, in the shape and names torch.cuda.memory_stats
+// flattens ("allocated_bytes.all.current", ...).
 py::dict memoryStats(int device) {
   checkDevice(device);
-  MemoryStats s = deviceAllocator().stats(device);
+  const DeviceStats st = deviceAllocator().getDeviceStats(static_cast<c10::DeviceIndex>(device));
   py::dict d;
-  d["allocated_bytes.all.current"] = s.allocated;
-  d["allocated_bytes.all.peak"] = s.peak_allocated;
-  d["reserved_bytes.all.current"] = s.reserved;
-  d["reserved_bytes.all.peak"] = s.peak_reserved;
-  d["num_alloc_retries"] = 0;
-  d["num_ooms"] = s.num_ooms;
-  d["allocation.all.allocated"] = s.num_allocs;
-  d["allocation.all.freed"] = s.num_frees;
-  d["num_cache_hits"] = s.num_cache_hits;
+  d["num_alloc_retries"] = st.num_alloc_retries;
+  d["num_ooms"] = st.num_ooms;
+  d["max_split_size"] = st.max_split_size;
+  d["num_sync_all_streams"] = st.num_sync_all_streams;
+  d["num_device_alloc"] = st.num_device_alloc;
+  d["num_device_free"] = st.num_device_free;
+#if DITORCH_DEVICE_STATS_HAS_OOM_REJECTIONS
+  d["num_oom_rejections"] = st.num_oom_rejections;
+#endif
+  d["oversize_allocations"] = statToDict(st.oversize_allocations);
+  d["oversize_segments"] = statToDict(st.oversize_segments);
+  d["allocation"] = statArrayToDict(st.allocation);
+  d["segment"] = statArrayToDict(st.segment);
+  d["active"] = statArrayToDict(st.active);
+  d["inactive_split"] = statArrayToDict(st.inactive_split);
+  d["allocated_bytes"] = statArrayToDict(st.allocated_bytes);
+  d["reserved_bytes"] = statArrayToDict(st.reserved_bytes);
+  d["active_bytes"] = statArrayToDict(st.active_bytes);
+  d["inactive_split_bytes"] = statArrayToDict(st.inactive_split_bytes);
+  d["requested_bytes"] = statArrayToDict(st.requested_bytes);
   return d;
 }
 
@@ -81,11 +111,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("occupy_device", [](double seconds) { occupyDevice(int64_t(seconds * 1e9)); },
         "put `seconds` of device time, launched now, on the emulated device's timeline (as a kernel would)");
   m.def("chip_slowdown", [] { return chipProfile().slowdown; }, "how many times slower than the host the active chip runs");
-  m.def("memory_stats", &memoryStats);
+  m.def("memory_stats", &memoryStats, "the allocator's statistics of a device, nested as torch.cuda's");
   m.def("reset_peak_memory_stats", [](int d) {
     checkDevice(d);
-    deviceAllocator().resetPeakStats(d);
+    deviceAllocator().resetPeakStats(static_cast<c10::DeviceIndex>(d));
   });
+  m.def("reset_accumulated_memory_stats", [](int d) {
+    checkDevice(d);
+    deviceAllocator().resetAccumulatedStats(static_cast<c10::DeviceIndex>(d));
+  });
+  m.def("mem_get_info", [](int d) { return deviceAllocator().getMemoryInfo(static_cast<c10::DeviceIndex>(d)); },
+        "(free, total) bytes as the allocator reports them to torch.accelerator.get_memory_info");
   m.def("empty_cache", [] { deviceAllocator().emptyCache(); });
   m.def("manual_seed", [](int d, uint64_t seed) { generatorOf(d).set_current_seed(seed); });
   m.def("seed", [](int d) { return generatorOf(d).seed(); });

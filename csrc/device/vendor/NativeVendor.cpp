@@ -16,12 +16,15 @@
 #include <ATen/Context.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include <map>
 #include <memory>
 #include <mutex>
+
+#include <unistd.h>
 
 namespace ditorch {
 namespace {
@@ -74,6 +77,29 @@ class NativeVendor final : public Vendor {
   }
   bool cachesMemory() const override { return true; }
   const c10::impl::DeviceGuardImplInterface* streamRuntime() const override { return runtime_; }
+
+  void recordStream(void* ptr, const c10::DataPtr* native_block, c10::Stream native_stream) override {
+    auto* device_allocator = dynamic_cast<c10::DeviceAllocator*>(allocator_);
+    if (!device_allocator) return;  // an allocator without stream-ordered reuse needs no record
+    if (native_block) return device_allocator->recordStream(*native_block, native_stream);
+    // A block from malloc() (raw_allocate): as its allocator's raw deleter would free it.
+    c10::DataPtr block(ptr, ptr, allocator_->raw_deleter(), native_stream.device());
+    device_allocator->recordStream(block, native_stream);
+    block.release_context();  // only described, not owned: never freed from here
+  }
+  std::pair<std::size_t, std::size_t> memoryInfo(int device) const override {
+    if (type_ == c10::DeviceType::CPU) {
+      const auto page = static_cast<std::size_t>(sysconf(_SC_PAGE_SIZE));
+      return {page * static_cast<std::size_t>(sysconf(_SC_AVPHYS_PAGES)), page * static_cast<std::size_t>(sysconf(_SC_PHYS_PAGES))};
+    }
+    auto* device_allocator = dynamic_cast<c10::DeviceAllocator*>(allocator_);
+    if (!device_allocator) return {0, 0};
+    try {
+      return device_allocator->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
+    } catch (const c10::Error&) {
+      return {0, 0};  // the runtime does not say (getMemoryInfo not implemented for it)
+    }
+  }
 
   void* mallocHost(std::size_t bytes) override {
     if (!host_) return pageLockedAlloc(bytes);

@@ -7,12 +7,15 @@
 // CPU's, chips are emulated) and `native` (NativeVendor.cpp: any device type PyTorch itself runs,
 // cuda on a GPU build, cpu everywhere, through PyTorch's device-generic interfaces).
 #include <c10/core/DeviceType.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/Stream.h>
 #include <c10/core/TensorOptions.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace ditorch {
 
@@ -54,6 +57,15 @@ class Vendor {
   virtual bool protectsMemory() const { return false; }
   virtual std::uint64_t openForKernel(const void* /*ptr*/) { return 0; }
   virtual void closeAfterKernel(const void* /*ptr*/, std::uint64_t /*token*/) {}
+
+  // A block of device memory used on `native_stream` (the runtime's stream) besides the one it was
+  // allocated on: the vendor's caching allocator then keeps it until that stream's work is done.
+  // `native_block` is the block as the vendor's allocator handed it out, or nullptr for one from
+  // malloc() above. Only vendors with a stream runtime are asked.
+  virtual void recordStream(void* /*ptr*/, const c10::DataPtr* /*native_block*/, c10::Stream /*native_stream*/) {}
+  // (free, total) bytes of the vendor's device itself; (0, 0) when it has no limit of its own
+  // (emu: the chip profile's capacity is all there is).
+  virtual std::pair<std::size_t, std::size_t> memoryInfo(int /*device*/) const { return {0, 0}; }
 
   // Page-locked host memory for fast staging.
   virtual void* mallocHost(std::size_t bytes) = 0;
