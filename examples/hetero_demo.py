@@ -19,7 +19,7 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
    chips A, B and C join parameter-server stages, one is killed, one leaves, one joins late,
    and the loss curve still equals single-process training's.
 
-    python examples/hetero_demo.py [--steps 20] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps] [--no-volunteer]
+    python examples/hetero_demo.py [--steps 16] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps] [--no-volunteer]
 
 Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG, Di-PS loss plot) and
 ``out/volunteer``.
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # Work per phase sized so the demo fits 12 minutes on 2 cores: the time scale makes every
     # step as long as the host needs to keep up with the chips (docs/device.md, "Speed").
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--chips", default="A:1,B:1,C:2", help="chip type:count pairs of the emulated cluster")
     p.add_argument("--model", default="examples/configs/llama-small.yaml")
     p.add_argument("--gbs", default="1K", help="global batch in tokens (1K = 8 sequences of 128)")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reprofile", action="store_true", help="measure the chips again even if profiles exist")
     p.add_argument("--time-scale", type=float, default=None,
                    help="run the chips this many times slower than their datasheets (default: chosen for this host)")
-    p.add_argument("--ps-steps", type=int, default=12, help="steps of each cluster in the Di-PS phase")
+    p.add_argument("--ps-steps", type=int, default=8, help="steps of each cluster in the Di-PS phase")
     p.add_argument("--no-hsr", action="store_true", help="skip measuring each chip group alone (step 7)")
     p.add_argument("--no-ps", action="store_true", help="skip the Di-PS phase (step 8)")
     p.add_argument("--no-volunteer", action="store_true", help="skip the devices-that-come-and-go phase (step 9)")
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     hsr = None
     if len(counts) > 1 and not args.no_hsr:
         run([*ditorch, "hsr", "--cluster", str(cluster), "--model", args.model, "--gbs", args.gbs, "--batch",
-             "constant", "--steps", "3", "--out", str(out / "hsr")], env, "7/9")
+             "constant", "--steps", "2", "--out", str(out / "hsr")], env, "7/9")
         hsr = json.loads((out / "hsr" / "hsr.json").read_text())
     if not args.no_ps:
         ps_started = time.perf_counter()
