@@ -266,6 +266,12 @@ class ClusterSpec:
         if len(set(scales.values())) > 1:
             raise ValueError(f"cluster: chips were profiled under different emulation time scales {scales}; "
                              f"their layer times do not compare: profile them all with the same --time-scale")
+        sheets = sorted(c.name for c in self.chips if c.datasheet is not None)
+        if scales and sheets and any(s != 1.0 for s in scales.values()):
+            raise ValueError(f"cluster: chips {sorted(scales)} were measured on emulated chips run at time scale "
+                             f"{next(iter(scales.values())):g}, chips {sheets} are datasheets (the chips' own time); "
+                             f"a run of the plan would run the first that many times slower: plan them apart, or "
+                             f"profile every chip type")
 
     @property
     def emulated_time_scale(self) -> float | None:

@@ -58,3 +58,15 @@ def test_a_faster_part_has_faster_layers():
     h100, a100, l40s = _layer("H100"), _layer("A100"), _layer("L40S")
     assert h100.fwd < a100.fwd < l40s.fwd  # HBM3 over HBM2e over GDDR6 (the small layer is memory- and launch-bound)
     assert _layer("H100", 2).fwd > 0
+
+
+def test_datasheet_chips_do_not_mix_with_chips_measured_at_a_time_scale():
+    measured = {"count": 1, "memory_gb": 1, "chips_per_node": 1, "intra_node_gbps": 1, "hbm_gbps": 1, "nic_gbps": 1,
+                "layer_times_ms": {1: {"fwd": 1.0, "bwd": 2.0}}, "emulated_time_scale": 200.0}
+    links = {"inter_node": {"bandwidth_gbps": 1}, "inter_cluster": {"bandwidth_gbps": 1}}
+    with pytest.raises(ValueError, match=r"chips \['A'\] were measured on emulated chips run at time scale 200, "
+                                         r"chips \['H100'\] are datasheets"):
+        ClusterSpec.from_dict({"chips": {"A": measured, "H100": {"datasheet": "H100", "count": 1}}, "links": links})
+    measured["emulated_time_scale"] = 1.0  # measured at the chip's own speed (a real device): they compare
+    assert len(ClusterSpec.from_dict({"chips": {"A": measured, "H100": {"datasheet": "H100", "count": 1}},
+                                      "links": links}).chips) == 2
