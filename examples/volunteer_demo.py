@@ -100,10 +100,11 @@ def train(args: argparse.Namespace, alloc: Path, token: Path, out: Path, env: di
         procs[name] = subprocess.Popen(full, env=dict(env, **({"DITORCH_CHIP": chip} if chip else {})), cwd=REPO,
                                        stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
-    def client(name: str, chip: str, stage: int | None, leave_after: float | None) -> None:
+    def client(name: str, chip: str, stage: int | None, leave_after: float | None, join_when: Path | None) -> None:
         chip = args.chip or chip
         extra = (["--stage", str(stage)] if stage is not None else []) + \
-                (["--leave-after", str(leave_after)] if leave_after is not None else [])
+                (["--leave-after", str(leave_after)] if leave_after is not None else []) + \
+                (["--join-when", str(join_when)] if join_when is not None else [])
         start(name, "client", "--join", entry, "--name", name, "--device", "dipu",
               "--tflops", str(CHIP_TFLOPS.get(chip, 2.0)), *extra,
               *(["--emulate-tflops", str(args.emulate_tflops)] if args.emulate_tflops else []), chip=chip)
@@ -116,7 +117,14 @@ def train(args: argparse.Namespace, alloc: Path, token: Path, out: Path, env: di
             start(name, "server", "--alloc", str(alloc), "--id", name, "--metrics", str(metrics),
                   "--server-token-file", str(token.with_name("servers.key")))
         entry = allocation["fleet"]["reliable"][0]["address"]
-        waiting = list(CLIENTS)
+        # Late clients start now and join when their step comes (their start-up, importing
+        # torch, takes seconds a loaded host does not bound): a file they wait for releases them.
+        release = {name: out / f"{name}.join" for name, _, _, after, _ in CLIENTS if after}
+        for path in release.values():
+            path.unlink(missing_ok=True)
+        for name, chip, stage, _, leave in CLIENTS:
+            client(name, chip, stage, leave, release.get(name))
+        waiting = [c for c in CLIENTS if c[0] in release]
         killed, shown = False, 0
         while time.monotonic() < deadline and any(procs[n].poll() is None for n in servers):
             steps = logged_steps(metrics)
@@ -130,9 +138,8 @@ def train(args: argparse.Namespace, alloc: Path, token: Path, out: Path, env: di
                 killed = True
             for name, chip, stage, after, leave in [c for c in waiting if steps >= c[3]]:
                 waiting.remove((name, chip, stage, after, leave))
-                if after:
-                    print(f"   -> {name} joins (chip {args.chip or chip})", flush=True)
-                client(name, chip, stage, leave)
+                print(f"   -> {name} joins (chip {args.chip or chip})", flush=True)
+                release[name].touch()
             time.sleep(0.2)
         ok = all(p.wait(max(1.0, deadline - time.monotonic())) == 0 for n, p in procs.items() if n != VICTIM)
     except subprocess.TimeoutExpired:

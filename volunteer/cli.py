@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 
@@ -58,6 +59,9 @@ def register(subparsers) -> None:
                      help="emulate a chip of this speed by sleeping out the rest of each task")
     cli.add_argument("--leave-after", type=float, default=None, help="leave (saying so) after this many seconds")
     cli.add_argument("--device", default="cpu", help="where to compute: cpu, dipu (after 'import ditorch'), ...")
+    cli.add_argument("--join-when", default=None, metavar="PATH",
+                     help="start now, join once PATH exists: a launcher starts the client ahead (importing torch "
+                          "takes seconds) and lets it join at an event of its own")
     _common(cli)
     cli.set_defaults(func=run_client)
 
@@ -195,13 +199,16 @@ def run_client(args: argparse.Namespace) -> int:
 
     _logging(args.log_level)
     keys = JobKeys(JobToken.from_file(args.token_file))
+    if args.device.startswith("dipu"):
+        import ditorch_ext  # noqa: F401  (registers the dipu device)
+    if args.join_when:
+        while not os.path.exists(args.join_when):  # a launcher's event; the process is ready to compute
+            time.sleep(0.1)
     job = fetch_job(args.join, keys)
     stage = args.stage if args.stage is not None else choose_stage(job, keys)
     if not 0 <= stage < len(job.stages):
         raise ValueError(f"--stage {stage}; the job has stages 0-{len(job.stages) - 1}")
     logging.getLogger("volunteer.client").info("%s joins stage %d", args.name, stage)
-    if args.device.startswith("dipu"):
-        import ditorch_ext  # noqa: F401  (registers the dipu device)
     client = Client(job, stage, args.name, keys, flops=args.tflops * 1e12, device=args.device,
                     emulate_flops=args.emulate_tflops and args.emulate_tflops * 1e12, leave_after=args.leave_after)
     signal.signal(signal.SIGTERM, lambda *_: client.stop())
