@@ -38,8 +38,9 @@ _registered: set[str] = set()
 
 
 def host_addressable() -> bool:
-    """Whether Inductor's C++ kernels may run on dipu memory here (they dereference it on the host)."""
-    return bool(_C.host_addressable())
+    """Whether Inductor's C++ kernels may run on dipu memory here (they dereference it on the
+    host): the emu vendor's unprotected memory, or a native vendor over the CPU."""
+    return bool(_C.host_addressable()) or _C.kernel_device_type() == "cpu"
 
 
 # -- charging generated kernels to the emulated chip ---------------------------------------------

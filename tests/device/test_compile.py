@@ -9,7 +9,9 @@ import torch
 import ditorch
 from ditorch_ext import _C
 
-pytestmark = pytest.mark.skipif(not torch.dipu.is_available() or not _C.host_addressable(),
+from ditorch_ext.inductor import host_addressable  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.dipu.is_available() or not host_addressable(),
                                 reason="Inductor's C++ kernels need dipu memory the host addresses")
 
 
