@@ -218,7 +218,9 @@ def profile_from_dict(name: str, values: Mapping[str, Any], source: str = "profi
     required |= {"fp32_tflops", "memory_gbps"} if "relative_speed" not in values else set()
     missing = sorted(required - set(values))
     if missing:
-        raise ValueError(f"{source}: chip {name!r} is missing field(s) {missing}")
+        speed = "" if "relative_speed" in values else " (a speed: relative_speed, or a datasheet: fp32_tflops and " \
+                                                     "memory_gbps)"
+        raise ValueError(f"{source}: chip {name!r} is missing field(s) {missing}{speed}")
     return ChipProfile(**{"relative_speed": None, **values, "name": name})
 
 

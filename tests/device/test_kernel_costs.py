@@ -169,3 +169,18 @@ def test_the_host_falling_behind_is_counted_and_a_sync_is_not():
     _C.occupy_device(0.002)
     torch.dipu.synchronize()
     assert emulation_stats().late_kernels == 1
+
+
+def test_a_datasheet_profile_is_validated_field_by_field():
+    from ditorch_ext.profiles import profile_from_dict
+
+    node = {"memory_gb": 8, "chips_per_node": 8, "nics_per_node": 4}
+    sheet = profile_from_dict("F", {**node, "fp32_tflops": 40, "bf16_tflops": 624, "memory_gbps": 2800})
+    assert sheet.relative_speed == pytest.approx(2.0)  # bf16 against the A100's 312
+    assert sheet.datasheet.peak("fp8") == 624e12  # no fp8 unit: fp16's, else bf16's
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['fp32_tflops', 'memory_gbps'\] \(a speed"):
+        profile_from_dict("E", node)
+    with pytest.raises(ValueError, match="memory_gbps=-1 is invalid"):
+        profile_from_dict("G", {**node, "fp32_tflops": 40, "memory_gbps": -1})
+    with pytest.raises(ValueError, match="fp8_tflops='x' is invalid"):
+        profile_from_dict("H", {**node, "fp32_tflops": 40, "memory_gbps": 100, "fp8_tflops": "x"})
