@@ -4,6 +4,7 @@ trace per rank with the dipu kernels of the chosen steps."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,21 @@ def test_a_hugging_face_stage_compiles_its_decoder_layers_to_eager_results(famil
     assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0]), losses
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad.cpu(), a.grad.cpu(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fsdp2_and_dtensor_modules_compile_on_dipu_to_their_eager_losses(tmp_path):
+    """PyTorch's fully_shard and tensor-parallel DTensor modules on dipu over dicomm (2 ranks),
+    compiled with Inductor, against the same modules eager in the same run."""
+    from plans import torchrun_script
+
+    script = Path(__file__).with_name("compiled_parallel_proc.py")
+    run = torchrun_script(script, 2, [str(tmp_path / "out.json")], tmp_path, timeout=600,
+                          env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    # Dynamo traces the FSDP2 blocks' frames without capturing a graph in this torch (2.13) (not
+    # diagnosed; docs/compile.md): for them only the run under torch.compile is checked.
+    assert out["dtensor/graphs"] >= 1, "the DTensor module did not compile"
+    for case in ("fsdp2", "dtensor"):
+        for step, (a, b) in enumerate(zip(out[case], out[case + "/compiled"]), 1):
+            assert abs(a - b) <= 1e-5 * abs(a), f"{case} step {step}: eager {a} compiled {b}"
