@@ -40,7 +40,10 @@ _registered: set[str] = set()
 def host_addressable() -> bool:
     """Whether Inductor's C++ kernels may run on dipu memory here (they dereference it on the
     host): the emu vendor's unprotected memory, or a native vendor over the CPU."""
-    return bool(_C.host_addressable()) or _C.kernel_device_type() == "cpu"
+    # The native vendor over the CPU answers host_addressable() false (it speaks for every native
+    # device alike), yet its memory is the host's; emu's kernel device is the CPU too, but its
+    # memory may be closed to the host (DITORCH_EMU_PROTECT_MEMORY).
+    return bool(_C.host_addressable()) or (_C.vendor_name() != "emu" and _C.kernel_device_type() == "cpu")
 
 
 # -- charging generated kernels to the emulated chip ---------------------------------------------
