@@ -1,7 +1,7 @@
 """Build ditorch: CMake + ninja drive the C++ extensions, setuptools only places them.
 
-Install with ``pip install --no-build-isolation -e .`` against the pinned torch (an isolated
-build environment would resolve and download another torch).
+Install with ``pip install --no-build-isolation -e .`` against the torch already installed (any
+release from 2.11 to 2.15; an isolated build environment would resolve and download another torch).
 """
 import os
 import shutil
@@ -25,7 +25,7 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def run(self):
-        import torch  # the build links against the installed, pinned torch
+        import torch  # the build links against the installed torch
 
         # The venv's cmake/ninja (from requirements.txt) when the system has none.
         env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -64,7 +64,10 @@ setup(
         CMakeExtension("dicomm._C", target="dicomm_backend"),
     ],
     cmdclass={"build_ext": CMakeBuild},
-    install_requires=["torch==2.13.0", "numpy", "pyyaml"],
+    # The torch releases built and tested at both ends by `make test-torch` (docs/device.md,
+    # "Supported torch versions"; ditorch_ext/torch_compat.py names the same range). `make setup`
+    # installs 2.13.0 (requirements.txt) inside it.
+    install_requires=["torch>=2.11,<2.16", "numpy", "pyyaml"],
     extras_require={"hf": ["transformers==5.24.0"]},
     entry_points={"console_scripts": ["ditorch = ditorch.cli:main"]},
     zip_safe=False,

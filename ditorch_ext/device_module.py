@@ -9,7 +9,9 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from ditorch_ext import _C, chip as _chip, profiles as _profiles
+from ditorch_ext import _C, chip as _chip, profiles as _profiles, torch_compat as _torch_compat
+
+_torch_compat.check_supported()
 
 Device = Union[int, str, torch.device, None]
 _PRIVATE_USE1 = 20  # c10::DeviceType::PrivateUse1, as torch.Stream wants it

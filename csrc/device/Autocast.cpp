@@ -1,8 +1,13 @@
 // torch.autocast("dipu"): the same cast policies CUDA uses (lower-precision matmuls and convs,
 // fp32 for numerically sensitive ops, promotion for mixed inputs). PyTorch ships these lists but
 // registers them only for its in-tree backends, so an out-of-tree device must register them.
+#include "device/TorchCompat.h"
+
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
+#if !DITORCH_TORCH_AT_LEAST(2, 13)
+#include <ATen/core/Dimname.h>  // 2.11 names DimnameList in its op lists (TorchCompat.h)
+#endif
 
 namespace ditorch {
 namespace {
@@ -10,6 +15,9 @@ using at::Tensor;
 using at::IntArrayRef;
 using at::Scalar;
 using at::ScalarType;
+#if !DITORCH_TORCH_AT_LEAST(2, 13)
+using at::DimnameList;  // torch 2.11's op lists name it unqualified; 2.13 has none (TorchCompat.h)
+#endif
 using namespace at::autocast;
 
 // Ops without a policy run unchanged.

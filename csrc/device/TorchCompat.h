@@ -11,6 +11,12 @@
 //     names "num_oom_rejections" from 2.13 on: dipu's memory_stats() reports it on 2.13 and later
 //     (DITORCH_DEVICE_STATS_HAS_OOM_REJECTIONS), not on 2.11 and 2.12. dipu has no private pools,
 //     so reserved_bytes_by_private_pools is empty and, flattened, names nothing (as on CUDA without them).
+//   - ATen/autocast_mode.h's op lists name DimnameList unqualified in 2.11; 2.13 and later have no
+//     DimnameList (named-tensor overloads are gone): before 2.13 Autocast.cpp includes
+//     ATen/core/Dimname.h and brings at::DimnameList into scope.
+//   - torch 2.15's headers need C++20 (std::bit_width, string_view::starts_with,
+//     std::strong_ordering); 2.11 and 2.13 build as C++17. The top CMakeLists.txt picks the standard
+//     from the torch release (C++20 from 2.14 on).
 //   - DeviceGuardImplInterface::isStreamCapturing exists from 2.13 on; dipu leaves it to its
 //     default (no graph capture), so nothing branches on it.
 //   - c10::DeviceAllocator, the PrivateUse1 hooks, DeviceGuardImplInterface, at::getHostAllocator
