@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "volunteer": "volunteer.cli",
     "mre": "ditorch.tools.cli",
     "replay": "ditorch.tools.cli",
+    "ft": "ditorch.ft",
 }
 
 

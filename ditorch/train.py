@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-token-file", type=Path, default=None, help="the job token (with --ps)")
     p.add_argument("--ps-name", default=None, help="this cluster's stable id at the PS (with --ps)")
     p.add_argument("--ps-tls-ca", default=None, help="CA of the leader's TLS certificate (with --ps)")
+    p.add_argument("--ft", action="store_true",
+                   help="run one DP replica of the plan as a torchft replica group (docs/ft.md): with --lighthouse, --replica")
+    p.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT", help="the torchft lighthouse (with --ft)")
+    p.add_argument("--replica", type=int, default=None, metavar="K", help="which DP replica of the plan this is (with --ft)")
+    p.add_argument("--replica-name", default=None, help="the replica's name in messages (with --ft; default replicaK)")
+    p.add_argument("--min-replicas", type=int, default=1, help="replicas a step needs to commit (with --ft)")
     p.add_argument("--reference", action="store_true", help="run the single-process CPU fp32 reference instead")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     return p
@@ -92,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ps and not args.ps_token_file:
         print("ditorch.train: --ps needs --ps-token-file (the job token clusters hold)", file=sys.stderr)
         return 2
+    if args.ft and (args.lighthouse is None or args.replica is None):
+        print("ditorch.train: --ft needs --lighthouse http://HOST:PORT and --replica K", file=sys.stderr)
+        return 2
     if args.reference:
         return _reference(plan, options)
-    return _distributed(plan, options, args.timeout, args if args.ps else None)
+    return _distributed(plan, options, args.timeout, args if args.ps else None, args if args.ft else None)
 
 
 def _reference(plan, options) -> int:
@@ -108,7 +117,7 @@ def _reference(plan, options) -> int:
     return 0
 
 
-def _distributed(plan, options, timeout: float, ps_args=None) -> int:
+def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None) -> int:
     import torch
     import torch.distributed as dist
 
@@ -123,6 +132,10 @@ def _distributed(plan, options, timeout: float, ps_args=None) -> int:
     torch.set_num_threads(int(os.environ.get("DITORCH_THREADS_PER_RANK", "1")))
     dist.init_process_group("dicomm", timeout=datetime.timedelta(seconds=timeout))
     rank = dist.get_rank()
+    if ft_args is not None:
+        code = _fault_tolerant(plan, options, timeout, ft_args, rank)
+        dist.destroy_process_group()
+        return code
     try:
         trainer = PipelineTrainer(plan, options)
         if _compile_layers:
@@ -201,6 +214,22 @@ def _outer_steps(outer, trainer):
         return outer.done
 
     return after_step
+
+
+def _fault_tolerant(plan, options, timeout: float, args, rank: int) -> int:
+    """One replica of the plan under torchft (ditorch/ft.py); a failure exits as _distributed's do."""
+    from ditorch.ft import FTOptions, ReplicaMismatch, run_replica
+    from heteropp.plan import PlanError
+
+    try:
+        return run_replica(plan, options, FTOptions(args.lighthouse, args.replica, args.replica_name, args.min_replicas),
+                           timeout)
+    except (PlanError, ValueError, ReplicaMismatch, ConnectionError) as exc:
+        print(f"ditorch.train: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)  # the replica's peers learn it from its group's end; nothing to wait for
+    except Exception as exc:
+        print(f"ditorch.train: rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _describe(trainer, vendors: list[str]) -> None:

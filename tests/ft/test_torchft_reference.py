@@ -103,6 +103,11 @@ class _CountedDicomm(ProcessGroupDicommFT):
         return super()._create_pg(store, rank, world_size)
 
 
+# Cases that make no process group on the dicomm side either: the quorum never forms, or the
+# case needs CUDA and is skipped.
+MAKES_NO_GROUP = {"test_quorum_timeout", "test_manager_allreduce_0"}
+
+
 class _Backend:
     """Mixin: run the inherited cases on ``BACKEND`` ('gloo' as shipped, or 'dicomm')."""
 
@@ -118,7 +123,8 @@ class _Backend:
                 patch.start()
                 self.addCleanup(patch.stop)
             # Cleanups run last-in first-out: this check runs after the test, before the unpatching.
-            self.addCleanup(lambda: self.assertGreater(counted.made, 0, "no dicomm group was made"))
+            if self._testMethodName not in MAKES_NO_GROUP:
+                self.addCleanup(lambda: self.assertGreater(counted.made, 0, "no dicomm group was made"))
 
 
 class _Manager(_Backend, manager_integ_test.ManagerIntegTest):
