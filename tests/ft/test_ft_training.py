@@ -1,0 +1,193 @@
+"""``ditorch.train --ft``: a plan's two DP replicas as torchft replica groups, one on the cpu
+vendor and one on emulated chips, each its own ``torchrun`` of a two-stage pipeline, started
+from the CLI as docs/ft.md says (``ditorch ft lighthouse``, then one ``torchrun`` per replica).
+
+* In fp32 with no failure they train what one CPU process trains (the reference run), and end
+  with equal parameters (``--check-replicas``).
+* A replica SIGKILLed mid-run is dropped, the other goes on alone; started again it recovers the
+  parameters and optimizer state from the healthy one, rejoins, and both end equal.
+* Bad input: a malformed lighthouse address, an unreachable lighthouse, a replica index the plan
+  does not have, and a replica with another plan each end with an error naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from plans import ROOT, chip_file, make_plan  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("torchft")
+
+STAGES = [("X", 1, 2, False), ("Y", 1, 2, False)]
+
+
+def _env(tmp: Path, **extra) -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), DITORCH_PROFILE_FILE=str(chip_file(tmp)),
+                DITORCH_MEMORY_SCALE="0.001", **extra)
+
+
+class Lighthouse:
+    """``ditorch ft lighthouse`` on a free loopback port."""
+
+    def __init__(self, tmp: Path, min_replicas: int = 1, heartbeat_ms: int = 2000):
+        address_file = tmp / "lighthouse.txt"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ditorch.cli", "ft", "lighthouse", "--bind", "127.0.0.1:0",
+             "--min-replicas", str(min_replicas), "--heartbeat-timeout-ms", str(heartbeat_ms),
+             "--join-timeout-ms", "500", "--address-file", str(address_file)],
+            env=_env(tmp), stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not (address_file.exists() and address_file.read_text().strip()):
+            assert self.proc.poll() is None and time.monotonic() < deadline, (tmp / "lighthouse.log").read_text()
+            time.sleep(0.1)
+        self.address = address_file.read_text().strip()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start_replica(tmp: Path, k: int, vendor: str, address: str, steps: int, *args: str,
+                  plan: str = "plan.json") -> subprocess.Popen:
+    """One replica: its own torchrun (own store port) of the plan's two stages."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "ditorch.train", "--plan", plan, "--steps", str(steps), "--precision", "fp32", "--timeout", "30",
+           "--quiet", "--ft", "--lighthouse", address, "--replica", str(k), "--loss-log", f"replica{k}.jsonl", *args]
+    # Output to a file: torchft logs every quorum, more than a pipe holds until the end.
+    log = tmp / f"replica{k}-{time.monotonic_ns()}.log"
+    p = subprocess.Popen(cmd, cwd=tmp, env=_env(tmp, DITORCH_VENDOR=vendor), stdout=open(log, "w"),
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    p.log = log
+    return p
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a torchrun and every process under it (its workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def losses(path: Path) -> dict[int, float]:
+    if not path.exists():
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
+    outs = []
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+            outs.append(p.log.read_text())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+    return outs
+
+
+@pytest.fixture
+def plan_dir(tmp_path):
+    make_plan(STAGES, dp=2).to_json(tmp_path / "plan.json")
+    return tmp_path
+
+
+def test_two_vendors_train_as_one_process_and_end_equal(plan_dir):
+    from heteropp.plan import Plan
+    from heteropp.runtime.reference import train_reference
+    from heteropp.runtime.trainer import TrainOptions
+
+    steps = 4
+    lighthouse = Lighthouse(plan_dir, min_replicas=2)
+    try:
+        procs = [start_replica(plan_dir, k, vendor, lighthouse.address, steps, "--check-replicas", "1")
+                 for k, vendor in enumerate(["cpu", "emu"])]
+        outs = finish(procs)
+    finally:
+        lighthouse.close()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    reference, _ = train_reference(Plan.from_json(plan_dir / "plan.json"), TrainOptions(steps=steps, progress=False))
+    for k in range(2):
+        logged = losses(plan_dir / f"replica{k}.jsonl")
+        assert [logged[s] for s in range(1, steps + 1)] == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_killed_replica_is_dropped_and_heals_from_the_other_on_its_return(plan_dir):
+    steps = 400  # the survivor must still be training when the victim's new torchrun is up (15-20 s here)
+    lighthouse = Lighthouse(plan_dir, min_replicas=1, heartbeat_ms=1000)
+    try:
+        survivor = start_replica(plan_dir, 0, "cpu", lighthouse.address, steps, "--check-replicas", "1")
+        victim = start_replica(plan_dir, 1, "emu", lighthouse.address, steps)
+        deadline = time.monotonic() + 120
+        while len(losses(plan_dir / "replica1.jsonl")) < 3:  # both are training
+            assert time.monotonic() < deadline and victim.poll() is None and survivor.poll() is None
+            time.sleep(0.1)
+        kill_tree(victim.pid)
+        victim.wait()
+        killed_at = max(losses(plan_dir / "replica0.jsonl"), default=0)
+        returned = start_replica(plan_dir, 1, "emu", lighthouse.address, steps, "--check-replicas", "1")
+        # The survivor goes on alone meanwhile.
+        while max(losses(plan_dir / "replica0.jsonl"), default=0) < killed_at + 3:
+            assert time.monotonic() < deadline and survivor.poll() is None, survivor.log.read_text()[-3000:]
+            time.sleep(0.1)
+        outs = finish([survivor, returned])
+    finally:
+        lighthouse.close()
+    assert survivor.returncode == 0, outs[0][-3000:]
+    assert returned.returncode == 0, outs[1][-3000:]
+    assert "'replica1' left the quorum" in outs[0] and "'replica1' joined the quorum" in outs[0], outs[0][-3000:]
+    # The returned replica logged steps only after it healed, past where it was killed, up to
+    # the end; the survivor logged every step.
+    back = losses(plan_dir / "replica1.jsonl")
+    assert min(s for s in back if s > killed_at) > killed_at + 1 and max(back) == steps
+    assert sorted(losses(plan_dir / "replica0.jsonl")) == list(range(1, steps + 1))
+
+
+def test_bad_lighthouse_addresses_and_replicas_are_refused_by_name(plan_dir):
+    bad = start_replica(plan_dir, 0, "cpu", "http://127.0.0.1:notaport", 2)
+    unreachable = start_replica(plan_dir, 0, "cpu", "http://127.0.0.1:9", 2)
+    outs = finish([bad, unreachable], timeout=120)
+    assert bad.returncode != 0 and "lighthouse address 'http://127.0.0.1:notaport'" in outs[0], outs[0][-2000:]
+    assert unreachable.returncode != 0 and "could not start its torchft manager" in outs[1], outs[1][-2000:]
+
+    make_plan([("X", 1, 3, False), ("Y", 1, 1, False)], dp=2).to_json(plan_dir / "other.json")
+    lighthouse = Lighthouse(plan_dir, min_replicas=2)
+    try:
+        out_of_plan = start_replica(plan_dir, 2, "cpu", lighthouse.address, 2)
+        first = start_replica(plan_dir, 0, "cpu", lighthouse.address, 2)
+        other = start_replica(plan_dir, 1, "emu", lighthouse.address, 2, plan="other.json")
+        outs = finish([out_of_plan, other])
+        # replica0 keeps its place (the lower name at the same step) and waits for a quorum of 2.
+        assert first.poll() is None
+        kill_tree(first.pid)
+        first.wait()
+    finally:
+        lighthouse.close()
+    assert out_of_plan.returncode != 0 and "--replica 2: the plan has DP 2" in outs[0], outs[0][-2000:]
+    assert other.returncode != 0 and "must run the same plan" in outs[1] and "'replica0'" in outs[1], outs[1][-2000:]
