@@ -1,0 +1,280 @@
+"""Fault-tolerant DP (``ditorch.train --ft``, docs/ft.md) against plain DP on dicomm.
+
+A two-stage plan (X and Y chips, TP 1) with DP 2, fp32, three runs of the same steps:
+
+* plain DP: one ``torchrun`` of all 4 ranks (the DP all-reduce on a dicomm group);
+* --ft, no failure: two replicas under a lighthouse (replica 0 on the cpu vendor, replica 1 on
+  emulated chips), each its own ``torchrun`` of 2 ranks;
+* --ft with a failure: replica 1 SIGKILLed (its whole torchrun) at step ``--kill-at``, started
+  again at once; it heals from replica 0 and rejoins.
+
+Reported: the steady step time of each (median of the steps' inter-arrival times in the loss
+log, read as the runs write it), the Manager's step overhead against plain DP (goal <= 5%), the
+survivor's longest stall at the failure and at the rejoin, the steps replica 1 missed, the time
+from its restart to its first step (heal), the MRE of the survivor's loss curve against the run
+without failure (criterion 1.5%), and whether the fp32 run without failure equals plain DP bit
+for bit. CPU time (all the runs' processes) stands beside wall time. A PNG of both curves and
+the survivor's step times goes beside the JSON.
+
+    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--out out/bench-ft]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "runtime"))
+
+from ditorch.tools.mre import mean_relative_error  # noqa: E402
+from plans import chip_file, make_plan  # noqa: E402
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a torchrun and every process under it (its workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _env(out: Path, **extra) -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), DITORCH_PROFILE_FILE=str(chip_file(out)),
+                DITORCH_MEMORY_SCALE="0.001", **extra)
+
+
+class LogWatcher:
+    """The arrival time of each step's line in a loss log (polled every 5 ms)."""
+
+    def __init__(self, path: Path):
+        self.path, self.arrived, self.losses = path, {}, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        seen = 0
+        while not self._stop.is_set():
+            if self.path.exists():
+                lines = self.path.read_text().splitlines()
+                now = time.monotonic()
+                for line in lines[seen:]:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        break  # a line being written: read it next time
+                    self.arrived.setdefault(record["step"], now)
+                    self.losses[record["step"]] = record["loss"]
+                    seen += 1
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def torchrun(out: Path, nproc: int, args: list[str], log: str, vendor: str | None = None) -> subprocess.Popen:
+    env = _env(out, **({"DITORCH_VENDOR": vendor} if vendor else {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "ditorch.train", "--plan", "plan.json", "--precision", "fp32", "--timeout", "30", "--quiet", *args]
+    return subprocess.Popen(cmd, cwd=out, env=env, stdout=open(out / log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_ok(p: subprocess.Popen, what: str, out: Path, log: str, timeout: float = 600) -> None:
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        raise SystemExit(f"{what} did not finish within {timeout} s; see {out / log}")
+    if rc != 0:
+        raise SystemExit(f"{what} failed (exit {rc}); see {out / log}")
+
+
+def lighthouse(out: Path) -> tuple[subprocess.Popen, str]:
+    address_file = out / "lighthouse.txt"
+    address_file.unlink(missing_ok=True)
+    p = subprocess.Popen([sys.executable, "-m", "ditorch.cli", "ft", "lighthouse", "--bind", "127.0.0.1:0",
+                          "--min-replicas", "1", "--join-timeout-ms", "500", "--heartbeat-timeout-ms", "1000",
+                          "--address-file", str(address_file)], env=_env(out), stdout=open(out / "lighthouse.log", "w"),
+                         stderr=subprocess.STDOUT)
+    while not (address_file.exists() and address_file.read_text().strip()):
+        if p.poll() is not None:
+            raise SystemExit(f"the lighthouse failed; see {out / 'lighthouse.log'}")
+        time.sleep(0.05)
+    return p, address_file.read_text().strip()
+
+
+def cpu_of_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def steady_step_time(arrived: dict[int, float], skip: int = 3) -> float:
+    steps = sorted(arrived)
+    gaps = [arrived[b] - arrived[a] for a, b in zip(steps, steps[1:]) if a > skip and b == a + 1]
+    return statistics.median(gaps)
+
+
+def run_plain_dp(out: Path, steps: int) -> dict:
+    (out / "dp.jsonl").unlink(missing_ok=True)
+    watch = LogWatcher(out / "dp.jsonl")
+    cpu, wall = cpu_of_children(), time.monotonic()
+    p = torchrun(out, 4, ["--steps", str(steps), "--loss-log", "dp.jsonl"], "dp.log")
+    wait_ok(p, "plain DP", out, "dp.log")
+    wall, cpu = time.monotonic() - wall, cpu_of_children() - cpu
+    watch.stop()
+    return {"losses": watch.losses, "step_s": steady_step_time(watch.arrived), "wall_s": wall, "cpu_s": cpu}
+
+
+def run_ft(out: Path, steps: int, tag: str, kill_at: int | None = None) -> dict:
+    for k in range(2):
+        (out / f"{tag}{k}.jsonl").unlink(missing_ok=True)
+    lh, address = lighthouse(out)
+    watches = [LogWatcher(out / f"{tag}{k}.jsonl") for k in range(2)]
+    cpu, wall = cpu_of_children(), time.monotonic()
+    ft = lambda k: ["--steps", str(steps), "--ft", "--lighthouse", address, "--replica", str(k),
+                    "--loss-log", f"{tag}{k}.jsonl", "--check-replicas", "1"]
+    procs = [torchrun(out, 2, ft(k), f"{tag}{k}.log", vendor) for k, vendor in enumerate(["cpu", "emu"])]
+    result: dict = {}
+    try:
+        if kill_at is not None:
+            while kill_at not in watches[1].arrived:
+                if procs[1].poll() is not None or procs[0].poll() is not None:
+                    raise SystemExit(f"a replica ended before step {kill_at}; see {out}/{tag}*.log")
+                time.sleep(0.005)
+            kill_tree(procs[1].pid)
+            killed = time.monotonic()
+            procs[1].wait()
+            procs[1] = torchrun(out, 2, ft(1), f"{tag}1-restarted.log", "emu")
+            result.update(killed=killed, killed_at=max(watches[0].arrived), restarted=time.monotonic())
+        for k, p in enumerate(procs):
+            wait_ok(p, f"replica {k} ({tag})", out, f"{tag}{k}.log")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+        lh.kill()
+        lh.wait()
+    wall, cpu = time.monotonic() - wall, cpu_of_children() - cpu
+    for w in watches:
+        w.stop()
+    result.update(losses=watches[0].losses, replica1=watches[1].losses, arrived=watches[0].arrived,
+                  arrived1=watches[1].arrived, step_s=steady_step_time(watches[0].arrived), wall_s=wall, cpu_s=cpu)
+    return result
+
+
+def failure_numbers(run: dict, steady: float) -> dict:
+    """Stalls of the survivor at the failure and at the rejoin, steps replica 1 missed, heal time."""
+    arrived, back = run["arrived"], run["arrived1"]
+    rejoined = min((s for s, t in back.items() if t > run["restarted"]), default=None)
+    if rejoined is None:
+        raise SystemExit("the restarted replica never logged a step")
+
+    def longest_gap(lo: float, hi: float) -> float:
+        times = sorted(t for t in arrived.values()) + [hi]
+        gaps = [b - a for a, b in zip(times, times[1:]) if a >= lo - steady * 3 and b <= hi]
+        return max(gaps, default=0.0)
+
+    heal_t = back[rejoined]
+    return {
+        "stall_at_failure_s": longest_gap(run["killed"], run["restarted"] + 1.0),
+        "stall_at_rejoin_s": max((arrived[s + 1] - arrived[s] for s in arrived
+                                  if s + 1 in arrived and arrived[s] <= heal_t + steady and arrived[s + 1] >= heal_t - 3 * steady),
+                                 default=0.0),
+        "steps_missed_by_replica1": rejoined - run["killed_at"] - 1,
+        "survivor_steps_lost": len([s for s in range(1, max(arrived) + 1) if s not in arrived]),
+        "heal_s": heal_t - run["restarted"],
+    }
+
+
+def plot(out: Path, dp: dict, ft: dict, failed: dict) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in (("plain DP", dp), ("--ft", ft), ("--ft, replica 1 killed", failed)):
+        steps = sorted(run["losses"])
+        a.plot(steps, [run["losses"][s] for s in steps], label=name, linestyle="--" if "killed" in name else "-")
+    a.axvline(failed["killed_at"], color="grey", linewidth=0.8)
+    a.set_xlabel("step"), a.set_ylabel("loss"), a.legend(), a.set_title("loss (fp32)")
+    for name, run in (("--ft", ft), ("--ft, replica 1 killed", failed)):
+        steps = sorted(run["arrived"])
+        b.plot(steps[1:], [run["arrived"][s] - run["arrived"][p] for p, s in zip(steps, steps[1:])], label=name)
+    b.axvline(failed["killed_at"], color="grey", linewidth=0.8)
+    b.set_xlabel("step"), b.set_ylabel("s since the previous step (replica 0)"), b.set_yscale("log"), b.legend()
+    b.set_title("survivor's step times")
+    fig.tight_layout()
+    path = out / "ft.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kill-at", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "bench-ft")
+    args = ap.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    make_plan([("X", 1, 2, False), ("Y", 1, 2, False)], dp=2).to_json(out / "plan.json")
+
+    dp = run_plain_dp(out, args.steps)
+    ft = run_ft(out, args.steps, "ft", None)
+    failed = run_ft(out, args.steps, "killed", args.kill_at)
+    f = failure_numbers(failed, ft["step_s"])
+    exact = [dp["losses"][s] for s in sorted(dp["losses"])] == [ft["losses"][s] for s in sorted(ft["losses"])]
+    mre = mean_relative_error(ft["losses"], failed["losses"]).mre_percent
+    overhead = ft["step_s"] / dp["step_s"] - 1
+
+    print(f"{'run':<28}{'step (median)':>15}{'wall':>9}{'CPU':>9}")
+    for name, r in (("plain DP (4 ranks)", dp), ("--ft, 2 replicas x 2 ranks", ft), ("--ft, replica 1 killed", failed)):
+        print(f"{name:<28}{1000 * r['step_s']:>12.1f} ms{r['wall_s']:>8.1f}s{r['cpu_s']:>8.1f}s")
+    print(f"Manager step overhead against plain DP: {100 * overhead:+.1f}% (goal <= 5%)")
+    print(f"fp32 --ft without failure equals plain DP bit for bit: {exact}")
+    print(f"killed at step {failed['killed_at']}: survivor's longest stall at the failure {f['stall_at_failure_s']:.2f} s, "
+          f"at the rejoin {f['stall_at_rejoin_s']:.2f} s; steps the survivor lost {f['survivor_steps_lost']}; "
+          f"steps replica 1 missed {f['steps_missed_by_replica1']}; restart to first step (heal) {f['heal_s']:.1f} s")
+    print(f"loss curve with the failure against without: MRE {mre:.3f}% (criterion 1.5%)")
+    png = plot(out, dp, ft, failed)
+    summary = {"steps": args.steps, "kill_at": args.kill_at, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
+               "overhead": overhead, "exact": exact, "mre_percent": mre, **f,
+               "wall_s": {"dp": dp["wall_s"], "ft": ft["wall_s"], "killed": failed["wall_s"]},
+               "cpu_s": {"dp": dp["cpu_s"], "ft": ft["cpu_s"], "killed": failed["cpu_s"]}}
+    (out / "ft.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {out / 'ft.json'}" + (f" and {png}" if png else ""))
+    return 0 if exact and mre <= 1.5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
