@@ -2,7 +2,9 @@
 """``make gpu-check``: the dipu device on a real GPU, in at most 8 minutes, as one command.
 
 On a machine with an NVIDIA GPU and a CUDA build of torch (no network needed: nothing is
-installed, the build uses the torch that is there):
+installed, the build uses the torch that is there). Where the GPU (or a CUDA build of torch) is
+missing, it still builds everything first, then stops with one line naming what is missing (exit 2):
+nothing that can be checked without the GPU is left for the first run that has one.
 
 1. build the device layer and dicomm against the installed torch (CMake + ninja);
 2. the vendor-generic device tests with ``DITORCH_VENDOR=cuda`` (needs pytest);
@@ -275,7 +277,8 @@ def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProce
     try:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout, 1))
     except subprocess.TimeoutExpired as exc:
-        return subprocess.CompletedProcess(cmd, -1, exc.stdout or "", f"timed out after {timeout:.0f} s")
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return subprocess.CompletedProcess(cmd, -1, out, f"timed out after {timeout:.0f} s")
 
 
 def _build(report: Report, deadline: float) -> bool:
@@ -283,8 +286,9 @@ def _build(report: Report, deadline: float) -> bool:
 
     start = time.monotonic()
     build = ROOT / "build" / f"gpu-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}"
+    torch_root = Path(torch.__file__).parent
     configure = ["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                 f"-DPython3_EXECUTABLE={sys.executable}", f"-DTORCH_ROOT={Path(torch.__file__).parent}"]
+                 f"-DPython3_EXECUTABLE={sys.executable}", f"-DTORCH_ROOT={torch_root}"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     env = dict(os.environ)
@@ -299,7 +303,7 @@ def _build(report: Report, deadline: float) -> bool:
     detail = f"torch {torch.__version__}, python {sys.version.split()[0]}"
     detail += "" if comm.returncode == 0 else "; dicomm NOT built: " + (comm.stdout + comm.stderr)[-200:].replace("\n", " ")
     report.add("build", comm.returncode == 0, detail, time.monotonic() - start)
-    return True
+    return comm.returncode == 0
 
 
 def _worker_step(report: Report, name: str, label: str, device_type: str, deadline: float, limit: float,
@@ -322,6 +326,21 @@ def _worker_step(report: Report, name: str, label: str, device_type: str, deadli
         print(result["error"], file=sys.stderr)
 
 
+def _missing_for(device_type: str) -> str:
+    """What this machine lacks to run the device steps on `device_type`, in one line; "" when nothing."""
+    import torch
+
+    if device_type != "cuda":
+        return ""
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU build (no CUDA runtime); install a CUDA build of torch, "
+                "or run `--device-type cpu` to try the steps on the cpu vendor")
+    if not torch.cuda.is_available():
+        return (f"no CUDA GPU is visible (torch {torch.__version__} for CUDA {torch.version.cuda}: "
+                f"torch.cuda.device_count() == {torch.cuda.device_count()})")
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device-type", default="cuda", help="the native device to check dipu on (default cuda)")
@@ -336,15 +355,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     deadline = time.monotonic() + BUDGET_S
-    if args.device_type == "cuda" and not torch.cuda.is_available():
-        print(f"gpu-check: no cuda device here (torch {torch.__version__}); `--device-type cpu` runs the same "
-              "steps against the cpu vendor", file=sys.stderr)
-        return 2
-    gpu = torch.cuda.get_device_name(0) if args.device_type == "cuda" else f"{args.device_type} (no GPU)"
+    missing = _missing_for(args.device_type)
+    gpu = (torch.cuda.get_device_name(0) if args.device_type == "cuda" and not missing
+           else f"{args.device_type} (no GPU)")
     report = Report()
+    # Everything that can be checked without the device is, first: the build against this torch.
     if not args.no_build and not _build(report, deadline):
         print(report.markdown(f"gpu-check on {gpu}"))
+        if missing:
+            print(f"gpu-check: the build failed, and then: {missing}", file=sys.stderr)
         return 1
+    if missing:
+        print(f"gpu-check: {'built everything; ' if not args.no_build else ''}stopping: {missing}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     if subprocess.run([sys.executable, "-c", "import pytest"], capture_output=True).returncode == 0:
         env = dict(os.environ, PYTHONPATH=str(ROOT), DITORCH_VENDOR=args.device_type)
