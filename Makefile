@@ -2,7 +2,7 @@
 # Each sets itself up on a fresh machine and is safe to rerun.
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-single test test-asan test-rdma build bench bench-compare bench-programs gpu-check
+.PHONY: setup demo demo-single test test-asan test-rdma test-torch build bench bench-compare bench-programs gpu-check
 setup:
 	@bash scripts/setup_env.sh
 
@@ -28,6 +28,13 @@ test: setup
 # tests/comm and tests/device against sanitized (ASan + UBSan) builds, then the frame fuzzer: scripts/test_asan.sh.
 test-asan: setup
 	bash scripts/test_asan.sh $(TEST_ARGS)
+
+# ditorch against another torch release (TORCH=X.Y.Z, e.g. 2.11.0 or 2.15.0): a venv of its own with that
+# torch from the package index (the CUDA build: gigabytes), a copy of the tree built against it
+# under build/torch-X.Y.Z, then a subset of the tests that reaches every layer: scripts/test_torch.sh.
+# Not in .ci/run: the download and a one-job build take longer than its budget (docs/device.md).
+test-torch:
+	TORCH=$(TORCH) bash scripts/test_torch.sh
 
 # The rdma tests on real (soft-RoCE) verbs, inside a qemu guest: see docs/rdma.md.
 test-rdma: setup

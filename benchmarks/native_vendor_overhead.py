@@ -1,0 +1,158 @@
+"""What dipu costs over the native device it runs on: dipu over the cpu vendor against plain CPU
+tensors, in one process, the two taking turns (A/B alternating within every round) so that load
+from the rest of the machine hits both alike.
+
+  add 1000   a 1,000-element fp32 ``a + b``: per-op host time (target: dipu <= 1 us over cpu)
+  add 1      a one-element add (the shim's fixed cost alone, for scale)
+  step       a training step of the LLaMA `make gpu-check` trains (dim 256, 4 layers, 8x128
+             tokens, AdamW), bf16 autocast and fp32 (target: dipu <= 1.05x cpu)
+
+Wall time (perf_counter) and this process's CPU time (process_time) are printed side by side:
+CPU time is what the process spent, wall time what it waited too (other agents' load). The
+figures are medians over rounds; ratios and differences are taken within each round first.
+One intra-op thread (torch.set_num_threads(1)) for both.
+
+    .venv/bin/python benchmarks/native_vendor_overhead.py [--rounds 15 --steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("DITORCH_VENDOR", "cpu")  # chosen once, at import
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from program_results import Measurement, save_run  # noqa: E402
+
+LLAMA = dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=128)
+DEVICES = ("cpu", "dipu")
+
+
+def _clocks(fn, repeats: int) -> tuple[float, float]:
+    """(wall, cpu) seconds per call of `fn` over `repeats` calls."""
+    w, c = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - w) / repeats, (time.process_time() - c) / repeats
+
+
+def per_op(numel: int, repeats: int, rounds: int) -> dict:
+    import torch
+
+    xs = {d: (torch.randn(numel).to(d), torch.randn(numel).to(d)) for d in DEVICES}
+    fns = {d: (lambda a=xs[d][0], b=xs[d][1]: a + b) for d in DEVICES}
+    for d in DEVICES:
+        _clocks(fns[d], repeats)  # warm
+    wall = {d: [] for d in DEVICES}
+    cpu = {d: [] for d in DEVICES}
+    for r in range(rounds):
+        order = DEVICES if r % 2 == 0 else DEVICES[::-1]
+        for d in order:
+            w, c = _clocks(fns[d], repeats)
+            wall[d].append(w)
+            cpu[d].append(c)
+    return {"wall": wall, "cpu": cpu,
+            "over_wall": [b - a for a, b in zip(wall["cpu"], wall["dipu"])],
+            "over_cpu": [b - a for a, b in zip(cpu["cpu"], cpu["dipu"])]}
+
+
+def training_steps(precision: str, steps: int, rounds: int) -> dict:
+    import torch
+
+    from dimodel.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(**LLAMA)
+    runs = {}
+    for d in DEVICES:
+        torch.manual_seed(0)
+        model = Llama(cfg).to(d)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, cfg.vocab_size, (8, cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
+        runs[d] = (model, opt, tokens.to(d))
+
+    def step(d: str) -> None:
+        model, opt, tokens = runs[d]
+        with torch.autocast(torch.device(d).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # the host waits for the step, as a training loop that logs does
+
+    for d in DEVICES:
+        _clocks(lambda: step(d), 2)  # warm: optimizer state, allocator caches
+    wall = {d: [] for d in DEVICES}
+    cpu = {d: [] for d in DEVICES}
+    for r in range(rounds):
+        order = DEVICES if r % 2 == 0 else DEVICES[::-1]
+        for d in order:
+            w, c = _clocks(lambda: step(d), steps)
+            wall[d].append(w)
+            cpu[d].append(c)
+    return {"wall": wall, "cpu": cpu,
+            "ratio_wall": [b / a for a, b in zip(wall["cpu"], wall["dipu"])],
+            "ratio_cpu": [b / a for a, b in zip(cpu["cpu"], cpu["dipu"])]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15, help="A/B rounds per measurement")
+    p.add_argument("--steps", type=int, default=3, help="training steps per device per round")
+    p.add_argument("--repeats", type=int, default=2000, help="adds per device per round")
+    p.add_argument("--no-save", action="store_true", help="print only; save no run under .benchmarks")
+    args = p.parse_args()
+
+    import torch
+
+    import ditorch  # noqa: F401
+
+    torch.set_num_threads(1)
+    assert ditorch.vendor_name() == "cpu", f"DITORCH_VENDOR must be cpu here, got {ditorch.vendor_name()}"
+    med = statistics.median
+    load = os.getloadavg()
+    print(f"dipu over the cpu vendor against cpu, one process, 1 thread, {args.rounds} A/B rounds; "
+          f"torch {torch.__version__}, {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'measurement':<22} {'cpu wall':>10} {'dipu wall':>10} {'cpu CPU':>10} {'dipu CPU':>10} "
+          f"{'dipu-cpu wall':>14} {'dipu-cpu CPU':>13} {'ratio wall':>10} {'ratio CPU':>10}")
+    measurements = []
+    verdicts = []
+    for numel, label in ((1000, "add 1000 (us)"), (1, "add 1 (us)")):
+        r = per_op(numel, args.repeats, args.rounds)
+        us = lambda s: s * 1e6  # noqa: E731
+        print(f"{label:<22} {us(med(r['wall']['cpu'])):>10.2f} {us(med(r['wall']['dipu'])):>10.2f} "
+              f"{us(med(r['cpu']['cpu'])):>10.2f} {us(med(r['cpu']['dipu'])):>10.2f} "
+              f"{us(med(r['over_wall'])):>14.2f} {us(med(r['over_cpu'])):>13.2f} "
+              f"{med(r['wall']['dipu']) / med(r['wall']['cpu']):>10.2f} {med(r['cpu']['dipu']) / med(r['cpu']['cpu']):>10.2f}")
+        group = f"dipu over the cpu vendor: {numel}-element add"
+        measurements += [Measurement(group, "cpu", r["wall"]["cpu"], {"peer": True}),
+                         Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1 us over cpu"} if numel == 1000 else {})]
+        if numel == 1000:
+            verdicts.append(("add 1000: dipu - cpu <= 1 us (CPU time)", med(r["over_cpu"]) <= 1e-6))
+    for precision in ("bf16", "fp32"):
+        r = training_steps(precision, args.steps, args.rounds)
+        ms = lambda s: s * 1e3  # noqa: E731
+        print(f"{'step ' + precision + ' (ms)':<22} {ms(med(r['wall']['cpu'])):>10.1f} {ms(med(r['wall']['dipu'])):>10.1f} "
+              f"{ms(med(r['cpu']['cpu'])):>10.1f} {ms(med(r['cpu']['dipu'])):>10.1f} "
+              f"{ms(med(r['wall']['dipu']) - med(r['wall']['cpu'])):>14.2f} {ms(med(r['cpu']['dipu']) - med(r['cpu']['cpu'])):>13.2f} "
+              f"{med(r['ratio_wall']):>10.3f} {med(r['ratio_cpu']):>10.3f}")
+        group = f"dipu over the cpu vendor: llama training step {precision}"
+        measurements += [Measurement(group, "cpu", r["wall"]["cpu"], {"peer": True}),
+                         Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1.05x"})]
+        verdicts.append((f"step {precision}: dipu/cpu <= 1.05 (CPU time)", med(r["ratio_cpu"]) <= 1.05))
+    load = os.getloadavg()
+    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    for what, ok in verdicts:
+        print(f"{'PASS' if ok else 'FAIL'}: {what}")
+    if not args.no_save:
+        save_run("native_vendor_overhead", measurements)
+    return 0 if all(ok for _, ok in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
