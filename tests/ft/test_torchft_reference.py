@@ -24,11 +24,12 @@ from datetime import timedelta
 from unittest import mock
 
 import pytest
+import torch
 from parameterized import parameterized
 from torchft import local_sgd_integ_test, manager_integ_test, process_group_test
 from torchft._test import diloco_trainer
 
-import dicomm  # noqa: F401  (registers the backend)
+import ditorch  # noqa: F401  (the dipu device, then dicomm registered for it as torch.distributed's default)
 from dicomm.torchft_group import ProcessGroupDicommFT
 
 # torchft's Manager servers bind fixed ports (19530 + replica id): one xdist worker runs them all.
@@ -116,6 +117,13 @@ class _Backend:
 
     def setUp(self) -> None:
         super().setUp()
+        # These are torchft's CPU cases. Where the dipu device is loaded (other test modules
+        # import ditorch) torch reports an accelerator, and torchft's HTTP checkpoint transport
+        # then makes torch.Stream(torch.device("dipu")), which the dipu device refuses (no index);
+        # on both backends alike the cases run as on a host without an accelerator.
+        patch = mock.patch.object(torch.accelerator, "is_available", lambda: False)
+        patch.start()
+        self.addCleanup(patch.stop)
         if self.BACKEND == "dicomm":
             counted = type("Dicomm", (_CountedDicomm,), {"made": 0})
             for module in self.MODULES:
