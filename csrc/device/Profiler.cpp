@@ -43,6 +43,7 @@
 #include <torch/csrc/profiler/stubs/base.h>
 
 #include <atomic>
+#include <cstring>
 #include <chrono>
 #include <ctime>
 #include <memory>
@@ -86,6 +87,9 @@ int dipuDeviceOf(const at::RecordFunction& fn) {
   }
   return -1;
 }
+
+// The record_function name prefix of a kernel that runs outside the dispatcher.
+constexpr char kGeneratedKernelPrefix[] = "dipu kernel ";
 
 // One dipu kernel as the trace shows it.
 struct KernelSpan {
@@ -146,6 +150,11 @@ class KernelRecorder {
   static std::unique_ptr<at::ObserverContext> onStart(const at::RecordFunction& fn) {
     auto frame = std::make_unique<OpFrame>();
     frame->device = dipuDeviceOf(fn);
+    // A kernel that runs outside the dispatcher (one Inductor generated) is announced by a
+    // record_function of that name around it (ditorch_ext/inductor.py): on the current device.
+    if (frame->device < 0 && fn.scope() == at::RecordScope::USER_SCOPE &&
+        std::strncmp(fn.name(), kGeneratedKernelPrefix, sizeof(kGeneratedKernelPrefix) - 1) == 0)
+      frame->device = currentDevice();
     if (frame->device >= 0) {
       // A dipu op inside another makes that one a dispatcher of kernels, not a kernel. (The ops a
       // vendor kernel calls inside itself are on the kernel device's tensors: they leave it a leaf.)
@@ -177,7 +186,10 @@ class KernelRecorder {
                                    ? vendor().streamRuntime()->getStream(kernelDevice(frame->device))
                                    : c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::PrivateUse1, 0));
     // Named apart from the CPU op, as a device's kernels are, so key_averages() keeps them apart.
-    get().add(KernelSpan{std::string(fn.name()) + " [dipu]", frame->correlation, frame->device, stream.id(), frame->start_ns,
+    const bool generated = fn.scope() == at::RecordScope::USER_SCOPE;
+    get().add(KernelSpan{generated ? std::string(fn.name() + sizeof(kGeneratedKernelPrefix) - 1)
+                                   : std::string(fn.name()) + " [dipu]",
+                         frame->correlation, frame->device, stream.id(), frame->start_ns,
                          std::max(end_ns, frame->start_ns)});
   }
 
@@ -209,6 +221,7 @@ class DipuSession final : public libkineto::IActivityProfilerSession {
   std::vector<std::string> errors() override { return {}; }
 
   void pushCorrelationId(uint64_t id) override { noteCorrelation(id); }
+  void pushUserCorrelationId(uint64_t id) override { noteCorrelation(id); }
 
   void processTrace(libkineto::ActivityLogger& logger) override { processTrace(logger, nullptr, 0, 0); }
 

@@ -115,3 +115,23 @@ def test_without_host_addressable_memory_inductor_refuses_with_a_clear_error(mon
     torch._dynamo.reset()
     with pytest.raises(Exception, match="needs device memory the host addresses"):
         torch.compile(pointwise_chain)(torch.randn(4, device="dipu"))
+
+
+def test_a_profile_shows_the_fused_kernels_on_the_device_row(tmp_path):
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(4096, device="dipu")
+    torch._dynamo.reset()
+    compiled = torch.compile(pointwise_chain)
+    compiled(x)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+        compiled(x)
+        torch.dipu.synchronize()
+    fused = [e for e in prof.key_averages() if e.key.startswith("cpp_fused_")]
+    assert fused and all(e.device_time_total > 0 for e in fused), [(e.key, e.device_time_total) for e in fused]
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and e["name"].startswith("cpp_fused_")]
+    assert kernels and all(k["pid"] == 0 for k in kernels)  # on the device's row

@@ -96,8 +96,10 @@ def test_on_emu_device_time_is_the_chips_emulated_time():
         torch.dipu.synchronize()
         return _averages(_mm_profile(x))["aten::mm"].device_time_total
 
+    # 20x the host's time: the host's work per kernel may grow several-fold when other processes
+    # load the cores, and must stay inside the chip's time for the trace to show the chip's
     scale = 1.0
-    while device_us(scale) < 5 * host_us and scale < 1e8:
+    while device_us(scale) < 20 * host_us and scale < 1e5:
         scale *= 8
     slow, fast = device_us(4 * scale), device_us(scale)
     assert slow / fast == pytest.approx(4.0, rel=0.15), (scale, fast, slow, host_us)
