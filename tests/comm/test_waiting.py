@@ -34,9 +34,33 @@ def test_a_busy_process_per_core_makes_the_host_busy():
         for p in load:
             p.kill()
             p.wait()
-    # Quiet again once the load has gone, unless the harness keeps the machine busy on purpose.
-    # Tests on the other worker (ranks of a training job) can keep it busy for a while: a bound
-    # of a minute, left at the first quiet sample.
+    # Quiet again once the load has gone. Other tests (a training job's ranks on the other
+    # worker) or the harness's own load may keep the machine busy: the check is against the run
+    # queue read here beside it, and holds once it has stayed within the cores for 40 samples.
     if busy_processes():
         pytest.skip(f"{BUSY_ENV} keeps the host busy for the whole run: it cannot turn quiet here")
-    assert _busy_within(60, False), "the host still counted as busy 60 s after its load stopped"
+    assert _quiet_once_the_run_queue_is(cores, within=60), \
+        "the run queue stayed within the cores for 40 samples and dicomm still counted the host busy"
+
+
+def _runnable_threads() -> int:
+    """Runnable threads on the host (/proc/loadavg's "running/total"), less this one."""
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0]) - 1
+
+
+def _quiet_once_the_run_queue_is(cores: int, within: float) -> bool:
+    """False when the host stayed busy by dicomm's reading while the run queue read here stayed
+    within ``cores`` for 40 samples in a row; True when dicomm saw it quiet; a skip when the
+    machine never quietened for that long within ``within`` seconds."""
+    import dicomm
+
+    deadline, quiet_samples = time.monotonic() + within, 0
+    while time.monotonic() < deadline:
+        quiet_samples = quiet_samples + 1 if _runnable_threads() <= cores else 0
+        if not dicomm._C.host_busy():
+            return True
+        if quiet_samples >= 40:
+            return False
+        time.sleep(0.005)
+    pytest.skip(f"the machine stayed busy for {within:g} s (other tests' processes): its quieting is not checked")

@@ -35,24 +35,31 @@ def ratio() -> float:
     return host_ratio("A", SPEC)
 
 
-def _profile(chip: str, time_scale: float) -> dict:
-    result = profile_tp(chip, SPEC, 1, memory_scale=0.01, repeats=3, time_scale=time_scale)
-    assert result["host_late_percent"] < 5, f"the host fell behind at time scale {time_scale}: {result}"
-    return result
+def _profile(chip: str, time_scale: float) -> tuple[dict, float]:
+    """The chip's profile at ``time_scale``, or at the first of its doublings at which the host
+    keeps up: a loaded host (the other tests' ranks, the busy processes) needs a larger scale,
+    which is what the time scale is for."""
+    for _ in range(4):
+        result = profile_tp(chip, SPEC, 1, memory_scale=0.01, repeats=3, time_scale=time_scale)
+        if result["host_late_percent"] < 5:
+            return result, time_scale
+        time_scale *= 2
+    raise AssertionError(f"the host fell behind up to time scale {time_scale / 2:g}: {result}")
 
 
 def test_layer_times_and_plans_do_not_depend_on_the_time_scale_or_the_hosts_load(ratio):
     # One rank of chip A just keeps up at `ratio`; the busy processes (and this machine's other
     # work) leave the rank a fraction of a core, so the loaded run takes a far larger scale.
-    low, high = 6 * ratio, 24 * ratio
-    quiet = {"A": _profile("A", low), "C": _profile("C", low)}
+    quiet_a, low = _profile("A", 6 * ratio)
+    quiet = {"A": quiet_a, "C": _profile("C", low)[0]}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
-        loaded = _profile("A", high)
+        loaded, high = _profile("A", 4 * low)
     finally:
         for p in busy:
             p.kill()
             p.wait()
+    assert high >= 4 * low
     for key in KEYS:
         assert loaded[key] == pytest.approx(quiet["A"][key], rel=0.05), (key, quiet["A"], loaded)
     # C is a third of A: the profiles still say so
