@@ -101,7 +101,10 @@ def test_on_emu_device_time_is_the_chips_emulated_time():
     scale = 1.0
     while device_us(scale) < 20 * host_us and scale < 1e5:
         scale *= 8
-    slow, fast = device_us(4 * scale), device_us(scale)
+    # the least of three of each, alternating: a kernel's device time is never below the chip's,
+    # and a busy host can only add to it
+    pairs = [(device_us(4 * scale), device_us(scale)) for _ in range(3)]
+    slow, fast = min(p[0] for p in pairs), min(p[1] for p in pairs)
     assert slow / fast == pytest.approx(4.0, rel=0.15), (scale, fast, slow, host_us)
     assert fast > 4 * host_us  # the chip's time, not the host's
 
