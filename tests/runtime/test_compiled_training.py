@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from heteropp.runtime.reference import train_reference
+from heteropp.runtime.trainer import TrainOptions
 from plans import make_plan, torchrun
 
 STEPS = 3
@@ -21,34 +23,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # Inductor compiles e
 
 
 @pytest.fixture(scope="module")
-def eager_and_compiled(tmp_path_factory):
-    """One small plan, TP 2 then TP 1 (3 ranks), run eager and compiled, fp32."""
+def compiled(tmp_path_factory):
+    """One small plan, TP 2 then TP 1 (3 ranks), compiled and profiled at step 2, fp32; and the
+    eager losses of the same training, from the one-process reference (the eager pipeline equals
+    it in fp32 within 1e-5: tests/runtime/test_exactness.py)."""
     plan = make_plan([("X", 2, 2, False), ("Y", 1, 2, False)], microbatches=2)
-    runs = {}
-    for mode, extra in (("eager", ["--profile-steps", "2-2"]), ("compiled", ["--compile"])):
-        tmp = tmp_path_factory.mktemp(mode)
-        plan.to_json(tmp / "plan.json")
-        # One compile thread per rank: Inductor's pool of compile workers per rank would put
-        # 3 x cores processes on the cores the ranks share.
-        run = torchrun(tmp / "plan.json", plan.num_chips,
-                       ["--steps", str(STEPS), "--precision", "fp32", "--loss-log", "run.jsonl", *extra], tmp,
-                       timeout=600, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
-        assert run.returncode == 0, run.stderr[-4000:]
-        runs[mode] = tmp
-    return runs
+    tmp = tmp_path_factory.mktemp("compiled")
+    plan.to_json(tmp / "plan.json")
+    # One compile thread per rank: Inductor's pool of compile workers per rank would put
+    # 3 x cores processes on the cores the ranks share.
+    run = torchrun(tmp / "plan.json", plan.num_chips,
+                   ["--steps", str(STEPS), "--precision", "fp32", "--loss-log", "run.jsonl", "--compile",
+                    "--profile-steps", "2-2"], tmp, timeout=600, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    eager, _ = train_reference(plan, TrainOptions(steps=STEPS, precision="fp32", progress=False))
+    return tmp, eager
 
 
-def test_compiled_losses_equal_eager_over_a_tp_changing_plan(eager_and_compiled):
-    eager = _losses(eager_and_compiled["eager"] / "run.jsonl")
-    compiled = _losses(eager_and_compiled["compiled"] / "run.jsonl")
-    assert len(eager) == len(compiled) == STEPS
-    for step, (a, b) in enumerate(zip(eager, compiled), 1):
+def test_compiled_losses_equal_eager_over_a_tp_changing_plan(compiled):
+    folder, eager = compiled
+    losses = _losses(folder / "run.jsonl")
+    assert len(eager) == len(losses) == STEPS
+    for step, (a, b) in enumerate(zip(eager, losses), 1):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: eager {a} compiled {b}"
 
 
-def test_profile_steps_writes_one_trace_per_rank_with_the_dipu_kernels(eager_and_compiled):
+def test_profile_steps_writes_one_trace_per_rank_with_the_dipu_kernels(compiled):
     for rank in range(3):
-        trace = json.loads((eager_and_compiled["eager"] / "profile" / f"rank{rank}.json").read_text())
+        trace = json.loads((compiled[0] / "profile" / f"rank{rank}.json").read_text())
         kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel"]
         assert any(k["name"] == "aten::mm [dipu]" for k in kernels), f"rank {rank}: no dipu matmul in the trace"
 
