@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,30 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "runtime"))
 
 from ditorch.tools.mre import mean_relative_error  # noqa: E402
-from plans import chip_file, make_plan  # noqa: E402
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a torchrun and every process under it (its workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+from plans import chip_file, kill_tree, make_plan  # noqa: E402
 
 
 def _env(out: Path, **extra) -> dict:

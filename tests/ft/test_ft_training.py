@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from plans import ROOT, chip_file, make_plan  # noqa: E402
+from plans import ROOT, chip_file, kill_tree, make_plan  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("torchft")
 
@@ -67,29 +66,6 @@ def start_replica(tmp: Path, k: int, vendor: str, address: str, steps: int, *arg
                          stderr=subprocess.STDOUT, start_new_session=True)
     p.log = log
     return p
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a torchrun and every process under it (its workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def losses(path: Path) -> dict[int, float]:
