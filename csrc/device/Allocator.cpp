@@ -72,6 +72,16 @@ void countSegment(DeviceStats& st, size_t size) {
   increase(st.segment, pool, 1);
   increase(st.reserved_bytes, pool, size);
 }
+// Every Stat of `st`, the per-pool arrays and the oversize counters: what a reset goes over.
+template <typename Fn>
+void forEachStat(DeviceStats& st, Fn fn) {
+  for (auto* array : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
+                      &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes})
+    for (auto& stat : *array) fn(stat);
+  fn(st.oversize_allocations);
+  fn(st.oversize_segments);
+}
+
 void countSegmentFree(DeviceStats& st, size_t size) {
   const int pool = poolOf(size);
   decrease(st.segment, pool, 1);
@@ -354,28 +364,19 @@ void DeviceAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(s.mu);
   s.ensure(device);
   DeviceStats& st = s.stats[device];
-  for (auto* array : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
-                      &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes})
-    for (auto& stat : *array) stat.reset_accumulated();
+  forEachStat(st, [](c10::CachingAllocator::Stat& stat) { stat.reset_accumulated(); });
   st.num_alloc_retries = 0;
   st.num_ooms = 0;
   st.num_sync_all_streams = 0;
   st.num_device_alloc = 0;
   st.num_device_free = 0;
-  st.oversize_allocations.reset_accumulated();
-  st.oversize_segments.reset_accumulated();
 }
 
 void DeviceAllocator::resetPeakStats(c10::DeviceIndex device) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   s.ensure(device);
-  DeviceStats& st = s.stats[device];
-  for (auto* array : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
-                      &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes})
-    for (auto& stat : *array) stat.reset_peak();
-  st.oversize_allocations.reset_peak();
-  st.oversize_segments.reset_peak();
+  forEachStat(s.stats[device], [](c10::CachingAllocator::Stat& stat) { stat.reset_peak(); });
 }
 
 void DeviceAllocator::emptyCache(c10::MempoolId_t /*mempool_id: dipu has no private pools*/) {
