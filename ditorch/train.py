@@ -79,11 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     from heteropp.runtime.trainer import TrainOptions
 
     try:
-        global _profile_steps, _profile_dir, _compile_layers
-        _compile_layers = args.compile
+        profile = None  # --profile-steps: (first, last) and the trace folder
         if args.profile_steps is not None:
             from ditorch_ext.profiler import parse_profile_steps
-            _profile_steps, _profile_dir = parse_profile_steps(args.profile_steps), args.profile_dir
+            profile = (parse_profile_steps(args.profile_steps), Path(args.profile_dir))
         plan = Plan.from_json(args.plan)
         options = TrainOptions(
             steps=args.steps, lr=args.lr, clip=args.clip, seed=args.seed, precision=args.precision, schedule=args.schedule,
@@ -103,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.reference:
         return _reference(plan, options)
-    return _distributed(plan, options, args.timeout, args if args.ps else None, args if args.ft else None)
+    return _distributed(plan, options, args.timeout, args if args.ps else None, args if args.ft else None,
+                        compile_layers=args.compile, profile=profile)
 
 
 def _reference(plan, options) -> int:
@@ -117,7 +117,8 @@ def _reference(plan, options) -> int:
     return 0
 
 
-def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None) -> int:
+def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None, compile_layers: bool = False,
+                 profile: tuple[tuple[int, int], Path] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
@@ -138,7 +139,7 @@ def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None) -> i
         return code
     try:
         trainer = PipelineTrainer(plan, options)
-        if _compile_layers:
+        if compile_layers:
             trainer.module.compile_layers()
         if options.resume:
             trainer.resume(options.resume)
@@ -148,7 +149,7 @@ def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None) -> i
             _describe(trainer, vendors)
         outer = _outer_client(trainer, ps_args) if ps_args else None
         after_step = _outer_steps(outer, trainer) if outer else None
-        profiler = _step_profiler(rank)
+        profiler = _step_profiler(profile, rank)
         if profiler is not None:
             after_step = profiler.wrap(after_step)
             profiler.before_run()
@@ -176,18 +177,14 @@ def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None) -> i
     return 0
 
 
-_profile_steps: tuple[int, int] | None = None  # --profile-steps, parsed
-_profile_dir = Path("profile")
-_compile_layers = False  # --compile
-
-
-def _step_profiler(rank: int):
+def _step_profiler(profile: tuple[tuple[int, int], Path] | None, rank: int):
     """The torch.profiler of --profile-steps for this rank, or None."""
-    if _profile_steps is None:
+    if profile is None:
         return None
     from ditorch_ext.profiler import StepProfiler
 
-    return StepProfiler(*_profile_steps, _profile_dir / f"rank{rank}.json")
+    (first, last), folder = profile
+    return StepProfiler(first, last, folder / f"rank{rank}.json")
 
 
 def _outer_client(trainer, args):
