@@ -19,13 +19,14 @@ demo-single: setup
 # Two pytest-xdist workers by default: the suite's tests spend part of their time waiting (rank
 # processes starting, sockets, timeouts). On 2 cores two workers took 11m09s where one took
 # 15m54s in a warm checkout; 11m48s and 12m57s in two fresh-clone CI runs.
-# TEST_WORKERS=0 runs it in one process. The 15 slowest tests are listed at the end.
+# TEST_WORKERS=0 runs it in one process. The 15 slowest tests in wall time and the 15 that used
+# the most CPU (the suite's real cost on 2 shared cores: tests/cpu_time.py) are listed at the end.
 # TEST_BUSY=N runs the suite beside N busy processes (tests/conftest.py): the loaded machine.
 TEST_WORKERS ?= 2
 TEST_BUSY ?= 0
 export TEST_WORKERS
 test: setup
-	GLOO_SOCKET_IFNAME=lo DITORCH_TEST_BUSY=$(TEST_BUSY) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests $(TEST_ARGS)
+	GLOO_SOCKET_IFNAME=lo DITORCH_TEST_BUSY=$(TEST_BUSY) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 --cpu-durations=15 tests $(TEST_ARGS)
 
 # tests/comm and tests/device against sanitized (ASan + UBSan) builds, then the frame fuzzer: scripts/test_asan.sh.
 test-asan: setup

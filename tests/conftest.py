@@ -9,6 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from busy_load import busy_processes  # noqa: E402  (needs the path above)
 
+pytest_plugins = ["cpu_time"]  # --cpu-durations=N (tests/cpu_time.py)
+
 
 def pytest_configure(config):
     if hasattr(config, "workerinput"):  # an xdist worker: its controller owns the load

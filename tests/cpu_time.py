@@ -1,0 +1,64 @@
+"""CPU seconds per test, for the suite's budget: ``--cpu-durations=N`` lists the N tests that
+used the most CPU (the test's process and every child it waited for: rank processes, torchrun).
+Wall time (``--durations``) on 2 shared cores says more about what ran beside a test than about
+the test; CPU time is what a test costs the whole suite. Module- and session-scoped fixtures are
+charged to the first test that uses them."""
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+KEY = "cpu_s"
+
+
+def _cpu_seconds() -> float:
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        use = resource.getrusage(who)
+        total += use.ru_utime + use.ru_stime
+    return total
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
+                     help="list the N tests that used the most CPU time (self and waited-for children)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item._cpu_start = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "teardown" and hasattr(item, "_cpu_start"):
+        report.user_properties.append((KEY, _cpu_seconds() - item._cpu_start))
+
+
+class CpuReport:
+    """Collects the teardown reports' CPU seconds (from xdist's workers too) and prints the top N."""
+
+    def __init__(self, count: int):
+        self.count, self.seconds = count, {}
+
+    def pytest_runtest_logreport(self, report):
+        for key, value in report.user_properties:
+            if key == KEY:
+                self.seconds[report.nodeid] = value
+
+    def pytest_terminal_summary(self, terminalreporter):
+        ranked = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        tr = terminalreporter
+        tr.write_sep("=", f"{min(self.count, len(ranked))} largest CPU times "
+                          f"(all {len(ranked)} tests: {sum(self.seconds.values()):.0f} s)")
+        for nodeid, seconds in ranked[:self.count]:
+            tr.write_line(f"{seconds:8.1f}s cpu  {nodeid[:160]}")
+
+
+def pytest_configure(config):
+    count = config.getoption("--cpu-durations")
+    if count and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(CpuReport(count), "cpu_time_report")
