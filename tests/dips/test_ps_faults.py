@@ -72,6 +72,9 @@ def test_leader_and_follower_failures(tmp_path):
     clusters = [start_cluster(s) for s in specs]
     rpc = RpcClient("dips.Leader", addr, token)
     try:
+        # a cluster opens its log once it has joined: under load one may join after the other's
+        # rounds, and then the leader must not die before it is in
+        wait_for(lambda: all(os.path.exists(s.log) for s in specs), 180, "every cluster to join")
         wait_for(version_reaches(rpc, 2), 180, "two outer rounds")
 
         # --- the leader dies; clusters keep training; it restarts from its metadata
