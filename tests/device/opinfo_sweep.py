@@ -45,6 +45,14 @@ SEED = 1234
 PREFERRED_DTYPES = (torch.float32, torch.int64, torch.int32, torch.bool, torch.uint8, torch.complex64)
 
 
+def reseed() -> None:
+    """The CPU and dipu generators seeded alike before a sample: what ``torch.manual_seed`` does
+    for them (tests/device/test_device.py checks that it does), without the lazy seeding calls it
+    queues for CUDA, XPU and MTIA, each of which formats the caller's whole stack."""
+    torch.default_generator.manual_seed(SEED)
+    torch.dipu.manual_seed_all(SEED)
+
+
 @dataclasses.dataclass
 class OpResult:
     """The outcome of one OpInfo (all its checked samples)."""
@@ -186,7 +194,7 @@ def run_op(op, max_samples: int) -> OpResult:
     differentiable = op.supports_autograd and (dtype.is_floating_point or dtype.is_complex)
     ditorch_ext.reset_cpu_fallback_counts()
     try:
-        torch.manual_seed(SEED)
+        reseed()
         samples = op.sample_inputs("cpu", dtype, requires_grad=differentiable)
         samples = itertools.islice((s for s in samples if _numel(s) <= MAX_SAMPLE_NUMEL), max_samples)
         samples = list(samples)
@@ -200,7 +208,7 @@ def run_op(op, max_samples: int) -> OpResult:
         process = sample.output_process_fn_grad
         # CPU reference, and a second run under another seed to tell random ops apart.
         try:
-            torch.manual_seed(SEED)
+            reseed()
             with _SeededProbe() as probe:
                 cpu_out = _call(op, sample, cpu_inputs)
             res.random |= probe.seen
@@ -214,7 +222,7 @@ def run_op(op, max_samples: int) -> OpResult:
                       tuple(a if i in keep else _to_dipu(a) for i, a in enumerate(sample.args)),
                       _to_dipu(sample.kwargs))
         try:
-            torch.manual_seed(SEED)
+            reseed()
             dev_out = _call(op, sample, dev_inputs)
             compare(cpu_out, dev_out, f"sample {si} output", values=values)
         except Exception as e:
@@ -321,7 +329,7 @@ def run_variants(op, max_samples: Optional[int], random: bool) -> list:
     results = []
     for dt in dtypes:
         try:
-            torch.manual_seed(SEED)
+            reseed()
             samples = [s for s in op.sample_inputs("cpu", dt, requires_grad=False) if _numel(s) <= MAX_SAMPLE_NUMEL]
         except Exception:
             continue  # no samples in this dtype: not a combination that runs on CPU

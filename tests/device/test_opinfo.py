@@ -12,6 +12,7 @@ written to build/opinfo.json (docs/opinfo.md quotes it).
 """
 from __future__ import annotations
 
+import concurrent.futures
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,12 @@ SAMPLES_PER_COMBINATION = None  # every sample under the size cap (the whole var
 
 @pytest.fixture(scope="module")
 def summary() -> dict:
-    results, combos = opinfo_sweep.sweep(max_samples=SAMPLES_PER_OP, variant_samples=SAMPLES_PER_COMBINATION)
+    # In a thread of its own: a shallow stack. Many samples call torch.manual_seed, which queues
+    # lazy seeding calls for CUDA, XPU and MTIA that each format the caller's stack; under
+    # pytest's frames that took as long as the sweep itself.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        results, combos = pool.submit(opinfo_sweep.sweep, max_samples=SAMPLES_PER_OP,
+                                      variant_samples=SAMPLES_PER_COMBINATION).result()
     s = opinfo_sweep.write_report(results, combos, REPORT)
     print("\n" + opinfo_sweep.format_summary(s))
     return s
