@@ -24,23 +24,26 @@ def _losses(path) -> dict[int, float]:
 
 def test_resume_under_another_plan_continues_the_curve(tmp_path):
     """3 steps under TP 2 -> TP 1, then 3 more under TP 1 -> TP 2 with DP 2, ZeRO-1 and recompute
-    on other chips, equal the 6 steps of one uninterrupted run."""
+    on other chips, equal the 6 steps of one uninterrupted run (the one-process reference, which
+    the pipeline equals: tests/runtime/test_exactness.py)."""
+    from heteropp.runtime.reference import train_reference
+    from heteropp.runtime.trainer import TrainOptions
+
     first = make_plan([("X", 2, 2, False), ("Y", 1, 2, False)], microbatches=4)
     second = make_plan([("Z", 1, 1, False), ("Y", 2, 3, True)], dp=2, microbatches=2)
     first.to_json(tmp_path / "first.json")
     second.to_json(tmp_path / "second.json")
     common = ["--precision", "fp32", "--clip", "0.05"]
-    whole = torchrun(tmp_path / "first.json", 3, ["--steps", str(STEPS), "--loss-log", "whole.jsonl", *common], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    whole, _ = train_reference(first, TrainOptions(steps=STEPS, precision="fp32", clip=0.05, progress=False))
     part1 = torchrun(tmp_path / "first.json", 3, ["--steps", "3", "--save", "ckpt", *common], tmp_path)
     assert part1.returncode == 0, part1.stderr[-3000:]
     part2 = torchrun(tmp_path / "second.json", 6, ["--steps", str(STEPS), "--resume", "ckpt", "--loss-log",
                                                    "resumed.jsonl", "--zero1", *common], tmp_path)
     assert part2.returncode == 0, part2.stderr[-3000:]
-    whole_losses, resumed = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    resumed = _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:
-        assert resumed[step] == pytest.approx(whole_losses[step], rel=1e-5), step
+        assert resumed[step] == pytest.approx(whole[step - 1], rel=1e-5), step
 
 
 def test_a_bad_plan_fails_every_rank_before_training(tmp_path):
