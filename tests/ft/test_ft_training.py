@@ -6,13 +6,15 @@ from the CLI as docs/ft.md says (``ditorch ft lighthouse``, then one ``torchrun`
   with equal parameters (``--check-replicas``).
 * A replica SIGKILLed mid-run is dropped, the other goes on alone; started again it recovers the
   parameters and optimizer state from the healthy one, rejoins, and both end equal.
-* Bad input: a malformed lighthouse address, an unreachable lighthouse, a replica index the plan
-  does not have, and a replica with another plan each end with an error naming it.
+* Bad input: a malformed lighthouse address and a replica index the plan does not have are
+  refused in this process, before anything starts; an unreachable lighthouse and a replica with
+  another plan end their launched replica with an error naming them.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -145,25 +147,62 @@ def test_a_killed_replica_is_dropped_and_heals_from_the_other_on_its_return(plan
     assert sorted(losses(plan_dir / "replica0.jsonl")) == list(range(1, steps + 1))
 
 
-def test_bad_lighthouse_addresses_and_replicas_are_refused_by_name(plan_dir):
-    bad = start_replica(plan_dir, 0, "cpu", "http://127.0.0.1:notaport", 2)
-    unreachable = start_replica(plan_dir, 0, "cpu", "http://127.0.0.1:9", 2)
-    outs = finish([bad, unreachable], timeout=120)
-    assert bad.returncode != 0 and "lighthouse address 'http://127.0.0.1:notaport'" in outs[0], outs[0][-2000:]
-    assert unreachable.returncode != 0 and "could not start its torchft manager" in outs[1], outs[1][-2000:]
+@pytest.mark.parametrize("address", ["http://127.0.0.1:notaport", "ftp://127.0.0.1:29510", "http://127.0.0.1",
+                                     "127.0.0.1:0", "http://[::1]:70000", "http://host:29510/path", "", ":29510"])
+def test_malformed_lighthouse_addresses_are_refused_by_name(address):
+    from ditorch.ft import check_lighthouse_address
 
+    with pytest.raises(ValueError, match=f"lighthouse address {re.escape(repr(address))}: expected http://HOST:PORT"):
+        check_lighthouse_address(address)
+
+
+def test_lighthouse_addresses_take_the_scheme_when_bare():
+    from ditorch.ft import check_lighthouse_address
+
+    assert check_lighthouse_address("127.0.0.1:29510") == "http://127.0.0.1:29510"
+    assert check_lighthouse_address("http://[::1]:29510/") == "http://[::1]:29510"
+    assert check_lighthouse_address("http://lighthouse.local:1") == "http://lighthouse.local:1"
+
+
+def test_a_replica_index_the_plan_lacks_is_refused_before_anything_starts(plan_dir):
+    from ditorch.ft import ReplicaTrainer
+    from heteropp.plan import Plan, PlanError
+    from heteropp.runtime.trainer import TrainOptions
+
+    plan = Plan.from_json(plan_dir / "plan.json")
+    for index in (2, -1):
+        with pytest.raises(PlanError, match=rf"--replica {index}: the plan has DP 2, so replicas 0..1"):
+            ReplicaTrainer(plan, TrainOptions(steps=2, progress=False), index)
+
+
+def test_of_two_plans_the_replica_further_along_keeps_training():
+    """Hand-made quorums: the one that leaves is the replica behind, or at the same step the one
+    with the higher name; replicas of the same plan never leave."""
+    from ditorch.ft import _mismatch
+
+    me = {"name": "replica1", "plan": "p1", "step": 5}
+    assert _mismatch(me, [me, {"name": "replica0", "plan": "p1", "step": 9}]) is None
+    assert _mismatch(me, [me, {"name": "replica0", "plan": "p0", "step": 4}]) is None
+    assert "must run the same plan" in _mismatch(me, [me, {"name": "replica0", "plan": "p0", "step": 6}])
+    assert "'replica0'" in _mismatch(me, [me, {"name": "replica0", "plan": "p0", "step": 5}])
+    assert _mismatch(me, [me, {"name": "replica2", "plan": "p0", "step": 5}]) is None
+    assert _mismatch(me, [me, {"name": "<unreadable record>", "plan": "?", "step": -1}]) is None
+
+
+def test_an_unreachable_lighthouse_and_a_replica_of_another_plan_end_with_errors_naming_them(plan_dir):
+    """Through the CLI and torchrun: the errors reach the user from every rank's process."""
+    unreachable = start_replica(plan_dir, 0, "cpu", "http://127.0.0.1:9", 2)
     make_plan([("X", 1, 3, False), ("Y", 1, 1, False)], dp=2).to_json(plan_dir / "other.json")
     lighthouse = Lighthouse(plan_dir, min_replicas=2)
     try:
-        out_of_plan = start_replica(plan_dir, 2, "cpu", lighthouse.address, 2)
         first = start_replica(plan_dir, 0, "cpu", lighthouse.address, 2)
         other = start_replica(plan_dir, 1, "emu", lighthouse.address, 2, plan="other.json")
-        outs = finish([out_of_plan, other])
+        outs = finish([unreachable, other], timeout=120)
         # replica0 keeps its place (the lower name at the same step) and waits for a quorum of 2.
         assert first.poll() is None
         kill_tree(first.pid)
         first.wait()
     finally:
         lighthouse.close()
-    assert out_of_plan.returncode != 0 and "--replica 2: the plan has DP 2" in outs[0], outs[0][-2000:]
+    assert unreachable.returncode != 0 and "could not start its torchft manager" in outs[0], outs[0][-2000:]
     assert other.returncode != 0 and "must run the same plan" in outs[1] and "'replica0'" in outs[1], outs[1][-2000:]
