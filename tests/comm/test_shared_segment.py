@@ -256,3 +256,28 @@ def test_a_rank_that_dies_fails_the_others_naming_it():
         out = results[r]
         assert out["error"] and "rank 2" in out["error"], out
         assert out["elapsed"] < 15, out  # detected through the broken pair, not the 60 s timeout
+
+
+def leaves_in_segment(rank: int, world: int, _port: int) -> dict:
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(8))
+    if rank == 2:
+        time.sleep(0.5)
+        dist.destroy_process_group()  # a clean leave: its pairs close with a goodbye, none breaks
+        return {}
+    t0 = time.monotonic()
+    out = torch.empty(world * 3 * CHUNK)
+    error = error_of(dist.all_gather_into_tensor, out, torch.ones(3 * CHUNK))
+    return {"error": error, "elapsed": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_leaves_cleanly_fails_the_others_waits_naming_it():
+    """A member that shuts its group down breaks no pair, so nothing closes the others'
+    communicators: their wait in the segment must see its goodbye, not sit out the op timeout."""
+    results = run_ranks(leaves_in_segment, 3, op_timeout_s=60)
+    for r in (0, 1):
+        out = results[r]
+        assert out["error"] and "rank 2" in out["error"] and "shut down its process group" in out["error"], out
+        assert out["elapsed"] < 15, out

@@ -48,9 +48,7 @@ GLOO_COLLECTIVES = sorted(process_group_test.NormalGlooMultiPgTest.COLLECTIVES)
 # gloo reports the loss of a peer in these only at its 30 s op timeout (docs/ft.md's table has them).
 SLOW_ON_GLOO = {"allreduce", "allreduce_coalesced"}
 RESILIENCY = sorted(set(GLOO_COLLECTIVES) - (set() if ALL_CASES else SLOW_ON_GLOO))
-# dicomm reports it at once (the peer's goodbye) except while waiting in the host's shared segment
-# (allgather, reduce-scatter: the waiter does not read the pairs), where it too waits for its 30 s.
-SLOW_ON_DICOMM = {"allgather", "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"}
+# dicomm reports it at once (the peer's goodbye), in the host's shared segment too.
 
 
 class TestGlooProcessGroup(process_group_test.MultiPgBaseTest):
@@ -88,7 +86,7 @@ class TestDicommProcessGroup(process_group_test.MultiPgBaseTest):
     def test_collective(self, collective: str) -> None:
         self._run_parallel(collective, device="cpu")
 
-    @parameterized.expand(sorted(set(COLLECTIVES) - (set() if ALL_CASES else SLOW_ON_DICOMM)))
+    @parameterized.expand(COLLECTIVES)
     def test_collective_with_resiliency(self, collective: str) -> None:
         self._run_with_resiliency(collective, device="cpu")
 

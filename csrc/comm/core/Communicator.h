@@ -97,6 +97,9 @@ class Communicator {
   bool closed() const { return closed_.load(); }
   // Why close() was called (its error's text); empty while open.
   std::string closeCause() const;
+  // Why `peer` left cleanly (it shut down its process group), which fails no op by itself; empty
+  // while it has not. A wait outside the pairs (the shared segment) asks for its members.
+  std::string peerLeftCause(int peer) { return mailbox_.closedCause(peer); }
 
  private:
   // Joining the group, in the constructor's order: a forced DICOMM_TRANSPORT is built and usable;

@@ -265,6 +265,12 @@ std::string Mailbox::abortNotice(int peer) {
   return it == abortNotices_.end() ? std::string() : it->second;
 }
 
+std::string Mailbox::closedCause(int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = closedPeers_.find(peer);
+  return it == closedPeers_.end() ? std::string() : it->second;
+}
+
 void Mailbox::peerClosed(int peer, const std::string& cause) {
   std::vector<std::shared_ptr<RecvRequest>> victims;
   {

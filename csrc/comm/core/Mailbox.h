@@ -79,6 +79,8 @@ class Mailbox : public Inbox {
   void peerFailed(int peer, const std::string& cause) override;
   void peerClosed(int peer, const std::string& cause) override;
   std::string abortNotice(int peer) override;
+  // Why `peer` closed its pair cleanly (it shut down its process group); empty while it has not.
+  std::string closedCause(int peer);
 
  private:
   struct Unexpected {

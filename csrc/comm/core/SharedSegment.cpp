@@ -241,6 +241,13 @@ void SharedSegment::awaitAll(CollectiveContext& ctx, const char* what) {
         throw std::runtime_error(cause);
       }
       if (ctx.comm->closed()) throw std::runtime_error(failure(j, ctx.comm->closeCause()));
+      // A member that shut down its group cleanly breaks no pair, so nothing closes this
+      // communicator: its goodbye is the sign it will never reach the stage. What it wrote
+      // before leaving counts, hence the second look at its word.
+      const std::string left = ctx.comm->peerLeftCause(members_[j]);
+      if (!left.empty() && !reached(word.load(std::memory_order_acquire), stage)) {
+        throw std::runtime_error(failure(j, left));
+      }
       const auto wait = std::min<std::chrono::nanoseconds>(kWakeEvery, ctx.deadline - now);
       timespec ts{static_cast<time_t>(wait.count() / 1'000'000'000), static_cast<long>(wait.count() % 1'000'000'000)};
       sleepers.fetch_add(1, std::memory_order_seq_cst);
