@@ -115,13 +115,6 @@ class _Backend:
 
     def setUp(self) -> None:
         super().setUp()
-        # These are torchft's CPU cases. Where the dipu device is loaded (other test modules
-        # import ditorch) torch reports an accelerator, and torchft's HTTP checkpoint transport
-        # then makes torch.Stream(torch.device("dipu")), which the dipu device refuses (no index);
-        # on both backends alike the cases run as on a host without an accelerator.
-        patch = mock.patch.object(torch.accelerator, "is_available", lambda: False)
-        patch.start()
-        self.addCleanup(patch.stop)
         if self.BACKEND == "dicomm":
             counted = type("Dicomm", (_CountedDicomm,), {"made": 0})
             for module in self.MODULES:
