@@ -30,6 +30,10 @@ def _register() -> None:
 _register()
 configure_from_env()
 
+from ditorch_ext import shutdown as _shutdown  # noqa: E402
+
+_shutdown.register()  # autograd's dipu device threads finish before the interpreter does
+
 from ditorch_ext import inductor as _inductor  # noqa: E402
 
 _inductor.register()  # torch.compile on dipu (registered when Dynamo and Inductor load)
