@@ -26,12 +26,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ditorch.hsr import simulated_iteration  # noqa: E402
-from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
 from heteropp.measured import read_trace  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.plan import Plan  # noqa: E402
-from heteropp.runtime.profiler import write_cluster  # noqa: E402
+from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
 from heteropp.search import HeteroAuto  # noqa: E402
 from heteropp.simulator import pipeline_from_plan  # noqa: E402
 from emulated_chips import speed_only_profiles  # noqa: E402
@@ -142,21 +141,25 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=str(REPO / "out/bench-heteropp"))
     ap.add_argument("--reuse-profiles", action="store_true", help="keep chip profiles an earlier run left in --out")
-    ap.add_argument("--time-scale", type=float, default=time_scale_for(4),
-                    help="emulation time scale of profiles and runs (default: 4 ranks per core of this host)")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="emulation time scale of profiles and runs (default: chosen so this host keeps up with "
+                         "4 ranks of chips A, B and C by their datasheets)")
     ap.add_argument("--numerics", choices=("host", "chip"), default="host",
                     help="host: chips A, B, C's speed and memory with IEEE numerics (default; "
                          "benchmarks/emulated_chips.py says why); chip: their own numerics")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # One kernel cost table for the profiles and every run (docs/device.md, Speed), so a chip
-    # profiled alone and the same chip in a pipeline are charged the same kernel costs.
-    ENV.setdefault("DITORCH_KERNEL_COSTS", str(out / "kernel-costs.bin"))
     names = {c: c for c in "ABC"}
     if args.numerics == "host":
         names = speed_only_profiles(out / "chips.yaml", list(names))
-        ENV["DITORCH_PROFILE_FILE"] = str(out / "chips.yaml")
+        ENV["DITORCH_PROFILE_FILE"] = os.environ["DITORCH_PROFILE_FILE"] = str(out / "chips.yaml")
+    if args.time_scale is None:
+        # the chips' datasheet speeds times a scale at which this host keeps up with the 4 ranks
+        # (each run reports how far its host fell behind, if it did: docs/device.md, "Speed")
+        args.time_scale, ratios = cluster_time_scale(list(names.values()), ModelSpec.load(MODEL), 4)
+        print("this host's time for a layer against each chip's: "
+              + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items()), flush=True)
     print(f"emulation time scale {args.time_scale:g} (4 ranks on {os.cpu_count()} cores), {args.numerics} numerics")
     profile_chips(out, list(names.values()), args.time_scale, args.reuse_profiles)
     plans = {f"heteroauto {' '.join(f'{c}{n}' for c, n in counts.items())}":

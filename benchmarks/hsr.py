@@ -29,11 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from ditorch.hsr import measure, ratio_table  # noqa: E402
 from heteropp.cluster import ClusterSpec, parse_tokens  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
-from heteropp.runtime.profiler import write_cluster  # noqa: E402
+from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
 from emulated_chips import speed_only_profiles  # noqa: E402
 from program_results import Measurement, save_run  # noqa: E402
 
@@ -53,7 +52,8 @@ def main() -> int:
     ap.add_argument("--numerics", choices=("host", "chip"), default="host",
                     help="host: the chips' speed and memory with IEEE numerics (default); chip: their own numerics")
     ap.add_argument("--time-scale", type=float, default=None,
-                    help="emulation time scale (default: the largest run's ranks per core of this host)")
+                    help="emulation time scale (default: chosen so this host keeps up with the largest run's "
+                         "ranks of these chips by their datasheets)")
     ap.add_argument("--out", default=str(REPO / "out/bench-hsr"))
     ap.add_argument("--reuse-profiles", action="store_true",
                     help="keep chip profiles an earlier run left in --out at the same memory and time scales")
@@ -62,16 +62,20 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DITORCH_MEMORY_SCALE=args.memory_scale, PYTHONPATH=str(REPO))
-    # One kernel cost table for the profiles and every run (docs/device.md, Speed): groups timed
-    # minutes apart then run at the same emulated speeds, which the ratio compares.
-    env.setdefault("DITORCH_KERNEL_COSTS", str(out / "kernel-costs.bin"))
     chip_memory = _chip_memory(args.chip_memory, args.numerics)
     names = {c: c for c in counts}
     if args.numerics == "host":
         profile_file = out / "chips.yaml"
         names = speed_only_profiles(profile_file, list(counts), chip_memory)
-        env["DITORCH_PROFILE_FILE"] = str(profile_file)
-    time_scale = args.time_scale or time_scale_for(sum(counts.values()))
+        env["DITORCH_PROFILE_FILE"] = os.environ["DITORCH_PROFILE_FILE"] = str(profile_file)
+    time_scale = args.time_scale
+    if time_scale is None:
+        # the chips' datasheet speeds times a scale at which this host keeps up with the largest
+        # run's ranks (each run reports how far its host fell behind, if it did: docs/device.md)
+        time_scale, ratios = cluster_time_scale(list(names.values()), ModelSpec.load(args.model),
+                                                sum(counts.values()))
+        print("this host's time for a layer against each chip's: "
+              + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items()), flush=True)
     memory_text = "built-in memory" if chip_memory is None else f"{chip_memory:g} GiB per chip"
     print(f"{len(counts)} chip groups {args.chips} ({args.numerics} numerics, {memory_text} at scale "
           f"{args.memory_scale}), model {Path(args.model).name}, time scale {time_scale:g} "

@@ -21,6 +21,7 @@ Needs the ``hf`` extra (``transformers``; ``make setup`` installs it). Outputs l
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -32,8 +33,8 @@ sys.path.insert(0, str(REPO / "examples"))
 
 from hetero_demo import run, usable_profile  # noqa: E402
 
-from ditorch_ext.profiles import time_scale_for  # noqa: E402
-from heteropp.runtime.profiler import write_cluster  # noqa: E402
+from heteropp.model_spec import ModelSpec  # noqa: E402
+from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
 
 MODEL = REPO / "examples" / "hf" / "qwen3-tiny"
 TOKENIZER = REPO / "examples" / "hf" / "tokenizer.json"
@@ -89,12 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DITORCH_MEMORY_SCALE=args.memory_scale, PYTHONPATH=str(REPO))
-    # one kernel cost table for the profiles and every run (docs/device.md, Speed)
-    env.setdefault("DITORCH_KERNEL_COSTS", str(out / "kernel-costs.bin"))
     py, world = sys.executable, sum(counts.values())
     ditorch = [py, "-m", "ditorch.cli"]
-    time_scale = time_scale_for(world)
     started = time.perf_counter()
+    # Every chip runs at its datasheet's roofline times one time scale, chosen (as in
+    # hetero_demo.py) so this host keeps up with every chip while ranks outnumber cores, and kept
+    # with the profiles taken at it (docs/device.md, "Speed").
+    chosen = out / "time-scale.json"
+    if chosen.exists() and not args.reprofile:
+        time_scale = float(json.loads(chosen.read_text())["time_scale"])
+        print(f"\n[0/7] time scale {time_scale:g}, chosen before ({chosen}; --reprofile to choose again)")
+    else:
+        time_scale, ratios = cluster_time_scale(list(counts), ModelSpec.load(MODEL), world)
+        print(f"\n[0/7] this host's time for a layer of {MODEL.name} against each chip's: "
+              + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items())
+              + f"; {world} ranks on {os.cpu_count()} cores run at time scale {time_scale:g}", flush=True)
+        chosen.write_text(json.dumps({"time_scale": time_scale, "host_ratios": ratios}) + "\n")
 
     if args.retrain_tokenizer or not TOKENIZER.exists():
         train_tokenizer(TOKENIZER)

@@ -271,6 +271,21 @@ def host_ratio(chip: str, spec: ModelSpec, precision: str = "bf16", memory_scale
         return max(1.0, json.loads(Path(out).read_text())["ratio"])
 
 
+def cluster_time_scale(chips: list[str], spec: ModelSpec, ranks: int, precision: str = "bf16",
+                       memory_scale: float = 1.0) -> tuple[float, dict[str, float]]:
+    """The time scale at which this host keeps up with ``ranks`` ranks of ``chips`` running
+    ``spec`` at once: each chip's ``host_ratio``, the largest, times ranks per core and headroom
+    (``ditorch_ext.profiles.time_scale_for``). Returns the scale and each chip's ratio. A chip
+    named by a profile file needs ``$DITORCH_PROFILE_FILE`` in this process's environment (the
+    measuring worker inherits it)."""
+    from ditorch_ext.profiles import time_scale_for
+
+    if not chips:
+        raise ValueError("cluster_time_scale: expected at least one chip")
+    ratios = {chip: host_ratio(chip, spec, precision, memory_scale) for chip in dict.fromkeys(chips)}
+    return time_scale_for(ranks, host_ratio=max(ratios.values())), ratios
+
+
 def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
                repeats: int = 5, sequence_parallel: bool = True, time_scale: float = 1.0) -> dict:
     """Measure one layer of ``spec``'s model at TP size ``tp`` on ``tp`` spawned ranks; returns
