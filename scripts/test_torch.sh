@@ -75,8 +75,8 @@ for entry in "${SUBSET[@]}"; do
 done
 t3=$(now)
 
-# pytest's closing lines ("== 3 passed, 1 skipped in 9.1s ==") summed over the runs.
-counts=$(grep -E '^=+ .*(passed|failed|error|skipped).* in [0-9.]+s' "$WORK/test.log" | "$VENV/bin/python" -c '
+# pytest's closing lines ("3 passed, 1 skipped in 9.1s" under -q, framed by "=" without it) summed over the runs.
+counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s' "$WORK/test.log" | "$VENV/bin/python" -c '
 import re, sys
 total = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
 for line in sys.stdin:
