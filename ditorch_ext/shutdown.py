@@ -14,6 +14,7 @@ runs its tasks in order, so it has then dropped every earlier graph task.
 from __future__ import annotations
 
 import atexit
+import sys
 
 import ditorch_ext._C as _C
 
@@ -33,8 +34,13 @@ def used_devices() -> list[int]:
 def drain_autograd_device_threads() -> None:
     """Wait until autograd's device threads of every used dipu device hold no graph task."""
     devices = used_devices()
-    if devices:
+    if not devices:
+        return
+    try:
         _C.drain_autograd_device_threads(devices)
+    except RuntimeError as exc:  # e.g. a device whose memory is full at exit: say so, exit as the program would
+        print(f"ditorch: could not wait for autograd's dipu device threads at exit ({exc}); the process may abort "
+              f"if one of them still holds a graph task", file=sys.stderr)
 
 
 def register() -> None:
