@@ -287,3 +287,31 @@ def test_a_planner_chip_library_is_refused_as_a_profile_file_and_the_reverse(tmp
                         "    nics_per_node: 2\n")
     with pytest.raises(ValueError, match="emulated chip profile file.*not a cluster or chip library"):
         ClusterSpec.from_yaml(profiles)
+
+
+def test_backward_ops_with_their_own_autograd_run_the_vendor_kernel_as_on_cpu():
+    """silu_backward has a kernel per device and, for devices without one, a decomposition into
+    five ops; dipu runs the vendor's kernel (one op), so its backward runs the ops the CPU's does,
+    with the CPU's gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(1000, dtype=torch.bfloat16)
+    grads, ops = {}, {}
+    for device in ("cpu", "dipu"):
+        leaf = x.to(device, copy=True).requires_grad_()
+        y = torch.nn.functional.silu(leaf)
+        with Ops() as seen:
+            y.backward(torch.ones_like(y))
+        grads[device], ops[device] = leaf.grad.cpu(), seen.names
+    assert "silu_backward" in ops["cpu"]
+    assert ops["dipu"] == ops["cpu"], ops
+    torch.testing.assert_close(grads["dipu"], grads["cpu"], rtol=0, atol=0)
