@@ -8,6 +8,11 @@ together. Differences inside the range that Python code sees, and which releases
 
 - ``torch.cuda.memory_stats()`` names ``"num_oom_rejections"`` from 2.13 on; dipu's
   ``memory_stats()`` reports it where the release's DeviceStats has it (TorchCompat.h).
+- torch.distributed's one-tensor collectives are ``all_gather_single`` and
+  ``reduce_scatter_single`` from 2.13 on, where the older ``all_gather_into_tensor`` and
+  ``reduce_scatter_tensor`` warn that they are deprecated; 2.11 and 2.12 have only the older
+  names. :data:`all_gather_single` and :data:`reduce_scatter_single` are whichever the release
+  has (the same signatures).
 
 No other Python API that ditorch calls (torch.accelerator, torch.distributed's Backend
 registration, DTensor, DCP, torch.utils' PrivateUse1 helpers) differs between 2.11 and 2.15 in what
@@ -19,6 +24,7 @@ import re
 import warnings
 
 import torch
+import torch.distributed as dist
 
 # Inclusive (major, minor) bounds of the releases ditorch is proven on.
 OLDEST = (2, 11)
@@ -52,3 +58,8 @@ def check_supported(version: str | None = None) -> None:
 def requirement() -> str:
     """The torch requirement setup.py declares for this range."""
     return f"torch>={OLDEST[0]}.{OLDEST[1]},<{NEWEST[0]}.{NEWEST[1] + 1}"
+
+
+# torch.distributed's one-tensor all-gather and reduce-scatter under the release's own names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

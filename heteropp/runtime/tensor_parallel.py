@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ditorch_ext.torch_compat import all_gather_single, reduce_scatter_single
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -44,7 +46,7 @@ class TPGroup:
         if self.size == 1:
             return t
         out = torch.empty((self.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        all_gather_single(out, t.contiguous(), group=self.group)
         return out
 
     def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +61,7 @@ class TPGroup:
             return t
         full = t.transpose(0, 1).contiguous()
         out = torch.empty((full.shape[0] // self.size,) + tuple(full.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, full, group=self.group)
+        reduce_scatter_single(out, full, group=self.group)
         return out.transpose(0, 1)
 
 

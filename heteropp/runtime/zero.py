@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ditorch_ext.torch_compat import all_gather_single, reduce_scatter_single
+
 from .flat_parameters import FlatParameters
 
 
@@ -37,7 +39,7 @@ class ZeroAdamW:
 
     def reduce_scatter_gradients(self) -> None:
         """Sum the gradients over the DP group; this rank keeps its slice (the slice's grad)."""
-        dist.reduce_scatter_tensor(self.slice.grad, self.flat.grad, group=self.group)
+        reduce_scatter_single(self.slice.grad, self.flat.grad, group=self.group)
 
     def owned_sumsq(self, owned: list[bool]) -> torch.Tensor:
         """Sum of squared gradients of this rank's slice, over parameters marked ``owned``."""
@@ -55,7 +57,7 @@ class ZeroAdamW:
         self.slice.grad.mul_(grad_scale)
         self.optimizer.step()
         mine = self.slice.detach().clone()  # a gather's input must not alias its output
-        dist.all_gather_into_tensor(self.flat.data, mine, group=self.group)
+        all_gather_single(self.flat.data, mine, group=self.group)
         self.flat.zero_grad()
 
     # -- checkpoints: per-parameter state, as the unsharded AdamW keeps it ---------------------
@@ -82,7 +84,7 @@ class ZeroAdamW:
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         full = shard.new_empty(self.shard * self.size)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+        all_gather_single(full, shard.contiguous(), group=self.group)
         return full
 
 
