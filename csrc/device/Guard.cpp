@@ -12,7 +12,9 @@ namespace {
 
 thread_local int t_device = 0;
 
-int indexOf(c10::Device d) { return d.has_index() ? d.index() : currentDevice(); }
+// A device index of -1 (a device without an index: "dipu", as torch.Stream(torch.device("dipu"))
+// passes it) is the current device, as for CUDA's streams.
+int indexOf(c10::DeviceIndex index) { return index < 0 ? currentDevice() : index; }
 
 class DipuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
  public:
@@ -29,15 +31,13 @@ class DipuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     t_device = d.index();
     if (const auto* runtime = vendor().streamRuntime()) runtime->uncheckedSetDevice(kernelDevice(d.index()));
   }
-  // A device without an index ("dipu", as torch.Stream(torch.device("dipu")) passes it) is the
-  // current one, as for CUDA's streams.
-  c10::Stream getStream(c10::Device d) const override { return currentStream(indexOf(d)); }
-  c10::Stream getDefaultStream(c10::Device d) const override { return defaultStream(indexOf(d)); }
-  c10::Stream getNewStream(c10::Device d, int priority) const override { return newStream(indexOf(d), priority); }
+  c10::Stream getStream(c10::Device d) const override { return currentStream(indexOf(d.index())); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return defaultStream(indexOf(d.index())); }
+  c10::Stream getNewStream(c10::Device d, int priority) const override { return newStream(indexOf(d.index()), priority); }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
     if (const auto* runtime = vendor().streamRuntime())
-      return toDipuStream(runtime->getStreamFromGlobalPool(kernelDevice(indexOf(d)), high_priority));
-    return newStream(indexOf(d), 0);
+      return toDipuStream(runtime->getStreamFromGlobalPool(kernelDevice(indexOf(d.index())), high_priority));
+    return newStream(indexOf(d.index()), 0);
   }
   c10::Stream exchangeStream(c10::Stream s) const override { return ditorch::exchangeStream(s); }
   c10::DeviceIndex deviceCount() const noexcept override { return static_cast<c10::DeviceIndex>(ditorch::deviceCount()); }
@@ -82,7 +82,7 @@ class DipuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     vendor().synchronize(stream.device_index());
   }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
-    vendor().synchronize(device_index == -1 ? currentDevice() : device_index);
+    vendor().synchronize(indexOf(device_index));
   }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
 };

@@ -7,10 +7,8 @@ import torch
 import ditorch  # noqa: F401
 
 
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("index", [0, pytest.param(1, marks=pytest.mark.two_devices)])
 def test_a_stream_on_dipu_without_an_index_is_on_the_current_device(index):
-    if index >= torch.dipu.device_count():
-        pytest.skip(f"the vendor shows {torch.dipu.device_count()} dipu device(s)")
     torch.dipu.set_device(index)
     stream = torch.Stream(torch.device("dipu"))
     assert stream.device == torch.device("dipu", index)

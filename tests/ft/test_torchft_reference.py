@@ -24,7 +24,6 @@ from datetime import timedelta
 from unittest import mock
 
 import pytest
-import torch
 from parameterized import parameterized
 from torchft import local_sgd_integ_test, manager_integ_test, process_group_test
 from torchft._test import diloco_trainer
