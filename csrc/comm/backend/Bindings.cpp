@@ -6,6 +6,7 @@
 #include "comm/backend/ProcessGroupDicomm.hpp"
 #include "comm/transport/ListenAddress.h"
 #include "comm/transport/Spin.h"
+#include "comm/transport/Trace.h"
 
 namespace py = pybind11;
 
@@ -81,6 +82,16 @@ PYBIND11_MODULE(_C, m) {
       },
       "Whether waiters on this host block at once instead of polling: more runnable threads "
       "than cores (sampled at most once a ms, averaged; see csrc/comm/transport/Spin.h).");
+  m.def(
+      "_trace_take",
+      [] {
+        py::dict d;
+        for (auto& [name, ns] : dicomm::trace::take()) d[py::str(name)] = ns;
+        return d;
+      },
+      "DICOMM_TRACE=1: CLOCK_MONOTONIC ns of each point along the latest point-to-point send "
+      "and receive (0: not reached since the last call), then cleared (benchmarks/comm.py "
+      "--breakdown).");
   m.def("local_host_id", &dicomm::localHostId,
         "What identifies this host for the intra-host (shm) transport.");
 }

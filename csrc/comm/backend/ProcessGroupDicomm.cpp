@@ -8,6 +8,7 @@
 
 #include "comm/core/Tags.h"
 #include "comm/transport/Log.h"
+#include "comm/transport/Trace.h"
 
 namespace dicomm {
 
@@ -343,6 +344,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::asOneBatch(const std::functio
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::pointToPoint(bool isSend,
                                                                 std::vector<at::Tensor>& tensors,
                                                                 int peer, int tag) {
+  trace::mark(isSend ? trace::kSendCall : trace::kRecvCall);
   const at::Tensor& t = single(tensors, isSend ? "send" : "recv");
   std::string desc = std::string(isSend ? "send to " : "recv from ") +
                      (peer < 0 ? std::string("any rank") : "rank " + std::to_string(peer)) +
@@ -362,6 +364,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::pointToPoint(bool isSend,
     comm_->unpark(peer);  // nobody will poll for this op: the transports' threads read
   }
   if (isSend) {
+    trace::mark(trace::kSendPosted);
     comm_->isend(peer, p2pTag(tag), view->data(), view->nbytes(), dtype,
                  [work, view](Completion& c) { work->markDone(c.error(), c.source()); });
   } else {
@@ -375,8 +378,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::pointToPoint(bool isSend,
                        error = std::current_exception();
                      }
                    }
+                   trace::mark(trace::kRecvLanded);
                    work->markDone(error, c.source());
                  });
+    trace::mark(trace::kRecvPosted);
   }
   return work;
 }

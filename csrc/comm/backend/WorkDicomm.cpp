@@ -5,6 +5,7 @@
 #include "comm/backend/ProcessGroupDicomm.hpp"
 #include "comm/core/Communicator.h"
 #include "comm/transport/Env.h"
+#include "comm/transport/Trace.h"
 
 namespace dicomm {
 
@@ -96,6 +97,16 @@ void WorkDicomm::onDone(std::function<void(WorkDicomm&)> fn) {
 }
 
 bool WorkDicomm::wait(std::chrono::milliseconds timeout) {
+  // DICOMM_TRACE: the wait of a point-to-point op, entered and left.
+  const bool traced = trace::enabled() && (opType_ == c10d::OpType::SEND || opType_ == c10d::OpType::RECV);
+  const bool isSend = opType_ == c10d::OpType::SEND;
+  if (traced) trace::mark(isSend ? trace::kSendWaitIn : trace::kRecvWaitIn);
+  struct Out {
+    bool on, send;
+    ~Out() {
+      if (on) trace::mark(send ? trace::kSendWaitOut : trace::kRecvWaitOut);
+    }
+  } out{traced, isSend};
   if (done_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (exception_) std::rethrow_exception(exception_);

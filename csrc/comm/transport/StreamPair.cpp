@@ -10,12 +10,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <vector>
 
 #include "comm/transport/CrossMemory.h"
 #include "comm/transport/Env.h"
+#include "comm/transport/Log.h"
 #include "comm/transport/Spin.h"
+#include "comm/transport/Trace.h"
 
 namespace dicomm {
 
@@ -47,6 +50,14 @@ StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig
                                    "epoll set for rank " + std::to_string(peer) + " failed: " +
                                    errnoString(errno));
   }
+  if (!config_.tcp && remoteOk_) {
+    std::string why;
+    ringIn_ = SmallFrameRing::create(&why);
+    if (!ringIn_) {
+      logLine(LogLevel::kInfo, std::string(config_.name) + ": no small-frame ring from rank " +
+                                   std::to_string(peer) + " (" + why + "); small messages take the socket");
+    }
+  }
 }
 
 std::shared_ptr<StreamPair> StreamPair::start(int peer, std::vector<Fd> fds, Inbox* inbox,
@@ -56,6 +67,9 @@ std::shared_ptr<StreamPair> StreamPair::start(int peer, std::vector<Fd> fds, Inb
     Lane* l = lane.get();
     l->rx = std::thread([self = pair, l] { l == &self->main_ ? self->mainRxLoop() : self->laneRxLoop(*l); });
     l->tx = std::thread([self = pair, l] { self->txLoop(*l); });
+  }
+  if (pair->ringIn_) {
+    pair->queueControl(kRingOffer, SmallFrameRing::bytes(), 0, static_cast<uint64_t>(pair->ringIn_->fd()));
   }
   return pair;
 }
@@ -99,12 +113,23 @@ void StreamPair::send(const Envelope& envelope, const void* data, MemoryKind mem
     out.done = [](std::exception_ptr) {};
   }
   if (out.wireBytes <= config_.inlineWriteMax && claimIdleLocked(main_)) {
-    // Latency path: write from this thread.
+    // Latency path: write from this thread; a small message into the peer's ring while a thread
+    // there polls it (everything sent before is on the socket already: the lane was idle).
+    SmallFrameRing* ring = out.frame.kind == kInline ? ringOut_.get() : nullptr;
     if (remote) awaitingAck_.emplace(out.frame.seq, std::move(out.done));
     lock.unlock();
     std::string error;
     try {
-      writeFrame(main_, out);
+      using Put = SmallFrameRing::Put;
+      const Put put = ring ? ring->publish(&out.frame, data, out.wireBytes) : Put::kReaderAway;
+      if (put == Put::kPublishedWake) {
+        Outgoing bell;
+        bell.frame.kind = kRingBell;
+        writeFrame(main_, bell);
+      } else if (put != Put::kPublished) {
+        writeFrame(main_, out);
+      }
+      trace::mark(trace::kSendWritten);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -169,6 +194,7 @@ void StreamPair::txLoop(Lane& lane) {
     std::string error;
     try {
       writeFrame(lane, out);
+      if (out.frame.kind == kInline) trace::mark(trace::kSendWritten);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -313,11 +339,12 @@ void StreamPair::readInto(Lane& lane, void* dst, size_t n, bool keep) {
   }
 }
 
-void StreamPair::queueControl(Kind kind, uint64_t seq, int32_t status) {
+void StreamPair::queueControl(Kind kind, uint64_t seq, int32_t status, uint64_t address) {
   Outgoing out;
   out.frame.kind = kind;
   out.frame.seq = seq;
   out.frame.status = status;
+  out.frame.address = address;
   std::unique_lock<std::mutex> lock(mu_);
   if (!latch_.up()) return;
   if (claimIdleLocked(main_)) {
@@ -479,9 +506,66 @@ void StreamPair::wakePoller() {
   (void)!::write(pollerBell_.get(), &one, sizeof(one));
 }
 
+void StreamPair::acceptRingOffer(const Frame& frame) {
+  if (config_.tcp || !remoteOk_) {
+    // As for kRemote: over tcp the pid in the peer's Hello belongs to another host.
+    throw TransportError(peer_, protocolError("a small-frame ring offered on a pair that does not use "
+                                              "cross-memory attach"));
+  }
+  std::string why;
+  std::unique_ptr<SmallFrameRing> ring;
+  if (frame.seq != SmallFrameRing::bytes() || frame.address > static_cast<uint64_t>(INT_MAX)) {
+    why = "offered as " + std::to_string(frame.seq) + " bytes at descriptor " + std::to_string(frame.address) +
+          ", expected " + std::to_string(SmallFrameRing::bytes()) + " bytes";
+  } else {
+    ring = SmallFrameRing::openPeer(peerPid_, static_cast<int>(frame.address), &why);
+  }
+  if (!ring) {
+    logLine(LogLevel::kInfo, std::string(config_.name) + ": rank " + std::to_string(peer_) +
+                                 "'s small-frame ring is not usable (" + why + "); small messages take the socket");
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!ringOut_) ringOut_ = std::move(ring);
+}
+
+bool StreamPair::drainRing(uint64_t below) {
+  bool any = false;
+  while (!down_.load()) {
+    bool corrupt = false;
+    const char* slot = ringIn_->peek(&corrupt);
+    if (corrupt) {
+      throw TransportError(peer_, protocolError("its small-frame ring counts more messages than the ring holds"));
+    }
+    if (!slot) break;
+    Frame frame;
+    std::memcpy(&frame, slot, sizeof(frame));
+    // An earlier message still on the socket goes first (the caller reads it, then comes back).
+    if (frame.seq >= below || frame.seq > lastMessageSeq_ + 1) break;
+    if (frame.kind != kInline || frame.envelope.nbytes > SmallFrameRing::kPayloadMax) {
+      throw TransportError(peer_, protocolError("a small-frame ring slot of kind " + std::to_string(frame.kind) +
+                                                " with " + std::to_string(frame.envelope.nbytes) + " bytes"));
+    }
+    lastMessageSeq_ = frame.seq;
+    trace::mark(trace::kRecvFrame);
+    Landing landing = inbox_->arrive(peer_, frame.envelope);
+    if (landing.data && landing.capacity >= frame.envelope.nbytes && frame.envelope.nbytes > 0) {
+      std::memcpy(landing.data, slot + SmallFrameRing::kHeaderBytes, frame.envelope.nbytes);
+    }
+    ringIn_->consume();  // the copy is out: the writer may reuse the slot
+    if (landing.done) landing.done(nullptr);
+    any = true;
+  }
+  return any;
+}
+
 bool StreamPair::readMainFrame() {
   Frame frame;
-  if (!readMain(&frame, sizeof(frame), /*eofOk=*/true)) {
+  const bool more = readMain(&frame, sizeof(frame), /*eofOk=*/true);
+  const bool message = more && (frame.kind == kInline || frame.kind == kRemote || frame.kind == kRts);
+  // Ring messages sent before this frame (all of them on a bell, at the end of the stream).
+  if (ringIn_) drainRing(message ? frame.seq : UINT64_MAX);
+  if (!more) {
     bool goodbye;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -504,8 +588,19 @@ bool StreamPair::readMainFrame() {
     case kInline:
     case kRemote:
     case kRts:
+      lastMessageSeq_ = std::max(lastMessageSeq_, frame.seq);
+      trace::mark(trace::kRecvFrame);
+      receivePayload(frame);
+      // Ring messages that waited for this one (their reader may have left since).
+      if (ringIn_) drainRing(UINT64_MAX);
+      return true;
     case kData:
       receivePayload(frame);
+      return true;
+    case kRingOffer:
+      acceptRingOffer(frame);
+      return true;
+    case kRingBell:  // the ring was drained above
       return true;
     case kPart:
       receivePart(main_, frame);
@@ -662,11 +757,15 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
     watchMain(false);
     masked_ = true;
   }
+  // The ring: awake while this thread polls it; a sleeping poller (block) is away, and the peer
+  // writes to the socket or rings its bell there (SmallFrameRing.h).
+  if (ringIn_) block ? ringIn_->setAway() : ringIn_->setAwake();
   std::string error;
   try {
     bool up = true;
     unsigned idle = 0;
     while (up && !done.load(std::memory_order_acquire) && !down_.load()) {
+      if (ringIn_ && drainRing(UINT64_MAX)) continue;  // (before a block: the look after going away)
       // poll() first: it reads the socket's state without taking the socket's lock, so a
       // spinning recv() does not hold that lock when the peer's segment lands (a segment that
       // finds it held waits in the backlog until the recv lets go, one round later).
@@ -690,7 +789,14 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
     }
     // Frames already buffered are handled here: the receive thread waits on the socket only.
     while (up && rxBuf_.size() > 0 && !down_.load()) up = readMainFrame();
+    if (ringIn_) {
+      // Away, then one more look: a message published meanwhile is taken here, or its writer
+      // saw this thread away and rang the bell on the socket.
+      ringIn_->setAway();
+      if (up && !down_.load()) drainRing(UINT64_MAX);
+    }
   } catch (const std::exception& e) {
+    if (ringIn_) ringIn_->setAway();
     error = e.what();
   }
   // Park only after a success: a waiter that ran out of time sleeps next, and the receive thread

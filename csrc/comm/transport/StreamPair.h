@@ -28,6 +28,17 @@
 // once on a socket error, and when unpark() asks (a frame sent that solicits an answer: kRts,
 // kRemote, kCts; the core before a wait that will not poll), so a frame nobody polls for waits
 // at most kParkGrace.
+//
+// Small-frame ring (shm only): each side creates a SmallFrameRing for what it receives and
+// offers it (kRingOffer, the memfd's descriptor number; the peer opens it through /proc). A
+// small message sent on the latency path goes into the peer's ring instead of the socket while
+// a thread there polls (SmallFrameRing: the reader is awake), so neither side makes a system
+// call; otherwise, or when the ring is full, it goes on the socket as before, and a reader that
+// went away while the message was published gets a kRingBell on the socket. Order across the
+// two paths: every message (kInline, kRemote, kRts) carries the pair's next sequence number, a
+// message enters the ring only while the main lane is claimed idle (everything before it is
+// already written to the socket), and the reader takes a ring message only after every earlier
+// sequence number, reading the socket first where one is missing there.
 #pragma once
 
 #include <sys/types.h>
@@ -44,6 +55,7 @@
 
 #include "comm/transport/FailureLatch.h"
 #include "comm/transport/RendezvousBook.h"
+#include "comm/transport/SmallFrameRing.h"
 #include "comm/transport/Socket.h"
 #include "comm/transport/StreamConfig.h"
 #include "comm/transport/Transport.h"
@@ -74,8 +86,11 @@ class StreamPair : public Pair, public std::enable_shared_from_this<StreamPair> 
   // kRts: envelope only, the payload waits. kCts: the receiver is ready for `seq`.
   // kData: the payload of an earlier kRts. kPart: `envelope.nbytes` bytes of it at offset
   // `address`, on any lane.
+  // kRingOffer: `address` is the descriptor of the sender's receive ring, `seq` its size in
+  // bytes. kRingBell: look at the ring (the reader went away while a message was published).
   enum Kind : uint32_t {
-    kInline = 1, kRemote = 2, kAck = 3, kGoodbye = 4, kRts = 5, kCts = 6, kData = 7, kPart = 8
+    kInline = 1, kRemote = 2, kAck = 3, kGoodbye = 4, kRts = 5, kCts = 6, kData = 7, kPart = 8,
+    kRingOffer = 9, kRingBell = 10
   };
   // One cache line: a header that is not a multiple of the cache line slowed large payloads
   // that follow it in the same socket to about half speed (docs/dicomm.md).
@@ -88,6 +103,7 @@ class StreamPair : public Pair, public std::enable_shared_from_this<StreamPair> 
     uint64_t reserved[2] = {0, 0};
   };
   static_assert(sizeof(Frame) == 64, "a frame is one cache line (see above)");
+  static_assert(sizeof(Frame) == SmallFrameRing::kHeaderBytes, "a ring slot holds one frame header");
   struct Outgoing {
     Frame frame;
     const void* data = nullptr;
@@ -144,7 +160,13 @@ class StreamPair : public Pair, public std::enable_shared_from_this<StreamPair> 
   void sendRendezvousPayload(Outgoing payload);  // after kCts: one kData or parts on all lanes
   void pullRemote(const Frame& frame, void* dst);
   void pullAndAck(const Frame& frame, Landing landing);
-  void queueControl(Kind kind, uint64_t seq, int32_t status = 0);
+  void queueControl(Kind kind, uint64_t seq, int32_t status = 0, uint64_t address = 0);
+  // The peer's ring offer: map it as ringOut_ (a ring that cannot be opened is logged and left
+  // out: small messages then take the socket).
+  void acceptRingOffer(const Frame& frame);
+  // Takes the ring's messages, in order, up to (not including) sequence `below`, stopping at one
+  // whose predecessor has not been read from the socket yet (caller holds readMu_). Whether any.
+  bool drainRing(uint64_t below);
   void readInto(Lane& lane, void* dst, size_t n, bool keep);
   void fail(const std::string& cause, bool cleanClose = false);
   // fail() for a write that broke; returns the error for the op that was writing (the pair's
@@ -213,6 +235,11 @@ class StreamPair : public Pair, public std::enable_shared_from_this<StreamPair> 
   int dataLanesOpen_;                         // data lanes whose receive thread still runs
   uint64_t nextSeq_ = 1;
   bool peerSaidGoodbye_ = false;
+  // shm: the ring this side reads (created with the pair, offered to the peer; used under
+  // readMu_) and the peer's, which send() writes on the latency path (set once under mu_).
+  std::unique_ptr<SmallFrameRing> ringIn_;
+  std::unique_ptr<SmallFrameRing> ringOut_;
+  uint64_t lastMessageSeq_ = 0;  // readMu_: the newest message sequence handled (either path)
 };
 
 }  // namespace dicomm
