@@ -145,18 +145,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::enqueue(OpType type, std::str
                                                            std::vector<at::Tensor> outputs,
                                                            const at::Tensor& issuedOn,
                                                            std::chrono::milliseconds timeout,
-                                                           Task task) {
+                                                           Task task, bool onCaller) {
   auto work = makeWork(type, std::move(description), std::move(outputs), timeout);
   if (aborted_) {
     work->markDone(std::make_exception_ptr(std::runtime_error(abortCause())));
     return work;
   }
   issuedCollectives_.fetch_add(1);
+  Queued q{work, std::move(task), timeout, StreamFence(issuedOn, options_.staging)};
+  uint64_t seq = 0;
   {
     std::lock_guard<std::mutex> lock(queueMu_);
-    queue_.push_back(Queued{work, std::move(task), timeout, StreamFence(issuedOn, options_.staging)});
+    onCaller = onCaller && queue_.empty() && !running_ && !stopping_;
+    if (onCaller) {
+      running_ = true;  // this thread's turn, in issue order: nothing is queued before it
+      seq = collectiveSeq_++;
+    } else {
+      queue_.push_back(std::move(q));
+    }
   }
-  queueCv_.notify_one();
+  if (!onCaller) {
+    queueCv_.notify_one();
+    return work;
+  }
+  runCollective(q, seq);
+  {
+    std::lock_guard<std::mutex> lock(queueMu_);
+    running_ = false;
+  }
+  queueCv_.notify_all();  // the collective thread may wait for the turn
   return work;
 }
 
@@ -164,20 +181,34 @@ void ProcessGroupDicomm::collectiveLoop() {
   reduceOnThisThreadOnly();
   while (true) {
     Queued q;
+    uint64_t seq;
     {
       std::unique_lock<std::mutex> lock(queueMu_);
-      queueCv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      queueCv_.wait(lock, [&] { return !running_ && (stopping_ || !queue_.empty()); });
       if (queue_.empty()) return;
       q = std::move(queue_.front());
       queue_.pop_front();
+      running_ = true;
+      seq = collectiveSeq_++;
     }
+    runCollective(q, seq);
+    {
+      std::lock_guard<std::mutex> lock(queueMu_);
+      running_ = false;
+    }
+    queueCv_.notify_all();
+  }
+}
+
+void ProcessGroupDicomm::runCollective(Queued& q, uint64_t seq) {
+  {
     if (aborted_) {
       q.work->markDone(std::make_exception_ptr(std::runtime_error(abortCause())));
-      continue;
+      return;
     }
     CollectiveContext ctx;
     ctx.comm = comm_.get();
-    ctx.seq = collectiveSeq_++;
+    ctx.seq = seq;
     ctx.timeout = q.timeout;
     ctx.deadline = q.work->deadline();
     ctx.op = q.work->description();
@@ -771,7 +802,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::alltoall(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::barrier(const c10d::BarrierOptions& opts) {
   return enqueue(OpType::BARRIER, "barrier", {}, at::Tensor(), timeoutOf(opts.timeout),
-                 [](CollectiveContext& ctx) { dicomm::barrier(ctx); });
+                 [](CollectiveContext& ctx) { dicomm::barrier(ctx); }, /*onCaller=*/true);
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupDicomm::split(

@@ -2,7 +2,10 @@
 //
 // Point-to-point ops go straight to the communicator from the calling thread. Collectives run in
 // issue order on one collective thread per group, composed from point-to-point transfers
-// (csrc/comm/core/Collectives.h). A watchdog thread enforces every op's deadline and turns a
+// (csrc/comm/core/Collectives.h); a barrier that finds nothing queued or running is run by the
+// calling thread itself (it waits for it anyway, and waking the collective thread, asleep on
+// an idle VM's halted vCPU, took tens of microseconds on each rank, which the ranks then left
+// the barrier apart by). A watchdog thread enforces every op's deadline and turns a
 // broken pair into an abort: the communicator closes and every pending op fails with an error
 // that names the op, the peer and the cause. After an abort, new ops fail immediately.
 #pragma once
@@ -146,10 +149,14 @@ class ProcessGroupDicomm : public c10d::Backend {
                                           std::vector<at::Tensor> outputs,
                                           std::chrono::milliseconds timeout);
   // Queue a collective; `task` runs on the collective thread once the caller's current stream of
-  // `issuedOn`'s device has reached this call (any tensor of the op; undefined for none).
+  // `issuedOn`'s device has reached this call (any tensor of the op; undefined for none). With
+  // `onCaller`, the calling thread runs it at once when no collective is queued or running.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::string description,
                                          std::vector<at::Tensor> outputs, const at::Tensor& issuedOn,
-                                         std::chrono::milliseconds timeout, Task task);
+                                         std::chrono::milliseconds timeout, Task task,
+                                         bool onCaller = false);
+  // Runs one collective as number `seq` of this group (the caller holds the turn: running_).
+  void runCollective(Queued& q, uint64_t seq);
   c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, std::vector<at::Tensor>& tensors,
                                               int peer, int tag);
   void collectiveLoop();
@@ -165,8 +172,11 @@ class ProcessGroupDicomm : public c10d::Backend {
   std::condition_variable queueCv_;
   std::deque<Queued> queue_;
   bool stopping_ = false;
-  uint64_t collectiveSeq_ = 0;  // collective thread only
-  // kShared: the host's segment, connected by the first allreduce (collective thread only).
+  // A collective runs (on the collective thread, or on a caller: enqueue's onCaller); one at a
+  // time, in the order of collectiveSeq_. Both guarded by queueMu_.
+  bool running_ = false;
+  uint64_t collectiveSeq_ = 0;
+  // kShared: the host's segment, connected by the first allreduce (by whoever holds running_).
   std::unique_ptr<SharedSegment> segment_;
   bool segmentTried_ = false;
   std::atomic<uint64_t> issuedCollectives_{0};

@@ -123,6 +123,11 @@ const char* SmallFrameRing::peek(bool* corrupt) const {
   return slot(tail);
 }
 
+bool SmallFrameRing::pending() const {
+  const Control& c = control();
+  return c.head.load(std::memory_order_acquire) != c.tail.load(std::memory_order_relaxed);
+}
+
 void SmallFrameRing::consume() {
   Control& c = control();
   c.tail.store(c.tail.load(std::memory_order_relaxed) + 1, std::memory_order_release);

@@ -57,6 +57,7 @@ class SmallFrameRing {
   // The oldest unread slot (its header; the payload follows at kHeaderBytes), or null when
   // empty. Sets `corrupt` when the writer's count is ahead by more than the ring holds.
   const char* peek(bool* corrupt) const;
+  bool pending() const;  // something to peek (one load; for a poller's pause)
   void consume();  // done with the slot peek() returned
 
  private:

@@ -14,6 +14,7 @@ namespace dicomm {
 void StreamConfig::applyEnv() {
   spin = spinBudget();
   socketBuffer = static_cast<int>(envLong("DICOMM_SOCKET_BUFFER", socketBuffer, 0, 1 << 30));
+  if (!tcp) smallFrameRing = envLong("DICOMM_SHM_RING", 1, 0, 1) == 1;
   if (tcp) {
     rendezvousThreshold = static_cast<size_t>(
         envLong("DICOMM_RENDEZVOUS_BYTES", rendezvousThreshold, 0, 1L << 40));

@@ -22,6 +22,9 @@ struct StreamConfig {
   // bounce buffer.
   size_t rendezvousThreshold = 1 << 20;
   size_t inlineWriteMax = 256 << 10;  // caller-thread writes up to this size
+  // shm: small messages through a ring in shared memory while the receiver polls
+  // (SmallFrameRing.h; DICOMM_SHM_RING, 1 by default, 0 keeps them on the socket).
+  bool smallFrameRing = false;
   // How long a receive thread polls for the next frame before it sleeps (spinBudget()).
   std::chrono::microseconds spin{0};
   // Kernel socket buffer size; 0 keeps the kernel's auto-tuning (DICOMM_SOCKET_BUFFER).

@@ -50,7 +50,7 @@ StreamPair::StreamPair(int peer, std::vector<Fd> fds, Inbox* inbox, StreamConfig
                                    "epoll set for rank " + std::to_string(peer) + " failed: " +
                                    errnoString(errno));
   }
-  if (!config_.tcp && remoteOk_) {
+  if (!config_.tcp && remoteOk_ && config_.smallFrameRing) {
     std::string why;
     ringIn_ = SmallFrameRing::create(&why);
     if (!ringIn_) {
@@ -780,6 +780,18 @@ bool StreamPair::progress(const std::atomic<bool>& done, Clock::time_point until
             uint64_t rings;
             (void)!::read(pollerBell_.get(), &rings, sizeof(rings));
           }
+        } else if (ringIn_ && idle % 16 != 0 && idle % 16 != 15) {
+          // relax()'s pause, but ending as soon as the peer publishes in the ring (relax's rounds
+          // that sample the host or yield the core are kept).
+          const auto stop = Clock::now() + std::chrono::microseconds(1);
+          while (!ringIn_->pending() && Clock::now() < stop) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            asm volatile("yield");
+#endif
+          }
+          ++idle;
         } else {
           relax(idle++);
         }
