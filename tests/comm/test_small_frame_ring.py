@@ -39,16 +39,26 @@ def test_two_processes_exchange_thousands_of_messages(ring_handshake):
 
 
 def pattern(numel: int, seed: int):
+    """Bytes both ranks compute for message `seed`: a pattern, the message's number in front."""
     import torch
 
-    i = torch.arange(numel, dtype=torch.int64)
-    return ((i * 7 + (i >> 9) + seed) % 251).to(torch.uint8)
+    if numel not in _BASE:
+        i = torch.arange(numel, dtype=torch.int64)
+        _BASE[numel] = ((i * 7 + (i >> 9)) % 251).to(torch.uint8)
+    t = _BASE[numel].clone()
+    t[: min(numel, 8)] = torch.tensor(list(seed.to_bytes(8, "little")), dtype=torch.uint8)[: min(numel, 8)]
+    return t
 
 
-# Ring-sized (up to 960 B), socket-sized inline (961 B, 2 KiB) and cross-memory (100 KiB) messages
-# on one tag: their order must hold whichever path each took.
-SIZES = [8, 961, 8, 100 << 10, 8, 8, 960, 2048, 17, 100 << 10, 8]
-COUNT = 330
+_BASE: dict = {}
+BIG = 8 << 20
+# Ring-sized (up to 960 B), socket-sized inline (961 B, 2 KiB) and cross-memory (100 KiB, 8 MiB)
+# messages on one tag: their order must hold whichever path each took. An 8 MiB message, which
+# the receiver's polling thread copies for about a millisecond, followed at once by a
+# socket-sized and a ring-sized one leaves the last in the ring while the one before it waits
+# on the socket: it must not overtake it.
+SIZES = [8, BIG, 961, 8, 100 << 10, 2048, 17, BIG, 2048, 8, 960, 961]
+COUNT = 360
 
 
 def mixed_order(rank: int, world: int, _port: int) -> dict:
@@ -62,7 +72,9 @@ def mixed_order(rank: int, world: int, _port: int) -> dict:
         pending = []
         for i in range(COUNT):
             t = pattern(SIZES[i % len(SIZES)], i)
-            if i % 3 == 0:
+            if t.numel() == BIG:
+                time.sleep(0.002)  # the receiver polls for it by now: its poller makes the copy
+            if i % 6 == 0:
                 dist.send(t, dst=1, tag=5)
             else:
                 pending.append((dist.isend(t, dst=1, tag=5), t))  # queued behind each other
@@ -89,6 +101,6 @@ def test_shm_messages_keep_their_order_across_ring_and_socket():
     with its own bytes (a pattern both ranks compute)."""
     from launcher import run_ranks
 
-    results = run_ranks(mixed_order, 2, env={"DICOMM_TRANSPORT": "shm", "DICOMM_SPIN_US": "2000"},
+    results = run_ranks(mixed_order, 2, env={"DICOMM_TRANSPORT": "shm", "DICOMM_SPIN_US": "20000"},
                         op_timeout_s=60)
     assert results[1]["bad"] == [], f"messages out of order or corrupted: {results[1]['bad'][:10]}"
