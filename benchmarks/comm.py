@@ -258,6 +258,10 @@ HOP_SEGMENTS = [
 ]
 
 
+HOP_TOTALS = ["one way, rank 0 -> 1 (call -> return)", "one way, rank 1 -> 0 (call -> return)",
+              "half rank 0's round trip"]
+
+
 def _breakdown(rank: int, buf, group, pause: Callable, n: int) -> dict:
     """Medians over `n` round trips after `pause` (both ranks), each hop cut into HOP_SEGMENTS
     (us), from the stamps DICOMM_TRACE=1 leaves along the send and the receive; both hops'
@@ -290,7 +294,13 @@ def _breakdown(rank: int, buf, group, pause: Callable, n: int) -> dict:
     if rank != 0:
         return {}
     cuts: dict = {name: [] for name, _, _ in HOP_SEGMENTS}
+    cuts.update({name: [] for name in HOP_TOTALS})
     for m0, m1 in zip(*both):
+        # Each hop's whole one-way time on its own: the two hops of a round trip differ (rank 1
+        # may still be coming back from the pause when rank 0 sends).
+        cuts[HOP_TOTALS[0]].append((m1["py.recv_end"] - m0["py.send_start"]) / 1e3)
+        cuts[HOP_TOTALS[1]].append((m0["py.recv_end"] - m1["py.send_start"]) / 1e3)
+        cuts[HOP_TOTALS[2]].append((m0["py.recv_end"] - m0["py.send_start"]) / 2e3)
         for a, b in ((m0, m1), (m1, m0)):
             # From the later of the send's post and the receive's wait: a receiver that came late
             # found the message waiting.
@@ -701,7 +711,7 @@ def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:
               "over both hops of each round trip):")
         cols = [(lbl, pause) for lbl in B for pause in B[lbl]]
         print(f"{'':>40} | " + " | ".join(f"{lbl.split('-')[1] + ' ' + pause:>20}" for lbl, pause in cols))
-        for name, _, _ in HOP_SEGMENTS:
+        for name in [name for name, _, _ in HOP_SEGMENTS] + HOP_TOTALS:
             print(f"{name:>40} | " + " | ".join(f"{B[lbl][pause].get(name, float('nan')):20.1f}" for lbl, pause in cols))
     print("\nAllreduce float32: time us, CPU us per op (rank 0), busbw GB/s; ratio = dicomm/gloo busbw")
     hdr = f"{'size':>9} | " + " | ".join(f"{'gloo/' + str(w):>24} {'dicomm/' + str(w):>24} {'ratio':>6}" for w in worlds)
