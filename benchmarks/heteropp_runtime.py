@@ -154,17 +154,19 @@ def main() -> int:
     if args.numerics == "host":
         names = speed_only_profiles(out / "chips.yaml", list(names))
         ENV["DITORCH_PROFILE_FILE"] = os.environ["DITORCH_PROFILE_FILE"] = str(out / "chips.yaml")
+    mixes = ({"A": 1, "B": 1, "C": 2}, {"A": 2, "B": 1, "C": 1}, {"A": 2, "C": 2})
     if args.time_scale is None:
-        # the chips' datasheet speeds times a scale at which this host keeps up with the 4 ranks
-        # (each run reports how far its host fell behind, if it did: docs/device.md, "Speed")
-        args.time_scale, ratios = cluster_time_scale(list(names.values()), ModelSpec.load(MODEL), 4)
+        # the chips' datasheet speeds times a scale at which this host keeps up with the 4 ranks of
+        # every mix (each run reports how far its host fell behind, if it did: docs/device.md, "Speed")
+        args.time_scale, ratios = cluster_time_scale([{names[c]: n for c, n in mix.items()} for mix in mixes],
+                                                     ModelSpec.load(MODEL))
         print("this host's time for a layer against each chip's: "
               + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items()), flush=True)
     print(f"emulation time scale {args.time_scale:g} (4 ranks on {os.cpu_count()} cores), {args.numerics} numerics")
     profile_chips(out, list(names.values()), args.time_scale, args.reuse_profiles)
     plans = {f"heteroauto {' '.join(f'{c}{n}' for c, n in counts.items())}":
              heteroauto(out, {names[c]: n for c, n in counts.items()})
-             for counts in ({"A": 1, "B": 1, "C": 2}, {"A": 2, "B": 1, "C": 1}, {"A": 2, "C": 2})}
+             for counts in mixes}
     main_name, main_plan = next(iter(plans.items()))
     runs = [Run(name, plan) for name, plan in plans.items()]
     uni = uniform(main_plan)

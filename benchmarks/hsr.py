@@ -72,8 +72,8 @@ def main() -> int:
     if time_scale is None:
         # the chips' datasheet speeds times a scale at which this host keeps up with the largest
         # run's ranks (each run reports how far its host fell behind, if it did: docs/device.md)
-        time_scale, ratios = cluster_time_scale(list(names.values()), ModelSpec.load(args.model),
-                                                sum(counts.values()))
+        time_scale, ratios = cluster_time_scale([{names[c]: n for c, n in counts.items()}],
+                                                ModelSpec.load(args.model))
         print("this host's time for a layer against each chip's: "
               + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items()), flush=True)
     memory_text = "built-in memory" if chip_memory is None else f"{chip_memory:g} GiB per chip"

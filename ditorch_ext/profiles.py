@@ -22,7 +22,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 # A relative speed this high was "the host's own speed" when chips were the host's time scaled;
 # kept as the speed of a chip fast enough that the host bounds it (examples/table1_mre.py runs
@@ -301,19 +301,25 @@ def time_scale_or_default(value: Any, source: str = "time_scale") -> float:
 HOST_HEADROOM = 1.5
 
 
-def time_scale_for(ranks_per_host: int, cores: int | None = None, host_ratio: float = 1.0) -> float:
-    """The time scale that lets ``ranks_per_host`` emulated chips on ``cores`` cores (default:
-    this host's) keep their datasheet speeds relative to one another.
+def time_scale_for(host_ratios: Sequence[float], cores: int | None = None) -> float:
+    """The time scale that lets the emulated chips of one host's ranks, on ``cores`` cores
+    (default: this host's), keep their datasheet speeds relative to one another.
 
-    ``host_ratio`` is how many times longer the host takes for the job's work than the fastest
-    chip of the job does at time scale 1 (``heteropp.runtime.profiler.host_ratio`` measures it
-    for a model; 1 means unknown). The result is that ratio times ranks per core (at least 1)
-    times ``HOST_HEADROOM``, rounded up to two significant digits: each rank's host work then fits
-    in its device time even when every rank computes at once."""
-    if not _is_number(host_ratio) or host_ratio <= 0:
-        raise ValueError(f"host_ratio={host_ratio!r} is invalid; expected a positive number")
+    ``host_ratios`` has one entry per rank on the host: how many times longer the host takes for
+    that rank's work than its chip does at time scale 1 (``heteropp.runtime.profiler.host_ratio``
+    measures it per chip for a model; 1 means unknown). Two bounds, each times ``HOST_HEADROOM``:
+    the largest ratio (a rank's host work fits in its own device time) and the ratios' sum over
+    the cores (all ranks' host work fits in the cores when every rank computes at once). Ranks of
+    one chip make the two ``ratio * max(1, ranks / cores)``; a fleet of mixed chips needs less than
+    its slowest-to-emulate chip on every rank. Rounded up to two significant digits."""
+    ratios = list(host_ratios)
+    if not ratios:
+        raise ValueError("host_ratios=[] is invalid; expected one ratio per rank on the host")
+    for ratio in ratios:
+        if not _is_number(ratio) or ratio <= 0:
+            raise ValueError(f"host_ratio={ratio!r} is invalid; expected a positive number")
     cores = cores or os.cpu_count() or 1
-    scale = max(1.0, host_ratio * HOST_HEADROOM * max(1.0, ranks_per_host / cores))
+    scale = max(1.0, HOST_HEADROOM * max(max(ratios), sum(ratios) / cores))
     digits = 10 ** (math.floor(math.log10(scale)) - 1)
     return float(math.ceil(round(scale / digits, 9)) * digits) if scale >= 10 else math.ceil(scale * 10 - 1e-9) / 10
 

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every chip runs at its datasheet's speed times one time scale, chosen so that this host
     # keeps up with every chip while ranks outnumber cores (docs/device.md, "Speed"): the chip
     # whose layer costs the host the most against its own time (a fast chip, or one whose
-    # numerics the host reproduces at length) sets it.
+    # numerics the host reproduces at length) must keep up on its own rank, and all ranks' costs
+    # together must fit the cores.
     time_scale = args.time_scale
     chosen = out / "time-scale.json"  # the scale chosen before, kept with the profiles taken at it
     if time_scale is None and chosen.exists() and not args.reprofile:
@@ -135,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if time_scale is None:
         spec = ModelSpec.load(args.model)
         ratios = {chip: host_ratio(chip, spec) for chip in counts}
-        worst = max(ratios, key=ratios.get)
-        time_scale = time_scale_for(world, host_ratio=ratios[worst])
+        time_scale = time_scale_for([ratios[chip] for chip, n in counts.items() for _ in range(n)])
         PHASE_SECONDS["0/9"] = time.perf_counter() - started
         print(f"\n[0/9] this host's time for a layer of {Path(args.model).name} against each chip's: "
               + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items())

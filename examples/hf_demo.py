@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         time_scale = float(json.loads(chosen.read_text())["time_scale"])
         print(f"\n[0/7] time scale {time_scale:g}, chosen before ({chosen}; --reprofile to choose again)")
     else:
-        time_scale, ratios = cluster_time_scale(list(counts), ModelSpec.load(MODEL), world)
+        time_scale, ratios = cluster_time_scale([counts], ModelSpec.load(MODEL))
         print(f"\n[0/7] this host's time for a layer of {MODEL.name} against each chip's: "
               + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items())
               + f"; {world} ranks on {os.cpu_count()} cores run at time scale {time_scale:g}", flush=True)

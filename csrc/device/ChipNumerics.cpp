@@ -3,6 +3,7 @@
 #include "device/vendor/Vendor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -58,6 +59,13 @@ at::Tensor narrowTo(const at::Tensor& x, at::ScalarType dtype, bool toward_zero)
 void truncateInPlace(at::Tensor& sum, int bits) {
   if (bits >= 23) return;
   const uint32_t mask = ~((1u << (23 - bits)) - 1);
+  if (bits >= 1) {
+    // Every NaN an addition makes is quiet (its top mantissa bit set) and an infinity has no
+    // mantissa, so with a bit or more kept the mask alone leaves both as they are: ATen's
+    // vectorized and does it, several times faster than the loop below.
+    sum.view(at::kInt).bitwise_and_(static_cast<int64_t>(static_cast<int32_t>(mask)));
+    return;
+  }
   uint32_t* data = reinterpret_cast<uint32_t*>(sum.mutable_data_ptr<float>());
   at::parallel_for(0, sum.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -78,10 +86,11 @@ at::Tensor accumulate(const at::Tensor& a, const at::Tensor& b, const Numerics& 
   const int64_t block = n.accumulation_block > 0 ? std::min<int64_t>(n.accumulation_block, k) : k;
   const int64_t m = af.size(-2), cols = bf.size(-1);
   const at::Tensor a3 = af.reshape({-1, m, k}), b3 = bf.reshape({-1, k, cols});
-  at::Tensor sum = at::zeros({a3.size(0), m, cols}, af.options());
+  at::Tensor sum;  // the first block's sum, then the running one (no pass to zero it first)
   for (int64_t k0 = 0; k0 < k; k0 += block) {
     const int64_t width = std::min(block, k - k0);
-    sum.baddbmm_(a3.narrow(2, k0, width), b3.narrow(1, k0, width));
+    if (k0 == 0) sum = at::bmm(a3.narrow(2, 0, width), b3.narrow(1, 0, width));
+    else sum.baddbmm_(a3.narrow(2, k0, width), b3.narrow(1, k0, width));
     truncateInPlace(sum, n.accumulator_bits);
   }
   std::vector<int64_t> shape(af.sizes().begin(), af.sizes().end() - 1);
@@ -164,6 +173,29 @@ at::Tensor roundMantissa(const at::Tensor& t, int mantissa_bits, Rounding roundi
     }
   });
   return out;
+}
+
+at::Tensor emptyMatmulResult(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  const bool with_bias = schema.name() == "aten::addmm" || schema.name() == "aten::baddbmm";
+  const bool batched = schema.name() == "aten::bmm" || schema.name() == "aten::baddbmm";
+  const auto args = stack.end() - schema.arguments().size();
+  const c10::IValue& av = args[with_bias ? 1 : 0];
+  const c10::IValue& bv = args[with_bias ? 2 : 1];
+  if (!av.isTensor() || !bv.isTensor()) return {};
+  const at::Tensor& a = av.toTensor();
+  const at::Tensor& b = bv.toTensor();
+  const int64_t dims = batched ? 3 : 2;
+  if (a.dim() != dims || b.dim() != dims || a.scalar_type() != b.scalar_type() || !at::isFloatingType(a.scalar_type()) ||
+      a.size(-1) != b.size(-2) || (batched && a.size(0) != b.size(0)))
+    return {};
+  std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
+  shape.push_back(b.size(-1));
+  if (with_bias) {
+    if (!args[0].isTensor()) return {};
+    const at::Tensor& self = args[0].toTensor();
+    if (self.scalar_type() != a.scalar_type() || !at::is_expandable_to(self.sizes(), shape)) return {};
+  }
+  return at::empty(shape, a.options());
 }
 
 void reproduceChipResult(NumericsRole role, const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,

@@ -9,8 +9,9 @@
 //   - special functions (exp, softmax, rsqrt, silu, ...) computed to fewer bits, truncated (a
 //     fast approximation's error has a sign);
 //   - denormal results flushed to zero.
-// The vendor kernel runs as usual (and is what the chip's speed is charged for); the chip's result
-// is then recomputed from the same inputs and written over the kernel's.
+// The vendor kernel runs as usual (the chip's speed is charged for it, from its arguments); the
+// chip's result is then recomputed from the same inputs and written over the kernel's. A matmul
+// the chip accumulates its own way skips the kernel: the host computes only the chip's result.
 #include "device/ChipProfile.h"
 
 #include <ATen/core/Tensor.h>
@@ -34,6 +35,12 @@ NumericsRole numericsRole(const c10::OperatorHandle& op);
 // A copy of fp32 `t` with its values rounded to `mantissa_bits` mantissa bits; other dtypes
 // are returned unchanged.
 at::Tensor roundMantissa(const at::Tensor& t, int mantissa_bits, Rounding rounding = Rounding::NearestEven);
+
+// For a functional matmul (NumericsRole::Matmul) whose result the chip recomputes: the empty tensor
+// the kernel would return for the arguments on `stack` (its shape and dtype), to be filled by
+// reproduceChipResult instead of running the kernel first; undefined where the arguments are not a
+// valid call, so that the kernel runs and reports what is wrong.
+at::Tensor emptyMatmulResult(const c10::FunctionSchema& schema, const torch::jit::Stack& stack);
 
 // Overwrites `result` (the vendor kernel's output of `op` on the kernel-device `inputs`) with what
 // the chip computes. Inputs must be the op's arguments as the kernel saw them.

@@ -30,6 +30,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import yaml
 
@@ -261,7 +262,7 @@ def host_ratio(chip: str, spec: ModelSpec, precision: str = "bf16", memory_scale
     """How many times longer this host takes for one layer of ``spec`` (forward and backward,
     one thread, in CPU time: neighbours on the cores do not count) than ``chip`` does by its
     datasheet: the time scale at which one rank of that chip alone just keeps up
-    (``ditorch_ext.profiles.time_scale_for`` adds ranks per core and headroom)."""
+    (``ditorch_ext.profiles.time_scale_for`` combines the ranks' ratios, with headroom)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,19 +272,23 @@ def host_ratio(chip: str, spec: ModelSpec, precision: str = "bf16", memory_scale
         return max(1.0, json.loads(Path(out).read_text())["ratio"])
 
 
-def cluster_time_scale(chips: list[str], spec: ModelSpec, ranks: int, precision: str = "bf16",
+def cluster_time_scale(clusters: Sequence[Mapping[str, int]], spec: ModelSpec, precision: str = "bf16",
                        memory_scale: float = 1.0) -> tuple[float, dict[str, float]]:
-    """The time scale at which this host keeps up with ``ranks`` ranks of ``chips`` running
-    ``spec`` at once: each chip's ``host_ratio``, the largest, times ranks per core and headroom
-    (``ditorch_ext.profiles.time_scale_for``). Returns the scale and each chip's ratio. A chip
+    """The time scale at which this host keeps up with each of ``clusters`` (chip name -> ranks
+    of it on this host), run one at a time: each chip's ``host_ratio``, combined per cluster by
+    ``ditorch_ext.profiles.time_scale_for`` (the largest ratio and the ratios' sum per core, with
+    headroom), the largest over the clusters. Returns the scale and each chip's ratio. A chip
     named by a profile file needs ``$DITORCH_PROFILE_FILE`` in this process's environment (the
     measuring worker inherits it)."""
     from ditorch_ext.profiles import time_scale_for
 
-    if not chips:
-        raise ValueError("cluster_time_scale: expected at least one chip")
-    ratios = {chip: host_ratio(chip, spec, precision, memory_scale) for chip in dict.fromkeys(chips)}
-    return time_scale_for(ranks, host_ratio=max(ratios.values())), ratios
+    if not clusters or not all(clusters):
+        raise ValueError(f"cluster_time_scale: clusters={list(clusters)!r}; expected chip counts like [{{'A': 2}}]")
+    chips = dict.fromkeys(chip for cluster in clusters for chip in cluster)
+    ratios = {chip: host_ratio(chip, spec, precision, memory_scale) for chip in chips}
+    scale = max(time_scale_for([ratios[chip] for chip, n in cluster.items() for _ in range(n)])
+                for cluster in clusters)
+    return scale, ratios
 
 
 def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", memory_scale: float = 0.001,
@@ -412,7 +417,7 @@ def profile_command(args) -> int:
             from ditorch_ext.profiles import time_scale_for
 
             ratio = host_ratio(args.chip, spec, args.precision, scale, args.sequence_parallel)
-            stretch = time_scale_for(getattr(args, "ranks", None) or max(tps), host_ratio=ratio)
+            stretch = time_scale_for([ratio] * (getattr(args, "ranks", None) or max(tps)))
             print(f"this host takes {ratio:.1f}x chip {args.chip}'s time for the layer: time scale {stretch:g}")
         else:
             stretch = time_scale_or_default(args.time_scale, "--time-scale")

@@ -78,6 +78,23 @@ def test_addmm_and_bmm_follow_the_same_accumulator():
         assert torch.equal(got[i].double(), reference_matmul(batch_a[i], batch_b[i], 5, 4, 7, False))
 
 
+@pytest.mark.parametrize("call", [
+    lambda: torch.mm(torch.ones(2, 3), torch.ones(4, 5)),
+    lambda: torch.bmm(torch.ones(2, 2, 3), torch.ones(3, 3, 2)),
+    lambda: torch.addmm(torch.ones(3), torch.ones(2, 3), torch.ones(3, 4)),
+    lambda: torch.mm(torch.ones(2, 3), torch.ones(3, 2, dtype=torch.float64)),
+], ids=["mm", "bmm", "addmm bias", "mm dtypes"])
+def test_a_matmul_the_chip_computes_alone_refuses_what_the_kernel_refuses(call):
+    """The chip's accumulation replaces the kernel only for a valid call: a bad one reaches the
+    kernel and fails as it does on the CPU."""
+    with pytest.raises(RuntimeError) as on_cpu:
+        call()
+    ditorch.set_chip(chip(accumulator_bits=5, accumulation_block=4))
+    with torch.device("dipu"), pytest.raises(RuntimeError) as on_chip:
+        call()
+    assert str(on_chip.value).splitlines()[0] == str(on_cpu.value).splitlines()[0]
+
+
 def test_casts_to_bf16_and_fp16_truncate_on_a_truncating_chip():
     x = torch.randn(4096) * 100
     ditorch.set_chip(chip(round_toward_zero=True))

@@ -51,19 +51,24 @@ def test_a_bad_time_scale_in_the_environment_names_the_variable(monkeypatch):
     assert _C.chip_slowdown() == 3.0
 
 
-@pytest.mark.parametrize("ranks,cores,ratio,want", [
-    (4, 2, 1.0, 3.0), (6, 2, 1.0, 4.5), (3, 2, 1.0, 2.3), (1, 2, 1.0, 1.5), (2, 8, 1.0, 1.5),
-    (4, 2, 45.0, 140.0),   # 45 x 1.5 x 2 = 135, up to two significant digits
-    (2, 2, 57.3, 86.0),    # 85.95
-    (16, 2, 120.0, 1500.0),  # 1440
+@pytest.mark.parametrize("ratios,cores,want", [
+    ([1.0] * 4, 2, 3.0), ([1.0] * 6, 2, 4.5), ([1.0] * 3, 2, 2.3), ([1.0], 2, 1.5), ([1.0] * 2, 8, 1.5),
+    ([45.0] * 4, 2, 140.0),    # 45 x 1.5 x 2 = 135, up to two significant digits
+    ([57.3] * 2, 2, 86.0),     # 85.95
+    ([120.0] * 16, 2, 1500.0),  # 1440
+    ([26.3, 117.3, 45.5, 45.5], 2, 180.0),  # the sum per core (117.3) ties the largest: 175.95
+    ([117.0, 10.0, 10.0, 10.0], 2, 180.0),  # the largest rules: 117 x 1.5 = 175.5
+    ([50.0, 50.0, 50.0, 10.0], 2, 120.0),   # the sum rules: 160 / 2 x 1.5
 ])
-def test_the_default_time_scale_is_the_hosts_ratio_times_ranks_per_core_and_headroom(ranks, cores, ratio, want):
-    assert time_scale_for(ranks, cores, host_ratio=ratio) == want
+def test_the_default_time_scale_keeps_each_rank_and_all_ranks_on_the_cores_with_headroom(ratios, cores, want):
+    assert time_scale_for(ratios, cores) == want
 
 
-def test_a_bad_host_ratio_is_refused():
-    with pytest.raises(ValueError, match="host_ratio=0 is invalid"):
-        time_scale_for(4, 2, host_ratio=0)
+@pytest.mark.parametrize("bad,match", [([4.0, 0], "host_ratio=0 is invalid"), ([], r"host_ratios=\[\] is invalid"),
+                                       ([float("nan")], "host_ratio=nan is invalid")])
+def test_a_bad_host_ratio_is_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        time_scale_for(bad, 2)
 
 
 def _items(n: int, device_s: float, host_work_s: float) -> float:
