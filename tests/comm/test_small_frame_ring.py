@@ -51,10 +51,11 @@ def pattern(numel: int, seed: int):
 
 
 _BASE: dict = {}
-BIG = 8 << 20
-# Ring-sized (up to 960 B), socket-sized inline (961 B, 2 KiB) and cross-memory (100 KiB, 8 MiB)
-# messages on one tag: their order must hold whichever path each took. An 8 MiB message, which
-# the receiver's polling thread copies for about a millisecond, followed at once by a
+BIG = 1 << 20
+# Ring-sized (up to 960 B), socket-sized inline (961 B, 2 KiB) and cross-memory (100 KiB, 1 MiB)
+# messages on one tag: their order must hold whichever path each took. A 1 MiB message, which
+# the receiver's polling thread copies (one thread: more would make the host look busy, and a
+# busy host's waiters do not poll, so nothing takes the ring), followed at once by a
 # socket-sized and a ring-sized one leaves the last in the ring while the one before it waits
 # on the socket: it must not overtake it.
 SIZES = [8, BIG, 961, 8, 100 << 10, 2048, 17, BIG, 2048, 8, 960, 961]
