@@ -258,6 +258,7 @@ HOP_SEGMENTS = [
 ]
 
 
+SLEPT = "hops whose receiver slept, %"
 HOP_TOTALS = ["one way, rank 0 -> 1 (call -> return)", "one way, rank 1 -> 0 (call -> return)",
               "half rank 0's round trip"]
 
@@ -309,7 +310,12 @@ def _breakdown(rank: int, buf, group, pause: Callable, n: int) -> dict:
                 t0, t1 = ranks[r0].get(p0, 0), ranks[r1].get(p1, 0)
                 if t0 and t1:
                     cuts[name].append((t1 - t0) / 1e3)
-    return {name: statistics.median(v) for name, v in cuts.items() if v}
+    out = {name: statistics.median(v) for name, v in cuts.items() if v}
+    # How often the receiver stopped polling and slept on the connection (a busy host, or the
+    # spin budget spent): its wake-up then lies in "post -> B reads the header".
+    slept = [bool(b.get("wait.blocks")) for m0, m1 in zip(*both) for b in (m1, m0)]
+    out[SLEPT] = 100.0 * sum(slept) / max(1, len(slept))
+    return out
 
 
 def _worker(rank, world, port, sizes, ar_sizes, budget, host, store_host, breakdown, q):
@@ -711,7 +717,7 @@ def print_tables(results: dict, sizes: list[int], worlds: list[int]) -> None:
               "over both hops of each round trip):")
         cols = [(lbl, pause) for lbl in B for pause in B[lbl]]
         print(f"{'':>40} | " + " | ".join(f"{lbl.split('-')[1] + ' ' + pause:>20}" for lbl, pause in cols))
-        for name in [name for name, _, _ in HOP_SEGMENTS] + HOP_TOTALS:
+        for name in [name for name, _, _ in HOP_SEGMENTS] + HOP_TOTALS + [SLEPT]:
             print(f"{name:>40} | " + " | ".join(f"{B[lbl][pause].get(name, float('nan')):20.1f}" for lbl, pause in cols))
     print("\nAllreduce float32: time us, CPU us per op (rank 0), busbw GB/s; ratio = dicomm/gloo busbw")
     hdr = f"{'size':>9} | " + " | ".join(f"{'gloo/' + str(w):>24} {'dicomm/' + str(w):>24} {'ratio':>6}" for w in worlds)

@@ -12,6 +12,7 @@
 #include "comm/core/Tags.h"
 #include "comm/transport/Log.h"
 #include "comm/transport/Spin.h"
+#include "comm/transport/Trace.h"
 
 namespace dicomm {
 
@@ -316,6 +317,7 @@ bool Communicator::awaitReading(Communicator* comm, int peer, const std::atomic<
       }
     }
     if (comm && !done.load(std::memory_order_acquire) && (!polls || hostBusy())) {
+      trace::mark(trace::kWaitBlocks);
       comm->progress(peer, done, blockUntil, /*block=*/true);
     }
   }

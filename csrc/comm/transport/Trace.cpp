@@ -29,7 +29,7 @@ bool enabled() {
 std::vector<std::pair<std::string, int64_t>> take() {
   static const char* const names[kPoints] = {
       "send.call",   "send.posted", "send.written", "send.wait_in", "send.wait_out", "recv.call",
-      "recv.posted", "recv.wait_in", "recv.frame",  "recv.landed",  "recv.wait_out"};
+      "recv.posted", "recv.wait_in", "recv.frame",  "recv.landed",  "recv.wait_out", "wait.blocks"};
   std::vector<std::pair<std::string, int64_t>> out;
   for (int p = 0; p < kPoints; ++p) {
     out.emplace_back(names[p], detail::stamps[p].exchange(0, std::memory_order_relaxed));

@@ -25,6 +25,7 @@ enum Point : int {
   kRecvFrame,    // the message's header was read by this process (any thread)
   kRecvLanded,   // its payload is in place (the completion runs)
   kRecvWaitOut,  // Work::wait() returns
+  kWaitBlocks,   // a wait (any op) stopped polling and sleeps on its peer's connection
   kPoints
 };
 
