@@ -54,12 +54,12 @@ def test_layer_times_and_plans_do_not_depend_on_the_time_scale_or_the_hosts_load
     quiet = {"A": quiet_a, "C": _profile("C", low)[0]}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
-        loaded, high = _profile("A", 4 * low)
+        loaded, high = _profile("A", 2 * low)
     finally:
         for p in busy:
             p.kill()
             p.wait()
-    assert high >= 4 * low
+    assert high >= 2 * low
     for key in KEYS:
         assert loaded[key] == pytest.approx(quiet["A"][key], rel=0.05), (key, quiet["A"], loaded)
     # C is a third of A: the profiles still say so
