@@ -124,8 +124,10 @@ def test_unreachable_listen_address_fails_both_ranks_in_seconds():
     # already gone with its store, that rank 0 did not connect.
     assert ("could not reach rank 1 (this rank)" in acceptor["error"] and "10.250.0.2" in acceptor["error"]
             or "rank 0 did not connect, and the store stopped answering" in acceptor["error"]), acceptor
+    # The connect timeout (10 s) ended it, not the group's (120 s): half the group's bound leaves a
+    # sanitized build on a loaded host its slowness without blurring the two.
     for o in out.values():
-        assert 9 < o["seconds"] < 25, out
+        assert 9 < o["seconds"] < 60, out
 
 
 def _allreduce_until_the_link_goes(rank, world, port):
