@@ -41,9 +41,8 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from ditorch_ext.profiles import time_scale_for  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
-from heteropp.runtime.profiler import host_ratio, write_cluster  # noqa: E402
+from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
 
 NOISE = ("rdma transport not usable", "FutureWarning", "return func(", "OMP_NUM_THREADS", "*****")
 
@@ -134,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         time_scale = float(json.loads(chosen.read_text())["time_scale"])
         print(f"\n[0/9] time scale {time_scale:g}, chosen before ({chosen}; --reprofile to choose again)")
     if time_scale is None:
-        spec = ModelSpec.load(args.model)
-        ratios = {chip: host_ratio(chip, spec) for chip in counts}
-        time_scale = time_scale_for([ratios[chip] for chip, n in counts.items() for _ in range(n)])
+        time_scale, ratios = cluster_time_scale([counts], ModelSpec.load(args.model))
         PHASE_SECONDS["0/9"] = time.perf_counter() - started
         print(f"\n[0/9] this host's time for a layer of {Path(args.model).name} against each chip's: "
               + ", ".join(f"{c} {r:.1f}x" for c, r in ratios.items())
