@@ -201,36 +201,34 @@ void ProcessGroupDicomm::collectiveLoop() {
 }
 
 void ProcessGroupDicomm::runCollective(Queued& q, uint64_t seq) {
-  {
-    if (aborted_) {
-      q.work->markDone(std::make_exception_ptr(std::runtime_error(abortCause())));
-      return;
-    }
-    CollectiveContext ctx;
-    ctx.comm = comm_.get();
-    ctx.seq = seq;
-    ctx.timeout = q.timeout;
-    ctx.deadline = q.work->deadline();
-    ctx.op = q.work->description();
-    ctx.chunkBytes = options_.chunkBytes;
-    ctx.abort = [this](const std::string& cause) { abortWith(cause); };
-    if (allreduceAlgorithm_ != AllreduceAlgorithm::kRing && hostSegmentUsable(*comm_)) {
-      ctx.hostSegment = [this](CollectiveContext& c) {
-        if (!segmentTried_) {
-          segmentTried_ = true;
-          segment_ = SharedSegment::connect(c, comm_->hosts()[comm_->hostOf(comm_->rank())]);
-        }
-        return segment_.get();
-      };
-    }
-    comm_->unpark(-1);  // collectives are read by the transports' threads, not by pollers
-    try {
-      q.fence.wait();
-      q.task(ctx);
-      q.work->markDone(nullptr);
-    } catch (...) {
-      q.work->markDone(std::current_exception());
-    }
+  if (aborted_) {
+    q.work->markDone(std::make_exception_ptr(std::runtime_error(abortCause())));
+    return;
+  }
+  CollectiveContext ctx;
+  ctx.comm = comm_.get();
+  ctx.seq = seq;
+  ctx.timeout = q.timeout;
+  ctx.deadline = q.work->deadline();
+  ctx.op = q.work->description();
+  ctx.chunkBytes = options_.chunkBytes;
+  ctx.abort = [this](const std::string& cause) { abortWith(cause); };
+  if (allreduceAlgorithm_ != AllreduceAlgorithm::kRing && hostSegmentUsable(*comm_)) {
+    ctx.hostSegment = [this](CollectiveContext& c) {
+      if (!segmentTried_) {
+        segmentTried_ = true;
+        segment_ = SharedSegment::connect(c, comm_->hosts()[comm_->hostOf(comm_->rank())]);
+      }
+      return segment_.get();
+    };
+  }
+  comm_->unpark(-1);  // collectives are read by the transports' threads, not by pollers
+  try {
+    q.fence.wait();
+    q.task(ctx);
+    q.work->markDone(nullptr);
+  } catch (...) {
+    q.work->markDone(std::current_exception());
   }
 }
 
