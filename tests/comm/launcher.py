@@ -1,30 +1,20 @@
 """Run a function on N local ranks of a dicomm process group and collect what each returns.
 
-Each rank is a process of its own, forked from multiprocessing's fork server, which imports
-torch once per test process: a rank then starts in ~0.1 s of CPU instead of the ~1.5-2 s that
-importing torch costs (the suite starts hundreds of ranks). Everything a rank is told (its
-environment, dicomm, ditorch and its vendor) is applied after the fork, so a rank sees what a
-freshly spawned one sees; only torch's own import-time environment is the test process's.
-Tests still run many checks inside one job rather than one job per check.
+Each rank is a process of its own, forked with torch already imported (tests/forked_ranks.py);
+a test still runs many checks inside one job rather than one job per check.
 """
 from __future__ import annotations
 
 import datetime
 import io
-import multiprocessing as mp
 import os
 import queue
 import time
 import traceback
 from typing import Any, Callable
 
+import forked_ranks
 from diutil.address import free_port
-
-
-def _context() -> mp.context.BaseContext:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])  # imports only: no threads, sockets or devices
-    return ctx
 
 
 def _entry(fn, rank, world, port, env, results, init, timeout_s, host, store_host):
@@ -113,7 +103,7 @@ def run_ranks(
     the ranks are split over them in contiguous blocks, as torchrun places nodes, and the store
     runs on the first host (at ``store_address``, default its IPv4 address).
     """
-    ctx = _context()
+    ctx = forked_ranks.context()
     results = ctx.Queue()
     port = free_port()
     placed = [hosts[r * len(hosts) // world] if hosts else None for r in range(world)]

@@ -1,14 +1,15 @@
-"""Small plans and a launcher for runtime tests: each run is a real ``torchrun -m ditorch.train``."""
+"""Small plans and a launcher for runtime tests: each run is ``ditorch.train`` (or a script) on ranks
+set up as ``torchrun --standalone`` sets up its workers."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
+from forked_ranks import torchrun_like
 from heteropp.cluster import ClusterSpec
 from heteropp.model_spec import ModelSpec
 from heteropp.plan import Plan, StagePlan
@@ -57,22 +58,24 @@ def chip_file(tmp: Path) -> Path:
 
 def torchrun(plan_path: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
              env: dict | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node nproc -m ditorch.train --plan plan_path *args``."""
+    """``ditorch.train --plan plan_path *args`` on ``nproc`` ranks, as ``torchrun --standalone`` would run it."""
     return _launch(["-m", "ditorch.train", "--plan", str(plan_path), "--quiet", *args], nproc, tmp, timeout, env)
 
 
 def torchrun_script(script: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
                     env: dict | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node nproc script *args``, with the same chips as :func:`torchrun`."""
+    """``script *args`` on ``nproc`` ranks, with the same chips as :func:`torchrun`."""
     return _launch([str(script), *args], nproc, tmp, timeout, env)
 
 
 def _launch(target: list[str], nproc: int, tmp: Path, timeout: float, env: dict | None) -> subprocess.CompletedProcess:
+    """On ranks forked with torch imported (tests/forked_ranks.py): what a test checks here is the
+    training, not the launcher; tests/ft, test_multihost.py and tests/comm/test_across_hosts.py
+    launch the real torchrun."""
     full_env = dict(os.environ, DITORCH_PROFILE_FILE=str(chip_file(tmp)), DITORCH_MEMORY_SCALE="0.001",
                     PYTHONPATH=str(ROOT))
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target]
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    return torchrun_like(target, nproc, full_env, tmp, timeout)
 
 
 def kill_tree(pid: int) -> None:
