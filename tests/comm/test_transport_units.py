@@ -1,5 +1,5 @@
 """The transport's bookkeeping objects (csrc/comm/transport/FailureLatch.h, RendezvousBook.h,
-GreetingBound.h),
+GreetingBound.h) and the mailbox (csrc/comm/core/Mailbox.h),
 checked without sockets by a small C++ program built here against the same sources."""
 import os
 import shutil
@@ -12,7 +12,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["tests/comm/unit/transport_units.cpp", "csrc/comm/transport/FailureLatch.cpp",
-           "csrc/comm/transport/RendezvousBook.cpp", "csrc/comm/transport/GreetingBound.cpp"]
+           "csrc/comm/transport/RendezvousBook.cpp", "csrc/comm/transport/GreetingBound.cpp",
+           "csrc/comm/core/Mailbox.cpp", "csrc/comm/transport/Env.cpp"]
 
 
 def test_failure_latch_and_rendezvous_book(tmp_path):

@@ -97,7 +97,9 @@ void Mailbox::post(RecvRequest request) {
     r->order = nextOrder_++;
     // Oldest unexpected message this receive can take.
     std::deque<std::shared_ptr<Unexpected>>* queue = nullptr;
-    if (r->peer >= 0) {
+    if (failed_) {
+      bad = failed_;  // (queue stays null: the receive completes with the error below)
+    } else if (r->peer >= 0) {
       auto it = unexpected_.find({r->peer, r->tag});
       if (it != unexpected_.end() && !it->second.empty()) queue = &it->second;
     } else {
@@ -108,14 +110,11 @@ void Mailbox::post(RecvRequest request) {
     }
     if (!queue) {
       auto closed = r->peer >= 0 ? closedPeers_.find(r->peer) : closedPeers_.end();
-      if (closed != closedPeers_.end()) {
+      if (!bad && closed != closedPeers_.end()) {
         // The peer shut down and nothing it sent matches: this receive can never complete.
         bad = std::make_exception_ptr(TransportError(r->peer, closed->second));
-      } else if (r->peer >= 0) {
-        posted_[{r->peer, r->tag}].push_back(r);
-        return;
-      } else {
-        postedAny_[r->tag].push_back(r);
+      } else if (!bad) {
+        (r->peer >= 0 ? posted_[{r->peer, r->tag}] : postedAny_[r->tag]).push_back(r);
         return;
       }
     } else {
@@ -294,6 +293,7 @@ void Mailbox::failAll(const std::exception_ptr& error) {
   std::vector<std::shared_ptr<RecvRequest>> victims;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    failed_ = error ? error : std::make_exception_ptr(std::runtime_error("dicomm: communicator is closed"));
     for (auto& kv : posted_)
       for (auto& r : kv.second) victims.push_back(r);
     for (auto& kv : postedAny_)

@@ -70,7 +70,8 @@ class Mailbox : public Inbox {
     onPeerFailed_ = std::move(handler);
   }
   void post(RecvRequest request);
-  // Fail every posted receive (the communicator was aborted). Transports must be stopped first.
+  // Fail every posted receive, and every receive posted from now on (the communicator was
+  // aborted). Transports must be stopped first.
   void failAll(const std::exception_ptr& error);
 
   Landing arrive(int peer, const Envelope& envelope) override;
@@ -112,6 +113,9 @@ class Mailbox : public Inbox {
   std::map<Key, std::deque<std::shared_ptr<Unexpected>>> unexpected_;
   std::function<void(int, const std::string&)> onPeerFailed_;
   std::map<int, std::string> closedPeers_;  // peer -> why; receives from them fail at once
+  // Set by failAll: a receive that passed the communicator's closed check just before the
+  // abort must fail here, under mu_, rather than wait in posted_ for its timeout.
+  std::exception_ptr failed_;
   std::map<int, std::string> abortNotices_;  // peer -> the cause it sent before aborting
 };
 

@@ -58,17 +58,19 @@ Fd StreamTransport::takeAccepted(int peer, int lane, Clock::time_point deadline,
     // both ends of an unreachable pair fail within seconds, not at the group timeout.
     if (!admitOnce(std::min(deadline, Clock::now() + std::chrono::seconds(1)))) {
       bool given = false;
+      std::vector<uint8_t> why;
       try {
         given = ctx_.store->check({unreachableKey(ctx_.rank)});
+        if (given) why = ctx_.store->get(unreachableKey(ctx_.rank));
       } catch (const std::exception& e) {
-        // The store's host (often rank 0 itself) went away: its rank failed first.
+        // The store's host (often rank 0 itself) went away, possibly right after it wrote why:
+        // its rank failed first.
         throw TransportError(peer, std::string("dicomm ") + name + ": rank " +
                                        std::to_string(peer) + " did not connect, and the store " +
                                        "stopped answering meanwhile (did the rank hosting it fail? " +
                                        "see its error): " + e.what());
       }
       if (given) {
-        auto why = ctx_.store->get(unreachableKey(ctx_.rank));
         throw TransportError(peer, std::string("dicomm ") + name + ": a peer could not reach rank " +
                                        std::to_string(ctx_.rank) + " (this rank): " +
                                        std::string(why.begin(), why.end()));

@@ -1,6 +1,6 @@
 // Unit checks of the transport's bookkeeping objects, with no sockets: the failure latch both
-// pair kinds keep, the receiving side's book of rendezvous transfers, and the listener's bound on
-// the connections it greets at once. Built and run by
+// pair kinds keep, the receiving side's book of rendezvous transfers, the listener's bound on
+// the connections it greets at once, and the mailbox's receives around a failure. Built and run by
 // tests/comm/test_transport_units.py; prints one line per failed check, exits non-zero if any.
 #include <cstdio>
 #include <cstring>
@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/core/Mailbox.h"
 #include "comm/transport/FailureLatch.h"
 #include "comm/transport/GreetingBound.h"
 #include "comm/transport/RendezvousBook.h"
@@ -152,6 +153,29 @@ void greetingBoundFallsWhenOutOfDescriptorsAndReturnsWithRoom() {
   EXPECT(bound.limit(8) == 8);
 }
 
+// A receive posted once the communicator failed completes at once with the failure: the
+// communicator's closed check and its failAll are not atomic with a post, so a receive can
+// reach the mailbox after failAll and would otherwise wait in it until its timeout.
+void receivesPostedAfterAFailureFailAtOnce() {
+  dicomm::Mailbox mailbox(1);
+  auto before = std::make_shared<dicomm::Completion>();
+  dicomm::RecvRequest r;
+  r.peer = 0;
+  r.tag = 5;
+  r.completion = before;
+  mailbox.post(r);
+  EXPECT(!before->done());
+  mailbox.failAll(std::make_exception_ptr(dicomm::TransportError(0, "rank 0 went away")));
+  EXPECT(before->done() && message(before->error()) == "0|rank 0 went away");
+  for (int peer : {0, -1}) {  // from a rank, and from any source
+    auto after = std::make_shared<dicomm::Completion>();
+    r.peer = peer;
+    r.completion = after;
+    mailbox.post(r);
+    EXPECT(after->done() && message(after->error()) == "0|rank 0 went away");
+  }
+}
+
 int main() {
   latchIsUpUntilFailedOrClosed();
   closedLatchRefusesFailure();
@@ -159,6 +183,7 @@ int main() {
   bookLandsPartsInPlaceOnce();
   bookDropsIntoNothingAndHandsBackTheRest();
   greetingBoundFallsWhenOutOfDescriptorsAndReturnsWithRoom();
+  receivesPostedAfterAFailureFailAtOnce();
   if (failures == 0) std::printf("transport units: all checks passed\n");
   return failures == 0 ? 0 : 1;
 }
