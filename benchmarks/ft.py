@@ -16,7 +16,7 @@ without failure (criterion 1.5%), and whether the fp32 run without failure equal
 for bit. CPU time (all the runs' processes) stands beside wall time. A PNG of both curves and
 the survivor's step times goes beside the JSON.
 
-    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--out out/bench-ft]
+    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--microbatches 4] [--out out/bench-ft]
 """
 from __future__ import annotations
 
@@ -220,11 +220,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=20)
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="micro-batches of 32 tokens per replica per step (the test plan's batch is 4)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench-ft")
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    make_plan([("X", 1, 2, False), ("Y", 1, 2, False)], dp=2).to_json(out / "plan.json")
+    make_plan([("X", 1, 2, False), ("Y", 1, 2, False)], dp=2, microbatches=args.microbatches).to_json(out / "plan.json")
 
     dp = run_plain_dp(out, args.steps)
     ft = run_ft(out, args.steps, "ft", None)
@@ -244,7 +246,7 @@ def main() -> int:
           f"steps replica 1 missed {f['steps_missed_by_replica1']}; restart to first step (heal) {f['heal_s']:.1f} s")
     print(f"loss curve with the failure against without: MRE {mre:.3f}% (criterion 1.5%)")
     png = plot(out, dp, ft, failed)
-    summary = {"steps": args.steps, "kill_at": args.kill_at, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
+    summary = {"steps": args.steps, "kill_at": args.kill_at, "microbatches": args.microbatches, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
                "overhead": overhead, "exact": exact, "mre_percent": mre, **f,
                "wall_s": {"dp": dp["wall_s"], "ft": ft["wall_s"], "killed": failed["wall_s"]},
                "cpu_s": {"dp": dp["cpu_s"], "ft": ft["cpu_s"], "killed": failed["cpu_s"]}}

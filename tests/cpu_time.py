@@ -1,10 +1,13 @@
 """CPU seconds per test, for the suite's budget: ``--cpu-durations=N`` lists the N tests that
-used the most CPU (the test's process and every child it waited for: rank processes, torchrun).
+used the most CPU (the test's process, every child it waited for: torchrun, servers, and the
+ranks forked for it by multiprocessing's fork server, which that server waits for).
 Wall time (``--durations``) on 2 shared cores says more about what ran beside a test than about
 the test; CPU time is what a test costs the whole suite. Module- and session-scoped fixtures are
 charged to the first test that uses them."""
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import os
 import resource
 
 import pytest
@@ -17,7 +20,21 @@ def _cpu_seconds() -> float:
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         use = resource.getrusage(who)
         total += use.ru_utime + use.ru_stime
-    return total
+    return total + _fork_server_seconds()
+
+
+def _fork_server_seconds() -> float:
+    """The fork server's CPU and that of the ranks it has reaped (tests/forked_ranks.py): its
+    children are not this process's. 0 before it starts; once it ran, counted until it ends."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return 0.0
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # utime, stime, cutime, cstime: fields 14-17 of proc(5), 11-14 after the name
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def pytest_addoption(parser):
