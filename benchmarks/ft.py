@@ -1,6 +1,7 @@
 """Fault-tolerant DP (``ditorch.train --ft``, docs/ft.md) against plain DP on dicomm.
 
-A two-stage plan (X and Y chips, TP 1) with DP 2, fp32, three runs of the same steps:
+A two-stage plan (X and Y chips, TP 1, the tests' small LLaMA) with DP 2, fp32, 16 micro-batches of
+32 tokens per replica per step by default (``--microbatches``), three runs of the same steps:
 
 * plain DP: one ``torchrun`` of all 4 ranks (the DP all-reduce on a dicomm group);
 * --ft, no failure: two replicas under a lighthouse (replica 0 on the cpu vendor, replica 1 on
@@ -16,7 +17,7 @@ without failure (criterion 1.5%), and whether the fp32 run without failure equal
 for bit. CPU time (all the runs' processes) stands beside wall time. A PNG of both curves and
 the survivor's step times goes beside the JSON.
 
-    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--microbatches 4] [--out out/bench-ft]
+    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--microbatches 16] [--out out/bench-ft]
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def run_plain_dp(out: Path, steps: int) -> dict:
     (out / "dp.jsonl").unlink(missing_ok=True)
     watch = LogWatcher(out / "dp.jsonl")
     cpu, wall = cpu_of_children(), time.monotonic()
-    p = torchrun(out, 4, ["--steps", str(steps), "--loss-log", "dp.jsonl"], "dp.log")
+    p = torchrun(out, 4, ["--steps", str(steps), "--loss-log", "dp.jsonl", "--check-replicas", str(steps)], "dp.log")
     wait_ok(p, "plain DP", out, "dp.log")
     wall, cpu = time.monotonic() - wall, cpu_of_children() - cpu
     watch.stop()
@@ -136,7 +137,7 @@ def run_ft(out: Path, steps: int, tag: str, kill_at: int | None = None) -> dict:
     watches = [LogWatcher(out / f"{tag}{k}.jsonl") for k in range(2)]
     cpu, wall = cpu_of_children(), time.monotonic()
     ft = lambda k: ["--steps", str(steps), "--ft", "--lighthouse", address, "--replica", str(k),
-                    "--loss-log", f"{tag}{k}.jsonl", "--check-replicas", "1"]
+                    "--loss-log", f"{tag}{k}.jsonl", "--check-replicas", str(steps)]
     procs = [torchrun(out, 2, ft(k), f"{tag}{k}.log", vendor) for k, vendor in enumerate(["cpu", "emu"])]
     result: dict = {}
     try:
@@ -220,8 +221,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=20)
-    ap.add_argument("--microbatches", type=int, default=4,
-                    help="micro-batches of 32 tokens per replica per step (the test plan's batch is 4)")
+    ap.add_argument("--microbatches", type=int, default=16,
+                    help="micro-batches of 32 tokens per replica per step (the test plan has 4)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench-ft")
     args = ap.parse_args()
     out = args.out.resolve()
