@@ -51,8 +51,15 @@ def make_plan(stages: list[tuple[str, int, int, bool]], dp: int = 1, microbatche
 
 
 def chip_file(tmp: Path) -> Path:
+    """``tmp/chips.yaml`` with EXACT_CHIPS. Written whole under another name and renamed into
+    place: a test calls this for every process it starts, and a process started before reads
+    the file while a later call would otherwise be rewriting it."""
     path = tmp / "chips.yaml"
-    path.write_text(yaml.safe_dump({"emulated_chips": EXACT_CHIPS}))
+    text = yaml.safe_dump({"emulated_chips": EXACT_CHIPS})
+    if not path.exists() or path.read_text() != text:
+        part = path.with_name(f".chips.yaml.{os.getpid()}")
+        part.write_text(text)
+        os.replace(part, path)
     return path
 
 
