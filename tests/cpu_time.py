@@ -6,11 +6,12 @@ the test; CPU time is what a test costs the whole suite. Module- and session-sco
 charged to the first test that uses them."""
 from __future__ import annotations
 
-import multiprocessing.forkserver
 import os
 import resource
 
 import pytest
+
+import forked_ranks
 
 KEY = "cpu_s"
 
@@ -26,7 +27,7 @@ def _cpu_seconds() -> float:
 def _fork_server_seconds() -> float:
     """The fork server's CPU and that of the ranks it has reaped (tests/forked_ranks.py): its
     children are not this process's. 0 before it starts; once it ran, counted until it ends."""
-    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    pid = forked_ranks.server_pid()
     if pid is None:
         return 0.0
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -31,6 +32,12 @@ def context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])  # imports only
     return ctx
+
+
+def server_pid() -> int | None:
+    """The fork server's pid, once started in this process (its reaped ranks' CPU is in its
+    /proc stat: tests/cpu_time.py)."""
+    return getattr(mp.forkserver._forkserver, "_forkserver_pid", None)
 
 
 def _run_as_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:

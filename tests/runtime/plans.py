@@ -77,8 +77,8 @@ def torchrun_script(script: Path, nproc: int, args: list[str], tmp: Path, timeou
 
 def _launch(target: list[str], nproc: int, tmp: Path, timeout: float, env: dict | None) -> subprocess.CompletedProcess:
     """On ranks forked with torch imported (tests/forked_ranks.py): what a test checks here is the
-    training, not the launcher; tests/ft, test_multihost.py and tests/comm/test_across_hosts.py
-    launch the real torchrun."""
+    training, not the launcher; tests/ft, test_multihost.py, test_vendors.py and
+    tests/comm/test_across_hosts.py launch the real torchrun."""
     full_env = dict(os.environ, DITORCH_PROFILE_FILE=str(chip_file(tmp)), DITORCH_MEMORY_SCALE="0.001",
                     PYTHONPATH=str(ROOT))
     full_env.update(env or {})
