@@ -1,13 +1,18 @@
 """Fault-tolerant DP (``ditorch.train --ft``, docs/ft.md) against plain DP on dicomm.
 
-A two-stage plan (X and Y chips, TP 1, the tests' small LLaMA) with DP 2, fp32, 16 micro-batches of
-32 tokens per replica per step by default (``--microbatches``), three runs of the same steps:
+A two-stage plan (X and Y chips, TP 1, the tests' small LLaMA; ``--stages 1``: all four layers on
+one X chip) with DP 2, fp32, 16 micro-batches of 32 tokens per replica per step by default
+(``--microbatches``), three runs of the same steps:
 
-* plain DP: one ``torchrun`` of all 4 ranks (the DP all-reduce on a dicomm group);
+* plain DP: one ``torchrun`` of all the ranks (2 per stage; the DP all-reduce on a dicomm group);
 * --ft, no failure: two replicas under a lighthouse (replica 0 on the cpu vendor, replica 1 on
-  emulated chips), each its own ``torchrun`` of 2 ranks;
+  emulated chips), each its own ``torchrun`` of one rank per stage;
 * --ft with a failure: replica 1 SIGKILLed (its whole torchrun) at step ``--kill-at``, started
   again at once; it heals from replica 0 and rejoins.
+
+With two stages the four ranks share this machine's two cores, so the Manager's per-step meeting
+of a replica's ranks (``should_commit``) waits on the slowest of them; one stage gives each rank a
+core and measures the Manager alone.
 
 Reported: the steady step time of each (median of the steps' inter-arrival times in the loss
 log, read as the runs write it), the Manager's step overhead against plain DP (goal <= 5%), the
@@ -17,7 +22,7 @@ without failure (criterion 1.5%), and whether the fp32 run without failure equal
 for bit. CPU time (all the runs' processes) stands beside wall time. A PNG of both curves and
 the survivor's step times goes beside the JSON.
 
-    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--microbatches 16] [--out out/bench-ft]
+    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--microbatches 16] [--stages 2] [--out out/bench-ft]
 """
 from __future__ import annotations
 
@@ -119,18 +124,18 @@ def steady_step_time(arrived: dict[int, float], skip: int = 3) -> float:
     return statistics.median(gaps)
 
 
-def run_plain_dp(out: Path, steps: int) -> dict:
+def run_plain_dp(out: Path, steps: int, stages: int) -> dict:
     (out / "dp.jsonl").unlink(missing_ok=True)
     watch = LogWatcher(out / "dp.jsonl")
     cpu, wall = cpu_of_children(), time.monotonic()
-    p = torchrun(out, 4, ["--steps", str(steps), "--loss-log", "dp.jsonl", "--check-replicas", str(steps)], "dp.log")
+    p = torchrun(out, 2 * stages, ["--steps", str(steps), "--loss-log", "dp.jsonl", "--check-replicas", str(steps)], "dp.log")
     wait_ok(p, "plain DP", out, "dp.log")
     wall, cpu = time.monotonic() - wall, cpu_of_children() - cpu
     watch.stop()
     return {"losses": watch.losses, "step_s": steady_step_time(watch.arrived), "wall_s": wall, "cpu_s": cpu}
 
 
-def run_ft(out: Path, steps: int, tag: str, kill_at: int | None = None) -> dict:
+def run_ft(out: Path, steps: int, stages: int, tag: str, kill_at: int | None = None) -> dict:
     for k in range(2):
         (out / f"{tag}{k}.jsonl").unlink(missing_ok=True)
     lh, address = lighthouse(out)
@@ -138,7 +143,7 @@ def run_ft(out: Path, steps: int, tag: str, kill_at: int | None = None) -> dict:
     cpu, wall = cpu_of_children(), time.monotonic()
     ft = lambda k: ["--steps", str(steps), "--ft", "--lighthouse", address, "--replica", str(k),
                     "--loss-log", f"{tag}{k}.jsonl", "--check-replicas", str(steps)]
-    procs = [torchrun(out, 2, ft(k), f"{tag}{k}.log", vendor) for k, vendor in enumerate(["cpu", "emu"])]
+    procs = [torchrun(out, stages, ft(k), f"{tag}{k}.log", vendor) for k, vendor in enumerate(["cpu", "emu"])]
     result: dict = {}
     try:
         if kill_at is not None:
@@ -149,7 +154,7 @@ def run_ft(out: Path, steps: int, tag: str, kill_at: int | None = None) -> dict:
             kill_tree(procs[1].pid)
             killed = time.monotonic()
             procs[1].wait()
-            procs[1] = torchrun(out, 2, ft(1), f"{tag}1-restarted.log", "emu")
+            procs[1] = torchrun(out, stages, ft(1), f"{tag}1-restarted.log", "emu")
             result.update(killed=killed, killed_at=max(watches[0].arrived), restarted=time.monotonic())
         for k, p in enumerate(procs):
             wait_ok(p, f"replica {k} ({tag})", out, f"{tag}{k}.log")
@@ -223,22 +228,25 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=20)
     ap.add_argument("--microbatches", type=int, default=16,
                     help="micro-batches of 32 tokens per replica per step (the test plan has 4)")
+    ap.add_argument("--stages", type=int, choices=(1, 2), default=2,
+                    help="pipeline stages per replica (1: the four layers on one chip, a rank per core)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench-ft")
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    make_plan([("X", 1, 2, False), ("Y", 1, 2, False)], dp=2, microbatches=args.microbatches).to_json(out / "plan.json")
+    stages = [("X", 1, 4, False)] if args.stages == 1 else [("X", 1, 2, False), ("Y", 1, 2, False)]
+    make_plan(stages, dp=2, microbatches=args.microbatches).to_json(out / "plan.json")
 
-    dp = run_plain_dp(out, args.steps)
-    ft = run_ft(out, args.steps, "ft", None)
-    failed = run_ft(out, args.steps, "killed", args.kill_at)
+    dp = run_plain_dp(out, args.steps, args.stages)
+    ft = run_ft(out, args.steps, args.stages, "ft", None)
+    failed = run_ft(out, args.steps, args.stages, "killed", args.kill_at)
     f = failure_numbers(failed, ft["step_s"])
     exact = [dp["losses"][s] for s in sorted(dp["losses"])] == [ft["losses"][s] for s in sorted(ft["losses"])]
     mre = mean_relative_error(ft["losses"], failed["losses"]).mre_percent
     overhead = ft["step_s"] / dp["step_s"] - 1
 
     print(f"{'run':<28}{'step (median)':>15}{'wall':>9}{'CPU':>9}")
-    for name, r in (("plain DP (4 ranks)", dp), ("--ft, 2 replicas x 2 ranks", ft), ("--ft, replica 1 killed", failed)):
+    for name, r in ((f"plain DP ({2 * args.stages} ranks)", dp), (f"--ft, 2 replicas x {args.stages} rank(s)", ft), ("--ft, replica 1 killed", failed)):
         print(f"{name:<28}{1000 * r['step_s']:>12.1f} ms{r['wall_s']:>8.1f}s{r['cpu_s']:>8.1f}s")
     print(f"Manager step overhead against plain DP: {100 * overhead:+.1f}% (goal <= 5%)")
     print(f"fp32 --ft without failure equals plain DP bit for bit: {exact}")
@@ -247,7 +255,7 @@ def main() -> int:
           f"steps replica 1 missed {f['steps_missed_by_replica1']}; restart to first step (heal) {f['heal_s']:.1f} s")
     print(f"loss curve with the failure against without: MRE {mre:.3f}% (criterion 1.5%)")
     png = plot(out, dp, ft, failed)
-    summary = {"steps": args.steps, "kill_at": args.kill_at, "microbatches": args.microbatches, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
+    summary = {"steps": args.steps, "stages": args.stages, "kill_at": args.kill_at, "microbatches": args.microbatches, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
                "overhead": overhead, "exact": exact, "mre_percent": mre, **f,
                "wall_s": {"dp": dp["wall_s"], "ft": ft["wall_s"], "killed": failed["wall_s"]},
                "cpu_s": {"dp": dp["cpu_s"], "ft": ft["cpu_s"], "killed": failed["cpu_s"]}}
