@@ -7,6 +7,12 @@ from the rest of the machine hits both alike.
   step       a training step of the LLaMA `make gpu-check` trains (dim 256, 4 layers, 8x128
              tokens, AdamW), bf16 autocast and fp32 (target: dipu <= 1.05x cpu)
 
+A control row runs native cpu against itself (a second set of tensors, a second model): its
+ratio is the benchmark's own noise floor on this machine, measured in the same rounds. Models
+are built afresh every round (same seed, one warm-up step), so where their memory happens to lie
+(which moves a step by several percent from one instance to the next) is drawn anew each round
+instead of favouring one device for the whole run.
+
 Wall time (perf_counter) and this process's CPU time (process_time) are printed side by side:
 CPU time is what the process spent, wall time what it waited too (other agents' load). The
 figures are medians over rounds; ratios and differences are taken within each round first.
@@ -31,6 +37,12 @@ from program_results import Measurement, save_run  # noqa: E402
 
 LLAMA = dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=128)
 DEVICES = ("cpu", "dipu")
+CONTROL = "cpu again"  # native cpu measured against itself: the noise floor
+CONTENDERS = (*DEVICES, CONTROL)
+
+
+def _device(contender: str) -> str:
+    return "cpu" if contender == CONTROL else contender
 
 
 def _clocks(fn, repeats: int) -> tuple[float, float]:
@@ -41,24 +53,35 @@ def _clocks(fn, repeats: int) -> tuple[float, float]:
     return (time.perf_counter() - w) / repeats, (time.process_time() - c) / repeats
 
 
+def _rounds(measure, rounds: int) -> dict:
+    """`measure(contender, round) -> (wall, cpu)` for every contender in every round, the order
+    rotated from round to round; per-contender lists and each round's dipu and control against
+    cpu (differences and ratios taken within the round)."""
+    wall = {c: [] for c in CONTENDERS}
+    cpu = {c: [] for c in CONTENDERS}
+    for r in range(rounds):
+        shift = r % len(CONTENDERS)
+        for c in CONTENDERS[shift:] + CONTENDERS[:shift]:
+            w, t = measure(c, r)
+            wall[c].append(w)
+            cpu[c].append(t)
+    out = {"wall": wall, "cpu": cpu}
+    for c in ("dipu", CONTROL):
+        out[c] = {"over_wall": [b - a for a, b in zip(wall["cpu"], wall[c])],
+                  "over_cpu": [b - a for a, b in zip(cpu["cpu"], cpu[c])],
+                  "ratio_wall": [b / a for a, b in zip(wall["cpu"], wall[c])],
+                  "ratio_cpu": [b / a for a, b in zip(cpu["cpu"], cpu[c])]}
+    return out
+
+
 def per_op(numel: int, repeats: int, rounds: int) -> dict:
     import torch
 
-    xs = {d: (torch.randn(numel).to(d), torch.randn(numel).to(d)) for d in DEVICES}
-    fns = {d: (lambda a=xs[d][0], b=xs[d][1]: a + b) for d in DEVICES}
-    for d in DEVICES:
-        _clocks(fns[d], repeats)  # warm
-    wall = {d: [] for d in DEVICES}
-    cpu = {d: [] for d in DEVICES}
-    for r in range(rounds):
-        order = DEVICES if r % 2 == 0 else DEVICES[::-1]
-        for d in order:
-            w, c = _clocks(fns[d], repeats)
-            wall[d].append(w)
-            cpu[d].append(c)
-    return {"wall": wall, "cpu": cpu,
-            "over_wall": [b - a for a, b in zip(wall["cpu"], wall["dipu"])],
-            "over_cpu": [b - a for a, b in zip(cpu["cpu"], cpu["dipu"])]}
+    xs = {c: (torch.randn(numel).to(_device(c)), torch.randn(numel).to(_device(c))) for c in CONTENDERS}
+    fns = {c: (lambda a=xs[c][0], b=xs[c][1]: a + b) for c in CONTENDERS}
+    for c in CONTENDERS:
+        _clocks(fns[c], repeats)  # warm
+    return _rounds(lambda c, r: _clocks(fns[c], repeats), rounds)
 
 
 def training_steps(precision: str, steps: int, rounds: int) -> dict:
@@ -67,17 +90,17 @@ def training_steps(precision: str, steps: int, rounds: int) -> dict:
     from dimodel.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(**LLAMA)
-    runs = {}
-    for d in DEVICES:
+
+    def build(device: str):
         torch.manual_seed(0)
-        model = Llama(cfg).to(d)
+        model = Llama(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens = torch.randint(0, cfg.vocab_size, (8, cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
-        runs[d] = (model, opt, tokens.to(d))
+        return model, opt, tokens.to(device), device
 
-    def step(d: str) -> None:
-        model, opt, tokens = runs[d]
-        with torch.autocast(torch.device(d).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+    def step(run) -> None:
+        model, opt, tokens, device = run
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
             logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
@@ -85,19 +108,12 @@ def training_steps(precision: str, steps: int, rounds: int) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.item()  # the host waits for the step, as a training loop that logs does
 
-    for d in DEVICES:
-        _clocks(lambda: step(d), 2)  # warm: optimizer state, allocator caches
-    wall = {d: [] for d in DEVICES}
-    cpu = {d: [] for d in DEVICES}
-    for r in range(rounds):
-        order = DEVICES if r % 2 == 0 else DEVICES[::-1]
-        for d in order:
-            w, c = _clocks(lambda: step(d), steps)
-            wall[d].append(w)
-            cpu[d].append(c)
-    return {"wall": wall, "cpu": cpu,
-            "ratio_wall": [b / a for a, b in zip(wall["cpu"], wall["dipu"])],
-            "ratio_cpu": [b / a for a, b in zip(cpu["cpu"], cpu["dipu"])]}
+    def measure(contender: str, r: int) -> tuple[float, float]:
+        run = build(_device(contender))
+        step(run)  # warm: optimizer state, allocator caches
+        return _clocks(lambda: step(run), steps)
+
+    return _rounds(measure, rounds)
 
 
 def main() -> int:
@@ -120,31 +136,38 @@ def main() -> int:
           f"torch {torch.__version__}, {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'measurement':<22} {'cpu wall':>10} {'dipu wall':>10} {'cpu CPU':>10} {'dipu CPU':>10} "
           f"{'dipu-cpu wall':>14} {'dipu-cpu CPU':>13} {'ratio wall':>10} {'ratio CPU':>10}")
+    print(f"(each '{CONTROL}' row: native cpu in dipu's columns, against cpu: the noise floor)")
     measurements = []
     verdicts = []
+    us = lambda s: s * 1e6  # noqa: E731
+    ms = lambda s: s * 1e3  # noqa: E731
     for numel, label in ((1000, "add 1000 (us)"), (1, "add 1 (us)")):
         r = per_op(numel, args.repeats, args.rounds)
-        us = lambda s: s * 1e6  # noqa: E731
-        print(f"{label:<22} {us(med(r['wall']['cpu'])):>10.2f} {us(med(r['wall']['dipu'])):>10.2f} "
-              f"{us(med(r['cpu']['cpu'])):>10.2f} {us(med(r['cpu']['dipu'])):>10.2f} "
-              f"{us(med(r['over_wall'])):>14.2f} {us(med(r['over_cpu'])):>13.2f} "
-              f"{med(r['wall']['dipu']) / med(r['wall']['cpu']):>10.2f} {med(r['cpu']['dipu']) / med(r['cpu']['cpu']):>10.2f}")
+        for c in ("dipu", CONTROL):
+            name = label if c == "dipu" else f"  {CONTROL}"
+            print(f"{name:<22} {us(med(r['wall']['cpu'])):>10.2f} {us(med(r['wall'][c])):>10.2f} "
+                  f"{us(med(r['cpu']['cpu'])):>10.2f} {us(med(r['cpu'][c])):>10.2f} "
+                  f"{us(med(r[c]['over_wall'])):>14.2f} {us(med(r[c]['over_cpu'])):>13.2f} "
+                  f"{med(r[c]['ratio_wall']):>10.2f} {med(r[c]['ratio_cpu']):>10.2f}")
         group = f"dipu over the cpu vendor: {numel}-element add"
         measurements += [Measurement(group, "cpu", r["wall"]["cpu"], {"peer": True}),
-                         Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1 us over cpu"} if numel == 1000 else {})]
+                         Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1 us over cpu"} if numel == 1000 else {}),
+                         Measurement(group, CONTROL, r["wall"][CONTROL], {"control": True})]
         if numel == 1000:
-            verdicts.append(("add 1000: dipu - cpu <= 1 us (CPU time)", med(r["over_cpu"]) <= 1e-6))
+            verdicts.append(("add 1000: dipu - cpu <= 1 us (CPU time)", med(r["dipu"]["over_cpu"]) <= 1e-6))
     for precision in ("bf16", "fp32"):
         r = training_steps(precision, args.steps, args.rounds)
-        ms = lambda s: s * 1e3  # noqa: E731
-        print(f"{'step ' + precision + ' (ms)':<22} {ms(med(r['wall']['cpu'])):>10.1f} {ms(med(r['wall']['dipu'])):>10.1f} "
-              f"{ms(med(r['cpu']['cpu'])):>10.1f} {ms(med(r['cpu']['dipu'])):>10.1f} "
-              f"{ms(med(r['wall']['dipu']) - med(r['wall']['cpu'])):>14.2f} {ms(med(r['cpu']['dipu']) - med(r['cpu']['cpu'])):>13.2f} "
-              f"{med(r['ratio_wall']):>10.3f} {med(r['ratio_cpu']):>10.3f}")
+        for c in ("dipu", CONTROL):
+            name = f"step {precision} (ms)" if c == "dipu" else f"  {CONTROL}"
+            print(f"{name:<22} {ms(med(r['wall']['cpu'])):>10.1f} {ms(med(r['wall'][c])):>10.1f} "
+                  f"{ms(med(r['cpu']['cpu'])):>10.1f} {ms(med(r['cpu'][c])):>10.1f} "
+                  f"{ms(med(r[c]['over_wall'])):>14.2f} {ms(med(r[c]['over_cpu'])):>13.2f} "
+                  f"{med(r[c]['ratio_wall']):>10.3f} {med(r[c]['ratio_cpu']):>10.3f}")
         group = f"dipu over the cpu vendor: llama training step {precision}"
         measurements += [Measurement(group, "cpu", r["wall"]["cpu"], {"peer": True}),
-                         Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1.05x"})]
-        verdicts.append((f"step {precision}: dipu/cpu <= 1.05 (CPU time)", med(r["ratio_cpu"]) <= 1.05))
+                         Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1.05x"}),
+                         Measurement(group, CONTROL, r["wall"][CONTROL], {"control": True})]
+        verdicts.append((f"step {precision}: dipu/cpu <= 1.05 (CPU time)", med(r["dipu"]["ratio_cpu"]) <= 1.05))
     load = os.getloadavg()
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     for what, ok in verdicts:
