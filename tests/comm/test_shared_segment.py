@@ -64,15 +64,12 @@ def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
 def segments_of_this_process() -> dict:
     """The shared segments this process maps (/proc/self/maps), and those whose file is still in
     /dev/shm: an unlinked one shows as "(deleted)". Only this process's own: other tests' groups
-    (another xdist worker) may hold a file of theirs in /dev/shm at any moment. The user's table
-    of pollers (``dicomm-pollers-<uid>``, csrc/comm/transport/HostPollers.h) is no segment: one
-    file per user that every dicomm process maps and none removes."""
+    (another xdist worker) may hold a file of theirs in /dev/shm at any moment."""
     mapped, left = set(), set()
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/dicomm-") \
-                    and not fields[5].startswith("/dev/shm/dicomm-pollers-"):
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/dicomm-"):
                 path = fields[5].strip()
                 mapped.add(path)
                 if not path.endswith("(deleted)"):

@@ -1,6 +1,5 @@
 """The transport's bookkeeping objects (csrc/comm/transport/FailureLatch.h, RendezvousBook.h,
-GreetingBound.h, HostPollers.h), the busy-host decision (Spin.h) and the mailbox
-(csrc/comm/core/Mailbox.h),
+GreetingBound.h) and the mailbox (csrc/comm/core/Mailbox.h),
 checked without sockets by a small C++ program built here against the same sources."""
 import os
 import shutil
@@ -14,8 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["tests/comm/unit/transport_units.cpp", "csrc/comm/transport/FailureLatch.cpp",
            "csrc/comm/transport/RendezvousBook.cpp", "csrc/comm/transport/GreetingBound.cpp",
-           "csrc/comm/core/Mailbox.cpp", "csrc/comm/transport/Env.cpp",
-           "csrc/comm/transport/HostPollers.cpp", "csrc/comm/transport/Spin.cpp", "csrc/comm/transport/Log.cpp"]
+           "csrc/comm/core/Mailbox.cpp", "csrc/comm/transport/Env.cpp"]
 
 
 def test_failure_latch_and_rendezvous_book(tmp_path):

@@ -1,7 +1,6 @@
 """Waiting that yields the core: dicomm judges a host busy (waiters then block in the kernel at
-once instead of polling) when its runnable threads besides dicomm's pollers outnumber the cores,
-and quiet again when the load goes. The speed this buys is measured by benchmarks/comm.py
---load, not here."""
+once instead of polling) when it has more runnable threads than cores, and quiet again when the
+load goes. The speed this buys is measured by benchmarks/comm.py --load, not here."""
 from __future__ import annotations
 
 import os

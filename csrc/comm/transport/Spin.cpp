@@ -11,7 +11,6 @@
 #include <thread>
 
 #include "comm/transport/Env.h"
-#include "comm/transport/HostPollers.h"
 #include "comm/transport/Log.h"
 
 namespace dicomm {
@@ -64,16 +63,15 @@ void sampleHostLoad(bool callerPolls) {
   const int running = runnableThreads();
   if (running < 0) return;
   std::lock_guard<std::mutex> lock(mu);
-  // Runnable threads that are not dicomm's pollers (this process's and the host's others), nor
-  // the caller on its way to block.
-  const int work = running - pollersHere.load() - hostPollers().others() - (callerPolls ? 0 : 1);
-  average += kWeight * (work - average);
-  const bool nowBusy = busyWith(average, cores);
+  // Other runnable threads: not this process's pollers, nor the caller.
+  const int others = running - pollersHere.load() - (callerPolls ? 0 : 1);
+  average += kWeight * (others - average);
+  const bool nowBusy = average > cores + 0.5;
   if (busy.exchange(nowBusy, std::memory_order_relaxed) != nowBusy && logEnabled(LogLevel::kInfo) &&
       now - lastLogged >= 1'000'000'000) {
     lastLogged = now;  // at most one line a second: the state may flicker at the edge
     char text[160];
-    std::snprintf(text, sizeof(text), "host %s: %.1f runnable threads besides dicomm's pollers on %d cores; waiters %s",
+    std::snprintf(text, sizeof(text), "host %s: %.1f other runnable threads on %d cores; waiters %s",
                   nowBusy ? "busy" : "quiet", average, cores,
                   nowBusy ? "block instead of polling" : "poll before blocking");
     logLine(LogLevel::kInfo, text);
@@ -81,8 +79,6 @@ void sampleHostLoad(bool callerPolls) {
 }
 
 bool hostBusy() { return busy.load(std::memory_order_relaxed); }
-
-bool busyWith(double work, int cores) { return work > cores; }
 
 PollPhase::PollPhase() {
   const auto ceiling = spinBudget();
@@ -93,13 +89,10 @@ PollPhase::PollPhase() {
   if (hostBusy()) return;
   budget_ = ceiling;
   pollersHere.fetch_add(1, std::memory_order_relaxed);
-  hostPollers().add(1);
 }
 
 PollPhase::~PollPhase() {
-  if (budget_.count() == 0) return;
-  pollersHere.fetch_sub(1, std::memory_order_relaxed);
-  hostPollers().add(-1);
+  if (budget_.count() > 0) pollersHere.fetch_sub(1, std::memory_order_relaxed);
 }
 
 void relax(unsigned round) {

@@ -7,18 +7,14 @@
 // threads, or more ranks than cores). So a waiter polls for DICOMM_SPIN_US (default 200; 0 never
 // polls) only while the host is quiet, and otherwise blocks at once, as gloo always does.
 //
-// "Quiet" is no more real work than cores: the kernel's count of runnable threads
-// (/proc/loadavg), less every dicomm poller on the host (this process's, and the other
-// processes' from their shared table, HostPollers.h) and less a caller on its way to block,
-// averaged over a few samples (one per ms at most), at most the number of cores. Pollers are
-// left out because they are what polling costs, not a reason to stop: two ranks polling for each
-// other's messages read as a busy host when each counted the other's pollers as load, and their
-// receivers slept through the next message. Beyond a thread of real work per core, a poller takes
-// a core from work that needs it. The average keeps a momentary peak (a peer's thread waking) from stopping the polls of a
-// ping-pong. A thread's own history does not tell the two hosts apart: a poll that runs out says
-// only that the wait was long, and context switches during polls happen on a quiet host too (our
-// own threads take turns); an adaptive budget built on either collapsed small-message latency on
-// a quiet host (docs/dicomm.md).
+// "Quiet" is the kernel's count of runnable threads (/proc/loadavg), less this process's own
+// pollers, averaged over a few samples (one per ms at most), at most the number of cores. Our
+// pollers are subtracted because they are what polling costs, not a reason to stop; the average
+// keeps a momentary peak (a peer's thread waking) from stopping the polls of a ping-pong. A
+// thread's own history does not tell the two hosts apart: a poll that runs out says only that
+// the wait was long, and context switches during polls happen on a quiet host too (our own
+// threads take turns); an adaptive budget built on either collapsed small-message latency on a
+// quiet host (docs/dicomm.md).
 //
 // A wait decides from the last sample and takes the next one only once it has nothing else to
 // do (its first idle round): reading /proc/loadavg is a system call, and after a pause (a
@@ -44,13 +40,9 @@ class PollPhase {
   std::chrono::microseconds budget_{0};
 };
 
-// Whether the host had more real work (runnable threads besides dicomm's pollers) than cores, as
+// Whether the host had more runnable threads (other than this process's pollers) than cores, as
 // of the last sample. No system call: a load of the last decision.
 bool hostBusy();
-
-// The decision itself: busy when `work` (runnable threads besides dicomm's pollers, averaged)
-// outnumbers `cores`.
-bool busyWith(double work, int cores);
 
 // Samples /proc/loadavg if the last sample is a millisecond old or more (once per process per
 // ms): by pollers with nothing else to do (`callerPolls`), never on a wait's way in (see above),

@@ -25,7 +25,7 @@ srcs=(tests/comm/fuzz/stream_frames_fuzzer.cpp
       csrc/comm/core/Mailbox.cpp csrc/comm/transport/StreamPair.cpp csrc/comm/transport/StreamConfig.cpp
       csrc/comm/transport/CrossMemory.cpp csrc/comm/transport/FailureLatch.cpp csrc/comm/transport/RendezvousBook.cpp csrc/comm/transport/Socket.cpp
       csrc/comm/transport/Handshake.cpp csrc/comm/transport/Env.cpp csrc/comm/transport/Log.cpp
-      csrc/comm/transport/SmallFrameRing.cpp csrc/comm/transport/Spin.cpp csrc/comm/transport/HostPollers.cpp csrc/comm/transport/Trace.cpp csrc/comm/transport/ListenAddress.cpp csrc/comm/transport/Transport.cpp)
+      csrc/comm/transport/SmallFrameRing.cpp csrc/comm/transport/Spin.cpp csrc/comm/transport/Trace.cpp csrc/comm/transport/ListenAddress.cpp csrc/comm/transport/Transport.cpp)
 bin=$out/stream_frames_fuzzer-$sanitizer
 if [ ! -x "$bin" ] || [ -n "$(find "${srcs[@]}" csrc/comm \( -name '*.h' -o -name '*.cpp' \) -newer "$bin" | head -1)" ]; then
   echo "fuzz: building $bin" >&2

@@ -1,17 +1,9 @@
 // Unit checks of the transport's bookkeeping objects, with no sockets: the failure latch both
 // pair kinds keep, the receiving side's book of rendezvous transfers, the listener's bound on
-// the connections it greets at once, the mailbox's receives around a failure, the host's table
-// of pollers and the busy-host decision. Built and run by
+// the connections it greets at once, and the mailbox's receives around a failure. Built and run by
 // tests/comm/test_transport_units.py; prints one line per failed check, exits non-zero if any.
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -19,8 +11,6 @@
 #include "comm/core/Mailbox.h"
 #include "comm/transport/FailureLatch.h"
 #include "comm/transport/GreetingBound.h"
-#include "comm/transport/HostPollers.h"
-#include "comm/transport/Spin.h"
 #include "comm/transport/RendezvousBook.h"
 
 namespace {
@@ -186,66 +176,6 @@ void receivesPostedAfterAFailureFailAtOnce() {
   }
 }
 
-// Another process's pollers count while it lives and stop counting when it dies (even if it died
-// polling); this process's own are never among the others.
-void hostPollersCountOtherLiveProcesses() {
-  const std::string path = "/tmp/dicomm-pollers-test-" + std::to_string(::getpid());
-  {
-    dicomm::HostPollers table(path);
-    EXPECT(table.usable());
-    table.add(2);
-    EXPECT(table.others() == 0);
-    int ready[2], hold[2];
-    EXPECT(::pipe(ready) == 0 && ::pipe(hold) == 0);
-    const pid_t child = ::fork();
-    if (child == 0) {
-      table.add(3);  // the child's own slot, not its parent's
-      char c = 'r';
-      (void)!::write(ready[1], &c, 1);
-      (void)!::read(hold[0], &c, 1);  // until killed
-      ::_exit(0);
-    }
-    char c;
-    EXPECT(::read(ready[0], &c, 1) == 1);
-    EXPECT(table.others() == 3);
-    table.add(-1);
-    EXPECT(table.others() == 3);
-    ::kill(child, SIGKILL);
-    ::waitpid(child, nullptr, 0);
-    EXPECT(table.others() == 0);  // its slot still says 3
-    for (int fd : {ready[0], ready[1], hold[0], hold[1]}) ::close(fd);
-  }
-  {
-    dicomm::HostPollers again(path);  // the dead child's slot is taken back, ours too
-    again.add(1);
-    EXPECT(again.others() == 0);
-  }
-  ::unlink(path.c_str());
-  {
-    std::ofstream(path) << "not a poller table";  // another file: left alone, no table
-    dicomm::HostPollers other(path);
-    EXPECT(!other.usable());
-    other.add(1);
-    EXPECT(other.others() == 0);
-    std::ifstream in(path);
-    std::string text;
-    std::getline(in, text);
-    EXPECT(text == "not a poller table");
-  }
-  ::unlink(path.c_str());
-}
-
-// Busy when the runnable threads besides pollers outnumber the cores.
-void busyWhenWorkOutnumbersTheCores() {
-  EXPECT(!dicomm::busyWith(0.0, 2));
-  EXPECT(!dicomm::busyWith(2.0, 2));
-  EXPECT(dicomm::busyWith(2.1, 2));
-  EXPECT(!dicomm::busyWith(1.0, 1));
-  EXPECT(dicomm::busyWith(1.1, 1));
-  EXPECT(!dicomm::busyWith(8.0, 8));
-  EXPECT(dicomm::busyWith(8.2, 8));
-}
-
 int main() {
   latchIsUpUntilFailedOrClosed();
   closedLatchRefusesFailure();
@@ -254,8 +184,6 @@ int main() {
   bookDropsIntoNothingAndHandsBackTheRest();
   greetingBoundFallsWhenOutOfDescriptorsAndReturnsWithRoom();
   receivesPostedAfterAFailureFailAtOnce();
-  hostPollersCountOtherLiveProcesses();
-  busyWhenWorkOutnumbersTheCores();
   if (failures == 0) std::printf("transport units: all checks passed\n");
   return failures == 0 ? 0 : 1;
 }
