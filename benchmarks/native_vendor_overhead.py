@@ -1,6 +1,6 @@
 """What dipu costs over the native device it runs on: dipu over the cpu vendor against plain CPU
-tensors, in one process, the two taking turns (A/B alternating within every round) so that load
-from the rest of the machine hits both alike.
+tensors, in one process, the contenders taking turns (the order rotated from round to round) so
+that load from the rest of the machine hits them alike.
 
   add 1000   a 1,000-element fp32 ``a + b``: per-op host time (target: dipu <= 1 us over cpu)
   add 1      a one-element add (the shim's fixed cost alone, for scale)
@@ -54,7 +54,7 @@ def _clocks(fn, repeats: int) -> tuple[float, float]:
 
 
 def _rounds(measure, rounds: int) -> dict:
-    """`measure(contender, round) -> (wall, cpu)` for every contender in every round, the order
+    """`measure(contender) -> (wall, cpu)` for every contender in every round, the order
     rotated from round to round; per-contender lists and each round's dipu and control against
     cpu (differences and ratios taken within the round)."""
     wall = {c: [] for c in CONTENDERS}
@@ -62,7 +62,7 @@ def _rounds(measure, rounds: int) -> dict:
     for r in range(rounds):
         shift = r % len(CONTENDERS)
         for c in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            w, t = measure(c, r)
+            w, t = measure(c)
             wall[c].append(w)
             cpu[c].append(t)
     out = {"wall": wall, "cpu": cpu}
@@ -81,7 +81,7 @@ def per_op(numel: int, repeats: int, rounds: int) -> dict:
     fns = {c: (lambda a=xs[c][0], b=xs[c][1]: a + b) for c in CONTENDERS}
     for c in CONTENDERS:
         _clocks(fns[c], repeats)  # warm
-    return _rounds(lambda c, r: _clocks(fns[c], repeats), rounds)
+    return _rounds(lambda c: _clocks(fns[c], repeats), rounds)
 
 
 def training_steps(precision: str, steps: int, rounds: int) -> dict:
@@ -108,7 +108,7 @@ def training_steps(precision: str, steps: int, rounds: int) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.item()  # the host waits for the step, as a training loop that logs does
 
-    def measure(contender: str, r: int) -> tuple[float, float]:
+    def measure(contender: str) -> tuple[float, float]:
         run = build(_device(contender))
         step(run)  # warm: optimizer state, allocator caches
         return _clocks(lambda: step(run), steps)
@@ -116,9 +116,20 @@ def training_steps(precision: str, steps: int, rounds: int) -> dict:
     return _rounds(measure, rounds)
 
 
+def _print_rows(label: str, r: dict, unit: float, digits: int) -> None:
+    """dipu's row and the control's, in `unit`s of a second (1e6: us), ratios to `digits`."""
+    med = statistics.median
+    for c in ("dipu", CONTROL):
+        name = label if c == "dipu" else f"  {CONTROL}"
+        print(f"{name:<22} {unit * med(r['wall']['cpu']):>10.2f} {unit * med(r['wall'][c]):>10.2f} "
+              f"{unit * med(r['cpu']['cpu']):>10.2f} {unit * med(r['cpu'][c]):>10.2f} "
+              f"{unit * med(r[c]['over_wall']):>14.2f} {unit * med(r[c]['over_cpu']):>13.2f} "
+              f"{med(r[c]['ratio_wall']):>10.{digits}f} {med(r[c]['ratio_cpu']):>10.{digits}f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=15, help="A/B rounds per measurement")
+    p.add_argument("--rounds", type=int, default=15, help="rounds per measurement (every contender once in each)")
     p.add_argument("--steps", type=int, default=3, help="training steps per device per round")
     p.add_argument("--repeats", type=int, default=2000, help="adds per device per round")
     p.add_argument("--no-save", action="store_true", help="print only; save no run under .benchmarks")
@@ -132,23 +143,16 @@ def main() -> int:
     assert ditorch.vendor_name() == "cpu", f"DITORCH_VENDOR must be cpu here, got {ditorch.vendor_name()}"
     med = statistics.median
     load = os.getloadavg()
-    print(f"dipu over the cpu vendor against cpu, one process, 1 thread, {args.rounds} A/B rounds; "
+    print(f"dipu over the cpu vendor against cpu, one process, 1 thread, {args.rounds} rounds; "
           f"torch {torch.__version__}, {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'measurement':<22} {'cpu wall':>10} {'dipu wall':>10} {'cpu CPU':>10} {'dipu CPU':>10} "
           f"{'dipu-cpu wall':>14} {'dipu-cpu CPU':>13} {'ratio wall':>10} {'ratio CPU':>10}")
     print(f"(each '{CONTROL}' row: native cpu in dipu's columns, against cpu: the noise floor)")
     measurements = []
     verdicts = []
-    us = lambda s: s * 1e6  # noqa: E731
-    ms = lambda s: s * 1e3  # noqa: E731
     for numel, label in ((1000, "add 1000 (us)"), (1, "add 1 (us)")):
         r = per_op(numel, args.repeats, args.rounds)
-        for c in ("dipu", CONTROL):
-            name = label if c == "dipu" else f"  {CONTROL}"
-            print(f"{name:<22} {us(med(r['wall']['cpu'])):>10.2f} {us(med(r['wall'][c])):>10.2f} "
-                  f"{us(med(r['cpu']['cpu'])):>10.2f} {us(med(r['cpu'][c])):>10.2f} "
-                  f"{us(med(r[c]['over_wall'])):>14.2f} {us(med(r[c]['over_cpu'])):>13.2f} "
-                  f"{med(r[c]['ratio_wall']):>10.2f} {med(r[c]['ratio_cpu']):>10.2f}")
+        _print_rows(label, r, 1e6, 2)
         group = f"dipu over the cpu vendor: {numel}-element add"
         measurements += [Measurement(group, "cpu", r["wall"]["cpu"], {"peer": True}),
                          Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1 us over cpu"} if numel == 1000 else {}),
@@ -157,12 +161,7 @@ def main() -> int:
             verdicts.append(("add 1000: dipu - cpu <= 1 us (CPU time)", med(r["dipu"]["over_cpu"]) <= 1e-6))
     for precision in ("bf16", "fp32"):
         r = training_steps(precision, args.steps, args.rounds)
-        for c in ("dipu", CONTROL):
-            name = f"step {precision} (ms)" if c == "dipu" else f"  {CONTROL}"
-            print(f"{name:<22} {ms(med(r['wall']['cpu'])):>10.1f} {ms(med(r['wall'][c])):>10.1f} "
-                  f"{ms(med(r['cpu']['cpu'])):>10.1f} {ms(med(r['cpu'][c])):>10.1f} "
-                  f"{ms(med(r[c]['over_wall'])):>14.2f} {ms(med(r[c]['over_cpu'])):>13.2f} "
-                  f"{med(r[c]['ratio_wall']):>10.3f} {med(r[c]['ratio_cpu']):>10.3f}")
+        _print_rows(f"step {precision} (ms)", r, 1e3, 3)
         group = f"dipu over the cpu vendor: llama training step {precision}"
         measurements += [Measurement(group, "cpu", r["wall"]["cpu"], {"peer": True}),
                          Measurement(group, "dipu", r["wall"]["dipu"], {"target": "<= 1.05x"}),
