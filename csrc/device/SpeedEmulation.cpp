@@ -11,12 +11,14 @@
 namespace ditorch {
 namespace {
 
-// The host may run this far ahead of the device before it sleeps, and sleeps down to half of it:
-// host work between kernels is hidden while it stays within the device's time and the remaining
-// lead (as behind an accelerator's launch queue), so a rank preempted for a few milliseconds by
-// its neighbours does not fall behind; a sleep's overshoot (~60 us) is small against it.
-constexpr int64_t kMaxLeadNs = 10000000;
-constexpr int64_t kLeadAfterSleepNs = kMaxLeadNs / 2;
+// Kernels the host may have queued on the device before it sleeps, as an accelerator's launch
+// queue holds about a thousand (a CUDA stream's launches block past that); it then sleeps until
+// half of them have run. A bound in kernels, not in time: a stage's forward queues its surplus of
+// device time over host time, and its backward, denser in matmuls that the host computes at
+// launch (a chip's narrow accumulation costs the host more than the chip), spends it. A few
+// milliseconds of lead cannot carry that, and the device would idle on a host that keeps up over
+// the step.
+constexpr uint64_t kQueueDepth = 1024;
 
 int64_t monotonicNs() {
   timespec ts;
@@ -41,7 +43,15 @@ class DeviceTimeline {
     ++stats_.kernels;
     stats_.device_busy_ns += busy_ns;
     idle_at_ns_ = std::max(idle_at_ns_, launch_ns) + busy_ns;
+    ends_ns_[launched_++ % kQueueDepth] = idle_at_ns_;
     return idle_at_ns_;
+  }
+  // When the launch queue is full at `now_ns` (the kernel launched kQueueDepth ago has not run
+  // yet), the time by which half of it will have run; 0 otherwise.
+  int64_t drainDeadline(int64_t now_ns) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (launched_ < kQueueDepth || ends_ns_[launched_ % kQueueDepth] <= now_ns) return 0;
+    return ends_ns_[(launched_ - kQueueDepth / 2) % kQueueDepth];
   }
   int64_t idleAt() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -61,6 +71,8 @@ class DeviceTimeline {
  private:
   mutable std::mutex mu_;
   int64_t idle_at_ns_ = 0;  // CLOCK_MONOTONIC
+  uint64_t launched_ = 0;
+  int64_t ends_ns_[kQueueDepth] = {};  // when each of the last kQueueDepth kernels ends
   bool synced_ = true;
   EmulationStats stats_;
 };
@@ -123,8 +135,7 @@ void chargeKernel(const KernelClock& start, double time_scale, const KernelSigna
 }
 
 void paceHost() {
-  const int64_t idle_at = timeline().idleAt();
-  if (idle_at - monotonicNs() > kMaxLeadNs) sleepUntil(idle_at - kLeadAfterSleepNs);
+  if (const int64_t deadline = timeline().drainDeadline(monotonicNs())) sleepUntil(deadline);
 }
 
 void occupyDevice(int64_t device_ns) {

@@ -92,3 +92,39 @@ def test_host_work_longer_than_the_device_time_is_what_the_step_takes():
     # A host-bound chip: the device idles between kernels, so the host's 8 ms per item is the time.
     elapsed = _items(20, 0.002, 0.008)
     assert 0.160 <= elapsed < 0.160 + 0.045
+
+
+def test_a_surplus_of_device_time_carries_a_later_host_bound_stretch():
+    """As a forward pass queues more device time than its host work and the backward spends it
+    (matmuls whose numerics the host computes at launch): the host runs ahead through the first
+    stretch, so the second costs nothing extra and no launch finds the device idle."""
+    from ditorch_ext.chip import emulation_stats
+
+    torch.dipu.synchronize()
+    emulation_stats(reset=True)
+    start = time.perf_counter()
+    for _ in range(40):
+        _C.occupy_device(0.002)  # 80 ms of device time, launched at once
+    for _ in range(20):
+        time.sleep(0.003)  # 60 ms of host work ...
+        _C.occupy_device(0.0005)  # ... launching 10 ms of device time
+    torch.dipu.synchronize()
+    elapsed = time.perf_counter() - start
+    assert emulation_stats().late_kernels == 0
+    assert 0.090 <= elapsed < 0.090 + 0.040
+
+
+def test_the_host_queues_a_launch_queue_of_kernels_then_waits_for_half_of_it():
+    torch.dipu.synchronize()
+    start = time.perf_counter()
+    for _ in range(1000):
+        _C.occupy_device(0.0005)  # 500 ms of device time
+    queued = time.perf_counter() - start
+    for _ in range(100):
+        _C.occupy_device(0.0005)
+    waited = time.perf_counter() - start
+    torch.dipu.synchronize()
+    assert queued < 0.150  # the launches alone: 1,000 kernels fit the queue
+    # The 1,024th pending launch fills it: the host sleeps until the kernels ahead of the
+    # newest 512 have run (about 256 ms of device time), then launches the rest.
+    assert 0.240 <= waited < 0.240 + 0.150
