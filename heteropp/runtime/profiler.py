@@ -4,8 +4,8 @@ can come from measurements of this machine.
 
 On the emulated vendor the chip runs at its datasheet's roofline times the time scale
 (docs/device.md, "Speed"), and the times written are the chip's own: the measured time divided
-by the time scale, the same on every host that keeps up with the chip (the profile says by how
-much its host fell behind, if it did). Without ``--time-scale`` the scale is chosen for this
+by the time scale, less any time the device waited for a host that fell behind (the profile
+says by how much it did): the same on every host. Without ``--time-scale`` the scale is chosen for this
 host: ``host_ratio`` measures how many times longer the host takes for the layer than the chip.
 
 For TP size t, t processes run one real stage layer of the model (the project's LLaMA or a
@@ -44,21 +44,29 @@ CHAIN = 4
 # Written into each chip entry (``profiler_version``): what the layer times mean. Version 2 times
 # a layer's update as the runtime's whole local step (see _worker); a cache of profiles (the
 # demo's) measures again when an entry's version differs.
-PROFILER_VERSION = 3
-# Version 3 writes the chip's own time (measured / time scale), from datasheet-roofline emulation.
+PROFILER_VERSION = 4
+# Version 3 writes the chip's own time (measured / time scale), from datasheet-roofline emulation;
+# version 4 leaves out the time the emulated device waited for a host that fell behind.
+
+
+def _chip_seconds(fn, sync) -> float:
+    """Seconds of one run of ``fn`` between two synchronisations, less the time the emulated
+    device sat idle waiting for this host meanwhile (docs/device.md, Speed): what the chip takes
+    behind a host that keeps up. Off the emulated vendor nothing is left out."""
+    from ditorch_ext.chip import emulation_stats
+
+    sync()
+    late = emulation_stats().host_late_s
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start - (emulation_stats().host_late_s - late)
 
 
 def _timed(fn, sync, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after two warm-ups; device synced around each."""
-    samples = []
-    for i in range(repeats + 2):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        if i >= 2:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    """Median chip seconds (:func:`_chip_seconds`) of ``fn`` over ``repeats`` runs after two warm-ups."""
+    samples = [_chip_seconds(fn, sync) for _ in range(repeats + 2)]
+    return statistics.median(samples[2:])
 
 
 def _device_seconds(fn, sync, repeats: int) -> float:
@@ -150,12 +158,9 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
         if i == 3:
             emulation_stats(reset=True)
         for fn, samples in ((forwards, fwd_samples), (backwards, bwd_samples)):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
+            seconds = _chip_seconds(fn, sync)
             if i >= 3:
-                samples.append((time.perf_counter() - start) / CHAIN)
+                samples.append(seconds / CHAIN)
     lateness = emulation_stats()
     # the chip's own time: what the emulated device took, divided by the time scale it ran at
     fwd, bwd = statistics.median(fwd_samples) / time_scale, statistics.median(bwd_samples) / time_scale
@@ -225,19 +230,22 @@ def _end_times(spec: ModelSpec, family, tp: int, rank: int, device, autocast, sy
     hidden = torch.randn(1, spec.seq // tp if last.sp else spec.seq, spec.hidden, device=device)
     out = {}
     for name, run in (("embed", lambda: first(tokens)), ("head", lambda: last(hidden.detach().requires_grad_(), tokens))):
+        held = {}
+
+        def forward(run=run):
+            with autocast:
+                held["y"] = run()
+
+        def backward():
+            y = held.pop("y")
+            y.backward(torch.ones_like(y))
+
         fwd_samples, bwd_samples = [], []
         for i in range(repeats + 3):
-            sync()
-            start = time.perf_counter()
-            with autocast:
-                y = run()
-            sync()
-            mid = time.perf_counter()
-            y.backward(torch.ones_like(y))
-            sync()
+            fwd, bwd = _chip_seconds(forward, sync), _chip_seconds(backward, sync)
             if i >= 3:
-                fwd_samples.append(mid - start)
-                bwd_samples.append(time.perf_counter() - mid)
+                fwd_samples.append(fwd)
+                bwd_samples.append(bwd)
         out[f"{name}_fwd"], out[f"{name}_bwd"] = statistics.median(fwd_samples), statistics.median(bwd_samples)
     return out
 
@@ -459,8 +467,8 @@ def profile_command(args) -> int:
               f"{r['head_fwd']:>6.2f}/{r['head_bwd']:<6.2f}", flush=True)
         if (r.get("host_late_percent") or 0) > 2:
             print(f"    the host fell behind the chip by {r['host_late_percent']:.1f}% of its device time at time scale "
-                  f"{stretch:g}: these times are the host's, not the chip's; profile at a larger --time-scale",
-                  flush=True)
+                  f"{stretch:g}: that wait is left out of these times; a run at this scale is as late "
+                  f"(a larger --time-scale lets the host keep up)", flush=True)
     desc = {"chips": {args.chip: chip_description(args.chip, results, scale, time_scale=stretch)}}
     try:  # what the planner will read: a measurement it would refuse is not written
         ChipSpec.from_dict(args.chip, desc["chips"][args.chip])

@@ -67,3 +67,13 @@ def test_layer_times_and_plans_do_not_depend_on_the_time_scale_or_the_hosts_load
     plans = [_plan_layout({"A": chip_description("A", {1: a}, 0.01), "C": chip_description("C", {1: quiet["C"]}, 0.01)})
              for a in (quiet["A"], loaded)]
     assert plans[0] == plans[1]
+
+
+def test_a_host_that_falls_behind_is_left_out_of_the_layer_times(ratio):
+    """At half the scale at which the host keeps up, the device waits for the host most of the
+    time; the profile leaves those waits out and measures the chip as at a scale that keeps up."""
+    keeps_up, _ = _profile("A", 6 * ratio)
+    behind = profile_tp("A", SPEC, 1, memory_scale=0.01, repeats=3, time_scale=max(1.0, ratio / 2))
+    assert behind["host_late_percent"] > 20, behind  # the host did fall behind
+    for key in ("fwd", "bwd"):
+        assert behind[key] == pytest.approx(keeps_up[key], rel=0.05), (key, keeps_up, behind)
