@@ -5,10 +5,18 @@ one X chip) with DP 2, fp32, 16 micro-batches of 32 tokens per replica per step 
 (``--microbatches``), three runs of the same steps:
 
 * plain DP: one ``torchrun`` of all the ranks (2 per stage; the DP all-reduce on a dicomm group);
-* --ft, no failure: two replicas under a lighthouse (replica 0 on the cpu vendor, replica 1 on
-  emulated chips), each its own ``torchrun`` of one rank per stage;
+* --ft, no failure: two replicas under a lighthouse, each its own ``torchrun`` of one rank per
+  stage, on the vendors ``--vendors`` names (default: both on emulated chips, as plain DP's ranks
+  are, so that the overhead compares like with like; ``--vendors cpu,emu`` trains one replica on
+  the cpu vendor and one on emulated chips);
 * --ft with a failure: replica 1 SIGKILLed (its whole torchrun) at step ``--kill-at``, started
   again at once; it heals from replica 0 and rejoins.
+
+The emulated chips run at the time scale the other benchmarks choose for this host
+(``heteropp.runtime.profiler.cluster_time_scale``: the host keeps up with them), so a step takes
+the chips' time and the Manager's cost is what it adds to that, as on accelerators. At
+``--time-scale 1`` the chips are far faster than the host: every step is then the host's CPU
+time, and whatever CPU the Manager's Python spends shows as step time.
 
 With two stages the four ranks share this machine's two cores, so the Manager's per-step meeting
 of a replica's ranks (``should_commit``) waits on the slowest of them; one stage gives each rank a
@@ -22,7 +30,8 @@ without failure (criterion 1.5%), and whether the fp32 run without failure equal
 for bit. CPU time (all the runs' processes) stands beside wall time. A PNG of both curves and
 the survivor's step times goes beside the JSON.
 
-    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--microbatches 16] [--stages 2] [--out out/bench-ft]
+    python benchmarks/ft.py [--steps 60] [--kill-at 20] [--microbatches 16] [--stages 2] [--vendors emu,emu]
+                            [--time-scale S] [--out out/bench-ft]
 """
 from __future__ import annotations
 
@@ -124,6 +133,19 @@ def steady_step_time(arrived: dict[int, float], skip: int = 3) -> float:
     return statistics.median(gaps)
 
 
+def chosen_time_scale(out: Path, plan, stages: int) -> float:
+    """The time scale at which this host keeps up with the runs' ranks (2 per stage here)."""
+    from heteropp.runtime.profiler import cluster_time_scale
+
+    os.environ["DITORCH_PROFILE_FILE"] = str(chip_file(out))  # the measuring worker reads X and Y from it
+    chips = {s.chip: 2 for s in plan.stages}
+    scale, ratios = cluster_time_scale([chips], plan.model, precision="fp32", memory_scale=0.001)
+    print(f"this host's time for a layer against each chip's: "
+          f"{', '.join(f'{c} {r:.1f}x' for c, r in ratios.items())}; time scale {scale:g} "
+          f"({2 * stages} ranks on {os.cpu_count()} cores)", flush=True)
+    return scale
+
+
 def run_plain_dp(out: Path, steps: int, stages: int) -> dict:
     (out / "dp.jsonl").unlink(missing_ok=True)
     watch = LogWatcher(out / "dp.jsonl")
@@ -135,7 +157,7 @@ def run_plain_dp(out: Path, steps: int, stages: int) -> dict:
     return {"losses": watch.losses, "step_s": steady_step_time(watch.arrived), "wall_s": wall, "cpu_s": cpu}
 
 
-def run_ft(out: Path, steps: int, stages: int, tag: str, kill_at: int | None = None) -> dict:
+def run_ft(out: Path, steps: int, stages: int, vendors: list[str], tag: str, kill_at: int | None = None) -> dict:
     for k in range(2):
         (out / f"{tag}{k}.jsonl").unlink(missing_ok=True)
     lh, address = lighthouse(out)
@@ -143,7 +165,7 @@ def run_ft(out: Path, steps: int, stages: int, tag: str, kill_at: int | None = N
     cpu, wall = cpu_of_children(), time.monotonic()
     ft = lambda k: ["--steps", str(steps), "--ft", "--lighthouse", address, "--replica", str(k),
                     "--loss-log", f"{tag}{k}.jsonl", "--check-replicas", str(steps)]
-    procs = [torchrun(out, stages, ft(k), f"{tag}{k}.log", vendor) for k, vendor in enumerate(["cpu", "emu"])]
+    procs = [torchrun(out, stages, ft(k), f"{tag}{k}.log", vendor) for k, vendor in enumerate(vendors)]
     result: dict = {}
     try:
         if kill_at is not None:
@@ -154,7 +176,7 @@ def run_ft(out: Path, steps: int, stages: int, tag: str, kill_at: int | None = N
             kill_tree(procs[1].pid)
             killed = time.monotonic()
             procs[1].wait()
-            procs[1] = torchrun(out, stages, ft(1), f"{tag}1-restarted.log", "emu")
+            procs[1] = torchrun(out, stages, ft(1), f"{tag}1-restarted.log", vendors[1])
             result.update(killed=killed, killed_at=max(watches[0].arrived), restarted=time.monotonic())
         for k, p in enumerate(procs):
             wait_ok(p, f"replica {k} ({tag})", out, f"{tag}{k}.log")
@@ -230,16 +252,27 @@ def main() -> int:
                     help="micro-batches of 32 tokens per replica per step (the test plan has 4)")
     ap.add_argument("--stages", type=int, choices=(1, 2), default=2,
                     help="pipeline stages per replica (1: the four layers on one chip, a rank per core)")
+    ap.add_argument("--vendors", default="emu,emu",
+                    help="the two replicas' vendors, comma-separated (plain DP runs on emu)")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="run the emulated chips this many times slower than their datasheets (default: chosen "
+                         "for this host, as the other benchmarks do)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench-ft")
     args = ap.parse_args()
+    vendors = args.vendors.split(",")
+    if len(vendors) != 2 or not set(vendors) <= {"emu", "cpu"}:
+        ap.error(f"--vendors {args.vendors!r}: expected two of emu and cpu, comma-separated (e.g. emu,emu)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     stages = [("X", 1, 4, False)] if args.stages == 1 else [("X", 1, 2, False), ("Y", 1, 2, False)]
-    make_plan(stages, dp=2, microbatches=args.microbatches).to_json(out / "plan.json")
+    plan = make_plan(stages, dp=2, microbatches=args.microbatches)
+    plan.to_json(out / "plan.json")
+    scale = args.time_scale or chosen_time_scale(out, plan, args.stages)
+    os.environ["DITORCH_TIME_SCALE"] = f"{scale:g}"  # every run's ranks inherit it
 
     dp = run_plain_dp(out, args.steps, args.stages)
-    ft = run_ft(out, args.steps, args.stages, "ft", None)
-    failed = run_ft(out, args.steps, args.stages, "killed", args.kill_at)
+    ft = run_ft(out, args.steps, args.stages, vendors, "ft", None)
+    failed = run_ft(out, args.steps, args.stages, vendors, "killed", args.kill_at)
     f = failure_numbers(failed, ft["step_s"])
     exact = [dp["losses"][s] for s in sorted(dp["losses"])] == [ft["losses"][s] for s in sorted(ft["losses"])]
     mre = mean_relative_error(ft["losses"], failed["losses"]).mre_percent
@@ -255,7 +288,8 @@ def main() -> int:
           f"steps replica 1 missed {f['steps_missed_by_replica1']}; restart to first step (heal) {f['heal_s']:.1f} s")
     print(f"loss curve with the failure against without: MRE {mre:.3f}% (criterion 1.5%)")
     png = plot(out, dp, ft, failed)
-    summary = {"steps": args.steps, "stages": args.stages, "kill_at": args.kill_at, "microbatches": args.microbatches, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
+    summary = {"steps": args.steps, "stages": args.stages, "kill_at": args.kill_at, "microbatches": args.microbatches, "vendors": vendors,
+               "time_scale": scale, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
                "overhead": overhead, "exact": exact, "mre_percent": mre, **f,
                "wall_s": {"dp": dp["wall_s"], "ft": ft["wall_s"], "killed": failed["wall_s"]},
                "cpu_s": {"dp": dp["cpu_s"], "ft": ft["cpu_s"], "killed": failed["cpu_s"]}}
