@@ -207,9 +207,12 @@ class RpcError(RuntimeError):
 class RpcClient:
     def __init__(self, service: str, address: str, token: JobToken, tls: Tls | None = None):
         self.service, self.address, self.token = service, address, token
-        # short reconnect backoff: a restarted peer must be reachable again within a heartbeat
+        # short reconnect backoff: a restarted peer must be reachable again within a heartbeat.
+        # Subchannels of this channel's own: gRPC shares them per address across a process's
+        # channels, so a new client of a server now listening on an address where another one
+        # stopped would inherit the old subchannel's backoff and fail at once, "connection refused".
         options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 500), *_LIMITS]
+                   ("grpc.max_reconnect_backoff_ms", 500), ("grpc.use_local_subchannel_pool", 1), *_LIMITS]
         self._channel = (grpc.secure_channel(address, tls.channel_credentials(), options=options) if tls
                          else grpc.insecure_channel(address, options=options))
         self._calls: dict[str, Callable] = {}

@@ -10,7 +10,7 @@ import pytest
 
 from dips.auth import JobToken
 from dips.harness import python_env
-from dips.rpc import RpcClient, RpcError, Tls
+from dips.rpc import RpcClient, RpcError, RpcServer, Tls
 
 from emulated_hosts import can_make_hosts, emulated_hosts
 from pscluster import ROOT, in_process_ps
@@ -26,6 +26,33 @@ def self_signed(tmp_path: Path, name: str, san: str) -> Tls:
                     "-nodes", "-days", "1", "-subj", f"/CN={name}", "-addext", f"subjectAltName={san}",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     return Tls(str(cert), str(cert), str(key))
+
+
+def test_a_new_client_reaches_a_server_on_an_address_where_another_stopped(tmp_path):
+    """A follower restarted on its old port, or a test's server on a port another test's server
+    had: a new client connects to it at once, whatever backoff an older client of the address is
+    in (gRPC shares subchannels per address across a process's channels unless told not to)."""
+    token = JobToken.create(tmp_path / "k")
+
+    def serve(bind: str) -> RpcServer:
+        return RpcServer("t.Ping", {"Ping": lambda msg: {"pong": 1}}, {"Ping": (token,)}, bind=bind)
+
+    first = serve("127.0.0.1:0")
+    address = first.address
+    old = RpcClient("t.Ping", address, token)
+    assert old.call("Ping") == {"pong": 1}
+    first.stop()
+    with pytest.raises(RpcError) as down:
+        old.call("Ping", timeout=1)
+    assert down.value.unavailable  # the old client's connection is now in backoff
+    second = serve(address)
+    new = RpcClient("t.Ping", address, token)
+    try:
+        assert new.call("Ping", timeout=2) == {"pong": 1}
+    finally:
+        for c in (old, new):
+            c.close()
+        second.stop()
 
 
 def test_control_flow_over_tls(tmp_path):
