@@ -27,6 +27,12 @@ def _make(target: str, storage: Path, *bench_args: str) -> subprocess.CompletedP
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
+def _peer_regressed(output: str) -> bool:
+    """Whether a failed compare flags the CPU peer too: the machine ran slower, not the build."""
+    return any(line.lstrip().startswith("test_add_one_element[cpu] (") and "has failed" in line
+               for line in output.splitlines())
+
+
 def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
     saved = _make("bench", tmp_path)
     assert saved.returncode == 0, saved.stdout + saved.stderr
@@ -47,14 +53,15 @@ def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
     assert "Performance has regressed" in slower.stdout + slower.stderr
     assert "test_add_one_element[dipu]" in slower.stdout + slower.stderr
 
-    # An unchanged build passes. The VM has slow phases that outlast a repeat: in one CI run the
-    # CPU add's median was 1.5 us in the saved run and 2.8 us in both compares after it, and the
-    # other xdist worker's tests load the same two cores. So a failure takes the baseline again,
-    # in the same phase, and compares once more, up to three baselines; a real regression, like
-    # the one above, fails against any baseline.
+    # An unchanged build passes. The VM has slow phases that outlast a repeat: in CI runs the
+    # CPU add's median was 1.5 us in the saved run and 2.8 us in both compares after it, and in a
+    # suite run 1.36 us against 2.82 us through three baselines, the other xdist worker's tests
+    # loading the same two cores. So a compare in which the CPU peer "regressed" too (the machine
+    # changed, not the build) takes the baseline again, in the same phase, and compares once
+    # more, up to five baselines; one in which only dipu regressed fails at once.
     same = _make("bench-compare", tmp_path)
     baselines = 1
-    while same.returncode != 0 and baselines < 3:
+    while same.returncode != 0 and baselines < 5 and _peer_regressed(same.stdout + same.stderr):
         rebased = _make("bench", tmp_path)
         assert rebased.returncode == 0, rebased.stdout + rebased.stderr
         baselines += 1
