@@ -267,7 +267,12 @@ def main() -> int:
     stages = [("X", 1, 4, False)] if args.stages == 1 else [("X", 1, 2, False), ("Y", 1, 2, False)]
     plan = make_plan(stages, dp=2, microbatches=args.microbatches)
     plan.to_json(out / "plan.json")
-    scale = args.time_scale or chosen_time_scale(out, plan, args.stages)
+    if args.time_scale is not None:
+        from ditorch_ext.profiles import check_time_scale
+
+        scale = check_time_scale(args.time_scale, "--time-scale")
+    else:
+        scale = chosen_time_scale(out, plan, args.stages)
     os.environ["DITORCH_TIME_SCALE"] = f"{scale:g}"  # every run's ranks inherit it
 
     dp = run_plain_dp(out, args.steps, args.stages)
@@ -288,8 +293,8 @@ def main() -> int:
           f"steps replica 1 missed {f['steps_missed_by_replica1']}; restart to first step (heal) {f['heal_s']:.1f} s")
     print(f"loss curve with the failure against without: MRE {mre:.3f}% (criterion 1.5%)")
     png = plot(out, dp, ft, failed)
-    summary = {"steps": args.steps, "stages": args.stages, "kill_at": args.kill_at, "microbatches": args.microbatches, "vendors": vendors,
-               "time_scale": scale, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
+    summary = {"steps": args.steps, "stages": args.stages, "kill_at": args.kill_at, "microbatches": args.microbatches,
+               "vendors": vendors, "time_scale": scale, "plain_dp_step_s": dp["step_s"], "ft_step_s": ft["step_s"],
                "overhead": overhead, "exact": exact, "mre_percent": mre, **f,
                "wall_s": {"dp": dp["wall_s"], "ft": ft["wall_s"], "killed": failed["wall_s"]},
                "cpu_s": {"dp": dp["cpu_s"], "ft": ft["cpu_s"], "killed": failed["cpu_s"]}}

@@ -18,8 +18,8 @@
 //
 // The host may queue up to a thousand kernels ahead of the device, as on an accelerator; past
 // that it sleeps, and every synchronisation point (synchronize, a copy to the host, a collective
-// reading the device's memory) sleeps until the device is idle. Ranks outnumber cores here, so a spin
-// would steal the core another rank's kernel needs; a sleep leaves it to them.
+// reading the device's memory) sleeps until the device is idle. Ranks outnumber cores here, so a
+// spin would steal the core another rank's kernel needs; a sleep leaves it to them.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/function_schema.h>
 

@@ -5,8 +5,9 @@ can come from measurements of this machine.
 On the emulated vendor the chip runs at its datasheet's roofline times the time scale
 (docs/device.md, "Speed"), and the times written are the chip's own: the measured time divided
 by the time scale, less any time the device waited for a host that fell behind (the profile
-says by how much it did): the same on every host. Without ``--time-scale`` the scale is chosen for this
-host: ``host_ratio`` measures how many times longer the host takes for the layer than the chip.
+says by how much it did): the same on every host. Without ``--time-scale`` the scale is chosen
+for this host: ``host_ratio`` measures how many times longer the host takes for the layer than
+the chip.
 
 For TP size t, t processes run one real stage layer of the model (the project's LLaMA or a
 Hugging Face config's own decoder layer, as ``ditorch.train`` builds it) over dicomm, so the
