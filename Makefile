@@ -17,7 +17,7 @@ demo-single: setup
 	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
 # Two pytest-xdist workers by default: the suite's tests spend part of their time waiting (rank
-# processes starting, sockets, timeouts); 12m14s and 13m06s on 2 cores with nothing else
+# processes starting, sockets, timeouts); 13m06s and 11m28s on 2 cores with nothing else
 # running. Test ranks fork from a process that has imported torch (tests/forked_ranks.py).
 # TEST_WORKERS=0 runs it in one process. The 15 slowest tests in wall time and the 15 that used
 # the most CPU (the suite's real cost on 2 shared cores: tests/cpu_time.py) are listed at the end.
