@@ -88,7 +88,7 @@ void chargeKernel(const KernelClock& start, double time_scale, const KernelSigna
 // of that cost would (the timeline's own checks use it).
 void occupyDevice(int64_t device_ns);
 // After the host's work for an op (the kernel and what follows it, such as the chip's numerics):
-// sleep while the host is too far ahead of the device.
+// when the launch queue is full, sleep until half of it has run.
 void paceHost();
 // Sleep until the device is idle (a synchronisation point).
 void settleEmulatedTime();
