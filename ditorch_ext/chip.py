@@ -111,6 +111,15 @@ def emulation_stats(reset: bool = False) -> EmulationStats:
     return EmulationStats(int(kernels), busy * 1e-9, late * 1e-9, int(late_kernels))
 
 
+def timing_fence() -> None:
+    """Synchronise the current dipu device as a bound of a timing sample. On an emulated chip the
+    device's idle time around the fence (the host's work after its last launch and before its
+    next) counts as host lateness (:func:`emulation_stats`), so a sample less its lateness is the
+    chip's time from its first kernel to its last; elsewhere it is ``torch.dipu.synchronize()``."""
+    torch.dipu.synchronize()
+    torch.ops.ditorch_emu.fence_device_time()
+
+
 # Lateness below this share of device time is noise (a sleep's overshoot, a preemption).
 LATE_REPORT_FRACTION = 0.02
 

@@ -61,6 +61,18 @@ class DeviceTimeline {
     std::lock_guard<std::mutex> lock(mu_);
     synced_ = true;
   }
+  // A timing fence at `now_ns`: an idle device waited for the host since its last kernel, and
+  // waits again from now until the next launch (enqueue counts that, as synced_ stays false).
+  // Returns when the device will be idle.
+  int64_t fence(int64_t now_ns) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (idle_at_ns_ > 0 && idle_at_ns_ < now_ns) {
+      stats_.host_late_ns += now_ns - idle_at_ns_;
+      idle_at_ns_ = now_ns;
+    }
+    synced_ = false;
+    return idle_at_ns_;
+  }
   EmulationStats stats(bool reset) {
     std::lock_guard<std::mutex> lock(mu_);
     const EmulationStats s = stats_;
@@ -149,6 +161,11 @@ void settleEmulatedTime() {
   timeline().markSynced();
 }
 
+void fenceEmulatedTime() {
+  const int64_t idle_at = timeline().fence(monotonicNs());
+  if (idle_at > monotonicNs()) sleepUntil(idle_at);
+}
+
 int64_t emulatedTimeDebtNs() { return std::max<int64_t>(0, timeline().idleAt() - monotonicNs()); }
 
 EmulationStats emulationStats(bool reset) { return timeline().stats(reset); }
@@ -161,4 +178,5 @@ TORCH_LIBRARY_FRAGMENT(ditorch_emu, m) {
     const ditorch::EmulationStats s = ditorch::emulationStats(reset);
     return std::vector<int64_t>{s.kernels, s.device_busy_ns, s.host_late_ns, s.late_kernels};
   });
+  m.def("fence_device_time() -> ()", [] { ditorch::fenceEmulatedTime(); });
 }

@@ -92,6 +92,12 @@ void occupyDevice(int64_t device_ns);
 void paceHost();
 // Sleep until the device is idle (a synchronisation point).
 void settleEmulatedTime();
+// Sleep until the device is idle, for a timing sample's bounds: the device's idle time just
+// before it (the host still working after its last launch) and just after it (until the next
+// launch) count as host lateness, so that a sample less that lateness is the chip's time from
+// its first kernel to its last. A plain synchronisation leaves both out, as a real device
+// idles there too.
+void fenceEmulatedTime();
 // How far the device's timeline runs ahead of now, in nanoseconds (for tests and traces).
 int64_t emulatedTimeDebtNs();
 

@@ -45,15 +45,16 @@ CHAIN = 4
 # Written into each chip entry (``profiler_version``): what the layer times mean. Version 2 times
 # a layer's update as the runtime's whole local step (see _worker); a cache of profiles (the
 # demo's) measures again when an entry's version differs.
-PROFILER_VERSION = 4
+PROFILER_VERSION = 5
 # Version 3 writes the chip's own time (measured / time scale), from datasheet-roofline emulation;
-# version 4 leaves out the time the emulated device waited for a host that fell behind.
+# version 4 leaves out the time the emulated device waited for a host that fell behind; version 5
+# also its idle time at a sample's bounds (ditorch_ext.chip.timing_fence).
 
 
 def _chip_seconds(fn, sync) -> float:
-    """Seconds of one run of ``fn`` between two synchronisations, less the time the emulated
-    device sat idle waiting for this host meanwhile (docs/device.md, Speed): what the chip takes
-    behind a host that keeps up. Off the emulated vendor nothing is left out."""
+    """Seconds of one run of ``fn`` between two calls of ``sync`` (a timing fence), less the time
+    the emulated device sat idle waiting for this host meanwhile (docs/device.md, Speed): what the
+    chip takes behind a host that keeps up. Off the emulated vendor nothing is left out."""
     from ditorch_ext.chip import emulation_stats
 
     sync()
@@ -95,6 +96,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
 
     import dicomm  # noqa: F401  (registers the backend)
     import ditorch_ext
+    from ditorch_ext.chip import timing_fence
     from heteropp.runtime.flat_parameters import FlatParameters
     from heteropp.runtime.model_family import model_family
     from heteropp.runtime.stage_update import clip_coefficient, make_optimizer, squared_norm, step_flat
@@ -129,7 +131,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
     x = torch.randn(1, local_seq, spec.hidden, device=device)
     grad = torch.randn_like(x)
     autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
-    sync = torch.dipu.synchronize
+    sync = timing_fence
     holder = {}
 
     def forward():

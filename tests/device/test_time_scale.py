@@ -128,3 +128,23 @@ def test_the_host_queues_a_launch_queue_of_kernels_then_waits_for_half_of_it():
     # The 1,024th pending launch fills it: the host sleeps until the kernels ahead of the
     # newest 512 have run (about 256 ms of device time), then launches the rest.
     assert 0.240 <= waited < 0.240 + 0.150
+
+
+@pytest.mark.parametrize("fence,counted", [("synchronize", False), ("timing_fence", True)])
+def test_a_timing_fence_counts_the_hosts_work_around_it_as_lateness_and_a_synchronisation_does_not(fence, counted):
+    """A timing sample's bounds: the host's work before its first launch and after its last
+    kernel has run is idle device time, left out of the chip's time only at a timing fence."""
+    from ditorch_ext.chip import emulation_stats, timing_fence
+
+    bound = timing_fence if counted else torch.dipu.synchronize
+    bound()
+    before = emulation_stats().host_late_s
+    time.sleep(0.020)  # the host's work before the first launch
+    _C.occupy_device(0.005)
+    time.sleep(0.030)  # and after the last kernel: the device idles the last 25 ms
+    bound()
+    late = emulation_stats().host_late_s - before
+    if counted:
+        assert 0.045 <= late < 0.045 + 0.015
+    else:
+        assert late < 0.002
