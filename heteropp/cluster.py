@@ -19,6 +19,15 @@ GB = 1e9
 # Measured extras of the pipeline's ends per micro-batch (ms): the embedding on the first stage,
 # the final norm, head and loss on the last. Optional in layer_times_ms; `ditorch profile` writes them.
 END_TIME_KEYS = ("embed_fwd", "embed_bwd", "head_fwd", "head_bwd")
+# What a stage does once whatever its layers (ms): its forward's work outside the layers and the
+# ends, per micro-batch (the position tables it computes for all its layers), and its update's
+# fixed part, per step (launches, the norm's synchronisation). Optional; `ditorch profile` writes them.
+STAGE_TIME_KEYS = ("stage_fwd", "stage_update")
+# A layer's and a stage's update under ZeRO-1 (what a stage at DP > 1 runs), with the whole
+# buffer as the slice: the per-layer part shrinks with DP. Optional; `ditorch profile` writes them.
+ZERO1_UPDATE_KEYS = ("zero1_update", "zero1_stage_update")
+# What layer_times_ms[tp] may hold (fwd and bwd are required).
+MEASURED_TIME_KEYS = ("fwd", "bwd", "recompute", "update", *STAGE_TIME_KEYS, *ZERO1_UPDATE_KEYS, *END_TIME_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +82,7 @@ class ChipSpec:
     usable_memory_fraction: float = 0.9
     effective_tflops: float | None = None
     calibration: Calibration | None = None
-    measured_ms: dict | None = None  # {tp: {"fwd":..,"bwd":..,"recompute":..,"update":.., END_TIME_KEYS..}}
+    measured_ms: dict | None = None  # {tp: {key: ms for key in MEASURED_TIME_KEYS}}
     peak_tflops: float | None = None  # nominal, for reporting MFU only
     activation_mb: dict | None = None  # measured {tp: MiB one micro-batch leaves per layer}
     # The emulation time scale the layer times were measured under (`ditorch profile --time-scale`);
@@ -190,7 +199,7 @@ class ChipSpec:
         if "layer_times_ms" in d:
             measured = {}
             for tp, times in d["layer_times_ms"].items():
-                _check_keys(times, {"fwd", "bwd", "recompute", "update", *END_TIME_KEYS}, {"fwd", "bwd"},
+                _check_keys(times, set(MEASURED_TIME_KEYS), {"fwd", "bwd"},
                             f"{where} layer_times_ms[{tp}]")
                 measured[int(tp)] = {k: float(v) for k, v in times.items()}
         return cls(

@@ -3,7 +3,7 @@
     T = max_i ( b * T_i + U_i + alpha * sum_{j != i} T_j )
 
 with T_i the per-micro-batch time of stage i (its layers times t_fwd + t_bwd + r * t_recomp,
-plus the P2P sends that block it), U_i the stage's optimizer update time and alpha the
+its forward's work outside the layers, plus the P2P sends that block it), U_i the stage's optimizer update time and alpha the
 bubble coefficient (1 for 1F1B, 0 for zero-bubble schedules).
 """
 from __future__ import annotations
@@ -69,6 +69,7 @@ def stage_costs(
         compute = layers * prof.layer_times(tp).compute(recompute)
         embed_fwd, embed_bwd, head_fwd, head_bwd = prof.end_times(tp)
         rerun = 2.0 if recompute else 1.0  # a recomputing stage runs its forward twice
+        compute += rerun * prof.stage_time(tp)
         if i == 0:
             compute += rerun * embed_fwd + embed_bwd
         if i == len(stages) - 1:
@@ -82,5 +83,6 @@ def stage_costs(
                         model, cluster.link_between(chip, other), tp, other_tp,
                         cluster.chip(chip).nic_bandwidth, cluster.chip(other).nic_bandwidth,
                     )
-        out.append(StageCost(compute=compute, p2p=p2p, update=layers * prof.update_time(tp, dp)))
+        update = layers * prof.update_time(tp, dp) + prof.stage_update_time(tp, dp)
+        out.append(StageCost(compute=compute, p2p=p2p, update=update))
     return out

@@ -103,6 +103,29 @@ class ChipProfile:
         comm = 2.0 * self.tp_allreduce_time(tp)  # attention block + MLP block
         return LayerTimes(fwd=k.fwd + comm, bwd_input=k.bwd / 2 + comm, bwd_weight=k.bwd / 2, recompute=k.fwd + comm)
 
+    def stage_time(self, tp: int) -> float:
+        """Seconds per micro-batch a stage's forward (and its recompute) spends outside its layers
+        and the pipeline's ends: the position tables it computes once for all its layers.
+        Measured profiles and datasheets; 0 in the paper's analytic model."""
+        measured = self.chip.measured_ms
+        if measured is not None:
+            return measured.get(tp, {}).get("stage_fwd", 0.0) * self._ms
+        if self.chip.datasheet is not None:
+            from ditorch_ext.profiles import resolve
+
+            from .roofline import layer_kernel_times
+
+            return layer_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet).stage_fwd
+        return 0.0
+
+    def stage_update_time(self, tp: int, dp: int) -> float:
+        """Seconds per step a stage's update takes whatever its layers (its launches, the norm's
+        synchronisation; ZeRO-1's at DP > 1); the per-layer rest is :meth:`update_time`.
+        Measured profiles only."""
+        m = (self.chip.measured_ms or {}).get(tp, {})
+        key = "zero1_stage_update" if dp > 1 and "zero1_stage_update" in m else "stage_update"
+        return m.get(key, 0.0) * self._ms
+
     def end_times(self, tp: int) -> tuple[float, float, float, float]:
         """Seconds per micro-batch the pipeline's ends add: (embedding forward, embedding
         backward, head forward, head backward); measured profiles only, else zeros (the
@@ -115,7 +138,10 @@ class ChipProfile:
         gradient reduce-scatter and parameter all-gather over DP (bf16, not overlapped)."""
         measured = self.chip.measured_ms
         if measured is not None and tp in measured and "update" in measured[tp]:
-            return measured[tp]["update"] * self._ms
+            m = measured[tp]
+            if dp > 1 and "zero1_update" in m:  # ZeRO-1 steps a 1/dp slice of the buffer
+                return m["zero1_update"] / dp * self._ms
+            return m["update"] * self._ms
         params = self.model.params_per_layer / tp
         step = params / dp * _ADAM_BYTES_PER_PARAM / self.chip.hbm_bandwidth
         sync = 0.0 if dp == 1 else 2.0 * (dp - 1) / dp * params * BF16 / self.chip.nic_bandwidth

@@ -23,12 +23,14 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 @dataclasses.dataclass(frozen=True)
 class KernelTimes:
-    """Chip seconds of one micro-batch through one layer, and the kernels behind them."""
+    """Chip seconds of one micro-batch through one layer, and the kernels behind them; and of
+    what a stage's forward does once for all its layers (the position tables)."""
 
     fwd: float
     bwd: float
     fwd_kernels: int
     bwd_kernels: int
+    stage_fwd: float
 
 
 def kernel_seconds(op: str, tensors: list, ints: list[int], datasheet) -> float:
@@ -122,14 +124,12 @@ def _shape_only_group(tp: int):
 def layer_kernel_times(spec: ModelSpec, tp: int, datasheet, dtype: str = "bf16",
                        sequence_parallel: bool = True) -> KernelTimes:
     """Forward and backward chip seconds of one layer of ``spec`` (one micro-batch of one
-    sequence) on one rank of a TP group of ``tp``, its kernels in ``dtype``."""
+    sequence) on one rank of a TP group of ``tp``, its kernels in ``dtype``: a stage of that
+    layer less the same stage without it (``stage_fwd``)."""
     import torch
-
-    from heteropp.runtime.model_family import model_family
-
-    import ditorch_ext  # noqa: F401  (the dipu device, its autocast policy and the C++ counting)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    import ditorch_ext  # noqa: F401  (the dipu device, its autocast policy and the C++ counting)
     from heteropp.runtime.model_family import model_family
 
     family = model_family(spec)
@@ -143,8 +143,12 @@ def layer_kernel_times(spec: ModelSpec, tp: int, datasheet, dtype: str = "bf16",
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device("dipu"):
         stage = family.stage((layer, layer + 1), False, False, _shape_only_group(tp),
                              sequence_parallel=sequence_parallel)
+        bare = family.stage((layer, layer), False, False, _shape_only_group(tp), sequence_parallel=sequence_parallel)
         local_seq = spec.seq // tp if stage.sp else spec.seq
         x = torch.empty(1, local_seq, spec.hidden, requires_grad=True)
+        with pricing.mode, autocast:
+            bare(x)
+        stage_fwd, stage_kernels = pricing.take()
         with pricing.mode, autocast:
             out = stage(x)
         fwd, fwd_kernels = pricing.take()
@@ -152,4 +156,4 @@ def layer_kernel_times(spec: ModelSpec, tp: int, datasheet, dtype: str = "bf16",
         with pricing.mode:
             torch.autograd.backward(out, grad)
         bwd, bwd_kernels = pricing.take()
-    return KernelTimes(fwd, bwd, fwd_kernels, bwd_kernels)
+    return KernelTimes(fwd - stage_fwd, bwd, fwd_kernels - stage_kernels, bwd_kernels, stage_fwd)

@@ -406,18 +406,20 @@ def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
     S, b = plan.num_stages, plan.num_microbatches
     stages = []
     for i, st in enumerate(plan.stages):
-        lt = profiles[st.chip].layer_times(st.tp)
+        prof = profiles[st.chip]
+        lt = prof.layer_times(st.tp)
         n = st.layers
-        embed_fwd, embed_bwd, head_fwd, head_bwd = profiles[st.chip].end_times(st.tp)
-        end_fwd = (embed_fwd if i == 0 else 0.0) + (head_fwd if i == S - 1 else 0.0)
+        embed_fwd, embed_bwd, head_fwd, head_bwd = prof.end_times(st.tp)
+        # the forward's work outside the layers: the position tables, and the embedding or the head
+        extra_fwd = prof.stage_time(st.tp) + (embed_fwd if i == 0 else 0.0) + (head_fwd if i == S - 1 else 0.0)
         end_bwd = (embed_bwd if i == 0 else 0.0) + (head_bwd if i == S - 1 else 0.0)
         stages.append(StageModel(
-            fwd=n * lt.fwd + end_fwd, bwd_input=n * lt.bwd_input + end_bwd / 2, bwd_weight=n * lt.bwd_weight + end_bwd / 2,
-            recompute_time=n * lt.recompute + end_fwd, recompute=st.recompute,
+            fwd=n * lt.fwd + extra_fwd, bwd_input=n * lt.bwd_input + end_bwd / 2, bwd_weight=n * lt.bwd_weight + end_bwd / 2,
+            recompute_time=n * lt.recompute + extra_fwd, recompute=st.recompute,
             act_bytes=m.activation_bytes(n, st.tp, st.recompute, cl.chip(st.chip).activation_per_layer(st.tp)),
             full_act_bytes=0.0,
             static_bytes=plan.stage_memory(i, inflight=0), capacity=cl.chip(st.chip).usable_memory,
-            update=n * profiles[st.chip].update_time(st.tp, st.dp), name=st.chip,
+            update=n * prof.update_time(st.tp, st.dp) + prof.stage_update_time(st.tp, st.dp), name=st.chip,
             act_limit=cl.chip(st.chip).usable_memory - plan.stage_memory(i, inflight=0),
         ))
     links = []

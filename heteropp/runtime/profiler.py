@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 import yaml
 
 from diutil.address import free_port
-from heteropp.cluster import END_TIME_KEYS, ChipSpec
+from heteropp.cluster import MEASURED_TIME_KEYS, ChipSpec
 from heteropp.model_spec import ModelSpec
 
 
@@ -48,7 +48,8 @@ CHAIN = 4
 PROFILER_VERSION = 5
 # Version 3 writes the chip's own time (measured / time scale), from datasheet-roofline emulation;
 # version 4 leaves out the time the emulated device waited for a host that fell behind; version 5
-# also its idle time at a sample's bounds (ditorch_ext.chip.timing_fence).
+# also its idle time at a sample's bounds (ditorch_ext.chip.timing_fence), and measures what a
+# stage does once whatever its layers (stage_fwd, stage_update) apart from the layer's share.
 
 
 def _chip_seconds(fn, sync) -> float:
@@ -89,6 +90,12 @@ def _device_seconds(fn, sync, repeats: int) -> float:
     return emulation_stats().device_busy_s / repeats
 
 
+def _update_seconds(update_step, sync, repeats: int, emulated: bool) -> float:
+    """One update's seconds: on an emulated chip its kernels' device time (the host's time after
+    the norm's synchronisation is this host's, not the chip's: see _device_seconds)."""
+    return _device_seconds(update_step, sync, repeats) if emulated else _timed(update_step, sync, repeats)
+
+
 def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: str, memory_scale: float,
             time_scale: float, repeats: int, sequence_parallel: bool, out: str) -> None:
     import torch
@@ -116,16 +123,41 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
     with torch.device(device):
         stage = family.stage((layer, layer + 1), False, False, TPGroup(dist.group.WORLD, tp, rank),
                              sequence_parallel=sequence_parallel)
+        # the same stage without its layer: what a stage's forward does once for all its layers
+        # (the position tables), measured apart so that a layer's time is the layer's alone
+        bare = family.stage((layer, layer), False, False, TPGroup(dist.group.WORLD, tp, rank),
+                            sequence_parallel=sequence_parallel)
     for p in stage.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    # The update is the runtime's local step of a replicated stage (stage_update.py): the norm,
-    # the clip, AdamW on parameters that are views of one flat buffer, and the zeroing.
-    flat = FlatParameters(list(stage.parameters()))
-    optimizer = make_optimizer(stage.parameters(), lr=1e-4, weight_decay=TrainOptions.weight_decay)
 
-    def update_step():
-        sumsq = squared_norm([p.grad for p in stage.parameters()], device)
-        step_flat(flat, optimizer, clip_coefficient(math.sqrt(sumsq.item()), TrainOptions.clip))
+    def update_of(module):
+        """The runtime's local step of a replicated stage (stage_update.py): the norm, the clip,
+        AdamW on parameters that are views of one flat buffer, and the zeroing."""
+        flat = FlatParameters(list(module.parameters()))
+        optimizer = make_optimizer(module.parameters(), lr=1e-4, weight_decay=TrainOptions.weight_decay)
+
+        def update_step():
+            sumsq = squared_norm([p.grad for p in module.parameters()], device)
+            step_flat(flat, optimizer, clip_coefficient(math.sqrt(sumsq.item()), TrainOptions.clip))
+        return update_step
+
+    # ZeRO-1's step (zero.py), what a stage at DP > 1 runs: a group of this rank alone makes
+    # the whole buffer its slice; the DP collectives are the links' time, not the chip's.
+    alone = [dist.new_group([r], backend="dicomm") for r in range(tp)][rank]
+
+    def zero1_update_of(module):
+        from heteropp.runtime.zero import ZeroAdamW
+
+        zero = ZeroAdamW(FlatParameters(list(module.parameters())), alone, 1, 0, lr=1e-4,
+                         weight_decay=TrainOptions.weight_decay)
+        owned = [True] * len(zero.flat.params)
+
+        def update_step():
+            zero.reduce_scatter_gradients()
+            zero.step(clip_coefficient(math.sqrt(zero.owned_sumsq(owned).item()), TrainOptions.clip))
+        return update_step
+
+    update_step = update_of(stage)
 
     local_seq = spec.seq // tp if stage.sp else spec.seq  # this rank's part of the sequence
     x = torch.randn(1, local_seq, spec.hidden, device=device)
@@ -153,26 +185,47 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
         for h in chain:
             torch.autograd.backward(h.pop("out"), grad)
 
+    def bare_forwards():
+        for _ in range(CHAIN):
+            with autocast:
+                bare(x)
+
     # Forward and backward alternate, as in training; the first rounds warm the allocator up.
     from ditorch_ext.chip import emulation_stats
 
-    fwd_samples, bwd_samples = [], []
+    fwd_samples, bwd_samples, bare_samples = [], [], []
     for i in range(repeats + 3):
         if i == 3:
             emulation_stats(reset=True)
-        for fn, samples in ((forwards, fwd_samples), (backwards, bwd_samples)):
+        for fn, samples in ((forwards, fwd_samples), (backwards, bwd_samples), (bare_forwards, bare_samples)):
             seconds = _chip_seconds(fn, sync)
             if i >= 3:
                 samples.append(seconds / CHAIN)
     lateness = emulation_stats()
     # the chip's own time: what the emulated device took, divided by the time scale it ran at
-    fwd, bwd = statistics.median(fwd_samples) / time_scale, statistics.median(bwd_samples) / time_scale
-    if lateness.kernels:  # an emulated chip: the update's kernels' time on it
-        update = _device_seconds(update_step, sync, repeats) / time_scale
-    else:
-        update = _timed(update_step, sync, repeats) / time_scale
-    ends = {k: v / time_scale
-            for k, v in _end_times(spec, family, tp, rank, device, autocast, sync, repeats, sequence_parallel).items()}
+    stage_fwd = statistics.median(bare_samples) / time_scale
+    fwd = max(0.0, statistics.median(fwd_samples) / time_scale - stage_fwd)
+    bwd = statistics.median(bwd_samples) / time_scale
+    # An update's launches and its norm's synchronisation cost a stage the same whatever its
+    # layers: a layer's update is what a second layer adds, the rest is the stage's.
+    emulated = bool(lateness.kernels)
+    updates = {}
+    pair = None
+    if spec.n_layers >= 2:
+        first = min(layer, spec.n_layers - 2)
+        with torch.device(device):
+            pair = family.stage((first, first + 2), False, False, TPGroup(dist.group.WORLD, tp, rank),
+                                sequence_parallel=sequence_parallel)
+    for name, make in (("", update_of), ("zero1_", zero1_update_of)):
+        one = _update_seconds(make(stage), sync, repeats, emulated) / time_scale
+        if pair is None:
+            updates[f"{name}update"], updates[f"{name}stage_update"] = one, 0.0
+            continue
+        two = _update_seconds(make(pair), sync, repeats, emulated) / time_scale
+        updates[f"{name}update"], updates[f"{name}stage_update"] = max(0.0, two - one), max(0.0, 2 * one - two)
+    del pair
+    ends = {k: v / time_scale for k, v in _end_times(spec, family, tp, rank, device, autocast, sync, repeats,
+                                                      sequence_parallel, stage_fwd * time_scale).items()}
     holder.clear()
     # Garbage from the timing runs (autograd graphs in reference cycles, finished collectives'
     # work objects) is collected first and the collector kept off in the measured forward: a
@@ -206,7 +259,8 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
     if rank == 0:
         # the runtime's R is this same forward, so the recompute time is the forward's
         Path(out).write_text(json.dumps({"fwd": fwd * 1e3, "bwd": bwd * 1e3, "recompute": fwd * 1e3,
-                                         "update": update * 1e3, **{k: v * 1e3 for k, v in ends.items()},
+                                         "stage_fwd": stage_fwd * 1e3, **{k: v * 1e3 for k, v in updates.items()},
+                                         **{k: v * 1e3 for k, v in ends.items()},
                                          "activation_bytes": activation,
                                          "p2p_bytes_per_s": bandwidth,
                                          "host_late_percent": 100 * lateness.host_late_fraction}))
@@ -214,9 +268,11 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
 
 
 def _end_times(spec: ModelSpec, family, tp: int, rank: int, device, autocast, sync, repeats: int,
-               sequence_parallel: bool) -> dict[str, float]:
+               sequence_parallel: bool, stage_fwd: float) -> dict[str, float]:
     """Forward and backward seconds of the pipeline's ends: the (vocab-parallel) embedding of
-    the first stage, and the final norm, head and loss of the last."""
+    the first stage, and the final norm, head and loss of the last. Each is timed as a stage
+    with no layers, so ``stage_fwd`` (the forward of a stage with neither layers nor ends) is
+    taken off the forwards."""
     import torch
     import torch.distributed as dist
 
@@ -249,7 +305,8 @@ def _end_times(spec: ModelSpec, family, tp: int, rank: int, device, autocast, sy
             if i >= 3:
                 fwd_samples.append(fwd)
                 bwd_samples.append(bwd)
-        out[f"{name}_fwd"], out[f"{name}_bwd"] = statistics.median(fwd_samples), statistics.median(bwd_samples)
+        out[f"{name}_fwd"] = max(0.0, statistics.median(fwd_samples) - stage_fwd)
+        out[f"{name}_bwd"] = statistics.median(bwd_samples)
     return out
 
 
@@ -361,7 +418,7 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
         "intra_node_gbps": bandwidth,
         "hbm_gbps": bandwidth,  # unused: the update time is measured
         "nic_gbps": bandwidth,
-        "layer_times_ms": {tp: {k: round(r[k], 4) for k in ("fwd", "bwd", "recompute", "update", *END_TIME_KEYS)}
+        "layer_times_ms": {tp: {k: round(r[k], 4) for k in MEASURED_TIME_KEYS}
                            for tp, r in sorted(results.items())},
         "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},
         "emulated_time_scale": time_scale,
@@ -460,13 +517,14 @@ def profile_command(args) -> int:
     print(f"profiling one layer of {Path(args.model).name} on chip {args.chip} ({args.precision}) at time scale "
           f"{stretch:g}; chip milliseconds (measured / time scale):")
     print(f"{'TP':>3} {'fwd ms':>8} {'bwd ms':>8} {'recomp ms':>9} {'update ms':>9} {'act MiB':>8} {'p2p GB/s':>8} "
-          f"{'embed f/b ms':>13} {'head f/b ms':>13}")
+          f"{'stage f/u ms':>13} {'embed f/b ms':>13} {'head f/b ms':>13}")
     for tp in tps:
         r = results[tp] = profile_tp(args.chip, spec, tp, args.precision, scale, args.repeats, args.sequence_parallel,
                                      stretch)
         p2p = f"{r['p2p_bytes_per_s'] / 1e9:.2f}" if r["p2p_bytes_per_s"] else "-"
         print(f"{tp:>3} {r['fwd']:>8.2f} {r['bwd']:>8.2f} {r['recompute']:>9.2f} {r['update']:>9.2f} "
-              f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "
+              f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['stage_fwd']:>6.2f}/{r['stage_update']:<6.2f} "
+              f"{r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "
               f"{r['head_fwd']:>6.2f}/{r['head_bwd']:<6.2f}", flush=True)
         if (r.get("host_late_percent") or 0) > 2:
             print(f"    the host fell behind the chip by {r['host_late_percent']:.1f}% of its device time at time scale "

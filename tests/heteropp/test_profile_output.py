@@ -20,7 +20,7 @@ MODEL = ROOT / "examples" / "configs" / "llama-small.yaml"
 def _measured(activation_bytes: float) -> dict:
     ms = {"fwd": 10.0, "bwd": 20.0, "recompute": 10.0, "update": 5.0, "activation_bytes": activation_bytes,
           "p2p_bytes_per_s": None}
-    return {**ms, **{key: 1.0 for key in profiler.END_TIME_KEYS}}
+    return {**{key: 1.0 for key in profiler.MEASURED_TIME_KEYS}, **ms}
 
 
 def _profile(monkeypatch, tmp_path, activation_bytes: float) -> tuple[int, Path]:
