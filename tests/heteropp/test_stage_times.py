@@ -102,3 +102,12 @@ def test_datasheet_layer_times_add_up_to_the_priced_stage(layers):
     whole, _ = pricing.take()
     assert layers * k.fwd + k.stage_fwd == pytest.approx(whole, rel=1e-6)
     assert k.stage_fwd > 0  # the position tables are the stage's, not a layer's
+
+
+def test_a_tp2_profile_measures_its_link_and_loads():
+    """At TP 2 the profile also times one activation between the ranks (no kernels: a plain
+    synchronisation bounds it) and the planner accepts what it wrote."""
+    measured = profile_tp("A", SPEC, 2, memory_scale=0.01, repeats=2, time_scale=2 * host_ratio("A", SPEC))
+    assert measured["p2p_bytes_per_s"] > 0
+    chip = ChipSpec.from_dict("A", chip_description("A", {2: measured}, 0.01))
+    assert chip.measured_ms[2]["stage_fwd"] > 0
