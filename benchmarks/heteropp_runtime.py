@@ -104,9 +104,10 @@ def execute(run: Run, out: Path, steps: int) -> dict:
         h.start()
     start = time.perf_counter()
     try:
+        # ZeRO-1, as the plan's memory and update estimates assume for its DP sizes
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(run.plan.num_chips),
-             "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--schedule",
+             "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--zero1", "--schedule",
              run.schedule, "--reshard", run.reshard, "--trace", str(trace)],
             env=_env(), capture_output=True, text=True)
     finally:

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage boundaries: send-receive + all-gather (srag) or whole tensors from one rank")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="replicate activations over TP ranks instead of cutting them along the sequence")
-    p.add_argument("--zero1", action="store_true", help="ZeRO-1: shard AdamW's state over each stage's DP group (no effect at DP 1)")
+    p.add_argument("--zero1", action="store_true", help="ZeRO-1: shard AdamW's state over each stage's DP group, as a plan's memory and update "
+                        "estimates assume at DP > 1 (no effect at DP 1)")
     p.add_argument("--check-replicas", type=int, default=0, metavar="N",
                    help="every N steps and at the end, check each stage's DP replicas hold equal parameters")
     p.add_argument("--memory-scale", type=float, default=None, help="chip memory scale (default $DITORCH_MEMORY_SCALE)")

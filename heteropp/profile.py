@@ -17,7 +17,7 @@ import dataclasses
 import math
 
 from .cluster import END_TIME_KEYS, ChipSpec
-from .model_spec import BF16, ModelSpec
+from .model_spec import BF16, FP32, ModelSpec
 
 # Adam step per fp32 parameter: read master, grad, m, v; write master, m, v; write the bf16 copy
 _ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + 2
@@ -135,17 +135,23 @@ class ChipProfile:
 
     def update_time(self, tp: int, dp: int) -> float:
         """Per-layer optimizer time: ZeRO-1 Adam step on 1/dp of the shard, plus the
-        gradient reduce-scatter and parameter all-gather over DP (bf16, not overlapped)."""
+        gradient reduce-scatter and parameter all-gather over DP (not overlapped). Measured:
+        the profiled step (ZeRO-1's at DP > 1) and the runtime's fp32 collectives; analytic:
+        the paper's bf16 ones."""
+        params = self.model.params_per_layer / tp
         measured = self.chip.measured_ms
         if measured is not None and tp in measured and "update" in measured[tp]:
             m = measured[tp]
-            if dp > 1 and "zero1_update" in m:  # ZeRO-1 steps a 1/dp slice of the buffer
-                return m["zero1_update"] / dp * self._ms
-            return m["update"] * self._ms
-        params = self.model.params_per_layer / tp
+            # ZeRO-1 steps a 1/dp slice of the buffer
+            step = m["zero1_update"] / dp if dp > 1 and "zero1_update" in m else m["update"]
+            return step * self._ms + self._dp_sync_time(params, dp, FP32)
         step = params / dp * _ADAM_BYTES_PER_PARAM / self.chip.hbm_bandwidth
-        sync = 0.0 if dp == 1 else 2.0 * (dp - 1) / dp * params * BF16 / self.chip.nic_bandwidth
-        return step + sync
+        return step + self._dp_sync_time(params, dp, BF16)
+
+    def _dp_sync_time(self, params: float, dp: int, nbytes: int) -> float:
+        """A ring reduce-scatter and all-gather (or all-reduce) of ``params`` gradients of
+        ``nbytes`` each over DP, through the chip's NIC."""
+        return 0.0 if dp == 1 else 2.0 * (dp - 1) / dp * params * nbytes / self.chip.nic_bandwidth
 
 
 def _calibrate(chip: ChipSpec, model: ModelSpec) -> float:
