@@ -96,6 +96,78 @@ def _update_seconds(update_step, sync, repeats: int, emulated: bool) -> float:
     return _device_seconds(update_step, sync, repeats) if emulated else _timed(update_step, sync, repeats)
 
 
+def _replicated_update(module, flat, device):
+    """The runtime's local step of a replicated stage (stage_update.py): the norm, the clip,
+    AdamW on parameters that are views of one flat buffer, and the zeroing."""
+    from heteropp.runtime.stage_update import clip_coefficient, make_optimizer, squared_norm, step_flat
+    from heteropp.runtime.trainer import TrainOptions
+
+    optimizer = make_optimizer(module.parameters(), lr=1e-4, weight_decay=TrainOptions.weight_decay)
+
+    def update_step():
+        sumsq = squared_norm([p.grad for p in module.parameters()], device)
+        step_flat(flat, optimizer, clip_coefficient(math.sqrt(sumsq.item()), TrainOptions.clip))
+    return update_step
+
+
+def _zero1_update(module, flat, device, alone):
+    """ZeRO-1's step (zero.py), what a stage at DP > 1 runs, over ``alone``, a group of this rank
+    alone: the whole buffer is its slice, and the DP collectives are the links' time, not the chip's."""
+    from heteropp.runtime.stage_update import clip_coefficient
+    from heteropp.runtime.trainer import TrainOptions
+    from heteropp.runtime.zero import ZeroAdamW
+
+    zero = ZeroAdamW(flat, alone, 1, 0, lr=1e-4, weight_decay=TrainOptions.weight_decay)
+    owned = [True] * len(flat.params)
+
+    def update_step():
+        zero.reduce_scatter_gradients()
+        zero.step(clip_coefficient(math.sqrt(zero.owned_sumsq(owned).item()), TrainOptions.clip))
+    return update_step
+
+
+def _update_times(stage, flat, two_layers, device, alone, sync, repeats: int, emulated: bool) -> dict[str, float]:
+    """Seconds of a layer's update and of a stage's fixed part (``update``, ``stage_update``), and
+    of ZeRO-1's (``zero1_*``): one layer's update, and a two-layer stage's (made by
+    ``two_layers``) less it. One optimizer lives at a time; what the chip cannot hold is left
+    out (a layer's update is then charged whole, and ZeRO-1's is not measured), so the profile
+    needs no more memory than one layer's replicated step."""
+    import torch
+
+    from heteropp.runtime.flat_parameters import FlatParameters
+
+    makers = {"": _replicated_update, "zero1_": lambda *args: _zero1_update(*args, alone)}
+
+    def seconds(make, module, buffer) -> float | None:
+        try:
+            return _update_seconds(make(module, buffer, device), sync, repeats, emulated)
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            gc.collect()  # the optimizer's state goes before the next is made
+
+    one = {"": _update_seconds(_replicated_update(stage, flat, device), sync, repeats, emulated)}
+    gc.collect()
+    one["zero1_"] = seconds(makers["zero1_"], stage, flat)
+    pair = None
+    if two_layers is not None:
+        try:
+            module = two_layers()
+            pair = (module, FlatParameters(list(module.parameters())))
+        except torch.OutOfMemoryError:
+            pass
+    out = {}
+    for name, make in makers.items():
+        if one[name] is None:
+            continue
+        two = seconds(make, *pair) if pair is not None else None
+        if two is None:
+            out[f"{name}update"], out[f"{name}stage_update"] = one[name], 0.0
+        else:
+            out[f"{name}update"], out[f"{name}stage_update"] = max(0.0, two - one[name]), max(0.0, 2 * one[name] - two)
+    return out
+
+
 def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: str, memory_scale: float,
             time_scale: float, repeats: int, sequence_parallel: bool, out: str) -> None:
     import torch
@@ -106,9 +178,7 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
     from ditorch_ext.chip import timing_fence
     from heteropp.runtime.flat_parameters import FlatParameters
     from heteropp.runtime.model_family import model_family
-    from heteropp.runtime.stage_update import clip_coefficient, make_optimizer, squared_norm, step_flat
     from heteropp.runtime.tensor_parallel import TPGroup
-    from heteropp.runtime.trainer import TrainOptions
 
     torch.set_num_threads(1)
     ditorch_ext.set_chip(chip, memory_scale=memory_scale, time_scale=time_scale)
@@ -129,35 +199,8 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
                             sequence_parallel=sequence_parallel)
     for p in stage.parameters():
         torch.nn.init.normal_(p, std=0.02)
-
-    def update_of(module):
-        """The runtime's local step of a replicated stage (stage_update.py): the norm, the clip,
-        AdamW on parameters that are views of one flat buffer, and the zeroing."""
-        flat = FlatParameters(list(module.parameters()))
-        optimizer = make_optimizer(module.parameters(), lr=1e-4, weight_decay=TrainOptions.weight_decay)
-
-        def update_step():
-            sumsq = squared_norm([p.grad for p in module.parameters()], device)
-            step_flat(flat, optimizer, clip_coefficient(math.sqrt(sumsq.item()), TrainOptions.clip))
-        return update_step
-
-    # ZeRO-1's step (zero.py), what a stage at DP > 1 runs: a group of this rank alone makes
-    # the whole buffer its slice; the DP collectives are the links' time, not the chip's.
-    alone = [dist.new_group([r], backend="dicomm") for r in range(tp)][rank]
-
-    def zero1_update_of(module):
-        from heteropp.runtime.zero import ZeroAdamW
-
-        zero = ZeroAdamW(FlatParameters(list(module.parameters())), alone, 1, 0, lr=1e-4,
-                         weight_decay=TrainOptions.weight_decay)
-        owned = [True] * len(zero.flat.params)
-
-        def update_step():
-            zero.reduce_scatter_gradients()
-            zero.step(clip_coefficient(math.sqrt(zero.owned_sumsq(owned).item()), TrainOptions.clip))
-        return update_step
-
-    update_step = update_of(stage)
+    # the runtime's layout (flat_parameters.py): the backward below accumulates into its buffer
+    flat = FlatParameters(list(stage.parameters()))
 
     local_seq = spec.seq // tp if stage.sp else spec.seq  # this rank's part of the sequence
     x = torch.randn(1, local_seq, spec.hidden, device=device)
@@ -208,22 +251,17 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
     bwd = statistics.median(bwd_samples) / time_scale
     # An update's launches and its norm's synchronisation cost a stage the same whatever its
     # layers: a layer's update is what a second layer adds, the rest is the stage's.
-    emulated = bool(lateness.kernels)
-    updates = {}
-    pair = None
-    if spec.n_layers >= 2:
-        first = min(layer, spec.n_layers - 2)
+    first = min(layer, spec.n_layers - 2)
+
+    def two_layers():
         with torch.device(device):
-            pair = family.stage((first, first + 2), False, False, TPGroup(dist.group.WORLD, tp, rank),
+            return family.stage((first, first + 2), False, False, TPGroup(dist.group.WORLD, tp, rank),
                                 sequence_parallel=sequence_parallel)
-    for name, make in (("", update_of), ("zero1_", zero1_update_of)):
-        one = _update_seconds(make(stage), sync, repeats, emulated) / time_scale
-        if pair is None:
-            updates[f"{name}update"], updates[f"{name}stage_update"] = one, 0.0
-            continue
-        two = _update_seconds(make(pair), sync, repeats, emulated) / time_scale
-        updates[f"{name}update"], updates[f"{name}stage_update"] = max(0.0, two - one), max(0.0, 2 * one - two)
-    del pair
+
+    # a group of each rank alone, made by every rank in turn before any can take its own path
+    alone = [dist.new_group([r], backend="dicomm") for r in range(tp)][rank]
+    updates = {k: v / time_scale for k, v in _update_times(stage, flat, two_layers if spec.n_layers >= 2 else None,
+                                                            device, alone, sync, repeats, bool(lateness.kernels)).items()}
     ends = {k: v / time_scale for k, v in _end_times(spec, family, tp, rank, device, autocast, sync, repeats,
                                                       sequence_parallel, stage_fwd * time_scale).items()}
     holder.clear()
@@ -265,6 +303,9 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
                                          "activation_bytes": activation,
                                          "p2p_bytes_per_s": bandwidth,
                                          "host_late_percent": 100 * lateness.host_late_fraction}))
+    # The profile states its lateness per TP size (host_late_percent, over the timed samples); the
+    # process's report at exit would also count its set-up and the idle time at its timing fences.
+    emulation_stats(reset=True)
     dist.destroy_process_group()
 
 
@@ -419,7 +460,7 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, d
         "intra_node_gbps": bandwidth,
         "hbm_gbps": bandwidth,  # unused: the update time is measured
         "nic_gbps": bandwidth,
-        "layer_times_ms": {tp: {k: round(r[k], 4) for k in MEASURED_TIME_KEYS}
+        "layer_times_ms": {tp: {k: round(r[k], 4) for k in MEASURED_TIME_KEYS if k in r}
                            for tp, r in sorted(results.items())},
         "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},
         "emulated_time_scale": time_scale,

@@ -111,3 +111,15 @@ def test_a_tp2_profile_measures_its_link_and_loads():
     assert measured["p2p_bytes_per_s"] > 0
     chip = ChipSpec.from_dict("A", chip_description("A", {2: measured}, 0.01))
     assert chip.measured_ms[2]["stage_fwd"] > 0
+
+
+def test_a_chip_too_small_for_two_layers_update_is_profiled_with_the_update_whole():
+    """The split of an update into a layer's part and the stage's needs a two-layer stage's
+    optimizer state; a chip that holds one layer's but not that is still profiled, its
+    one-layer update charged to the layer whole: the same one-layer stage either way."""
+    scale = 2 * host_ratio("A", SPEC)
+    roomy = profile_tp("A", SPEC, 1, memory_scale=3e-4, repeats=1, time_scale=scale)
+    tight = profile_tp("A", SPEC, 1, memory_scale=1e-4, repeats=1, time_scale=scale)  # ZeRO-1's pair does not fit
+    assert roomy["zero1_stage_update"] > 0 and tight["zero1_stage_update"] == 0
+    assert tight["zero1_update"] == pytest.approx(roomy["zero1_update"] + roomy["zero1_stage_update"], rel=0.02)
+    assert tight["update"] == pytest.approx(roomy["update"], rel=0.02)  # the replicated pair fits both
