@@ -145,6 +145,6 @@ def test_a_timing_fence_counts_the_hosts_work_around_it_as_lateness_and_a_synchr
     bound()
     late = emulation_stats().host_late_s - before
     if counted:
-        assert 0.045 <= late < 0.045 + 0.015
+        assert 0.045 <= late < 0.045 + 0.040  # a loaded host oversleeps; it never undersleeps
     else:
         assert late < 0.002
