@@ -83,6 +83,5 @@ def stage_costs(
                         model, cluster.link_between(chip, other), tp, other_tp,
                         cluster.chip(chip).nic_bandwidth, cluster.chip(other).nic_bandwidth,
                     )
-        update = layers * prof.update_time(tp, dp) + prof.stage_update_time(tp, dp)
-        out.append(StageCost(compute=compute, p2p=p2p, update=update))
+        out.append(StageCost(compute=compute, p2p=p2p, update=prof.stage_update_time(tp, dp, layers)))
     return out

@@ -118,13 +118,13 @@ class ChipProfile:
             return layer_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet).stage_fwd
         return 0.0
 
-    def stage_update_time(self, tp: int, dp: int) -> float:
-        """Seconds per step a stage's update takes whatever its layers (its launches, the norm's
-        synchronisation; ZeRO-1's at DP > 1); the per-layer rest is :meth:`update_time`.
-        Measured profiles only."""
+    def stage_update_time(self, tp: int, dp: int, layers: int) -> float:
+        """Seconds per step of the update of a stage of ``layers`` layers: each layer's
+        (:meth:`update_time`) and what the stage's update takes whatever its layers (its
+        launches, the norm's synchronisation; ZeRO-1's at DP > 1, measured profiles only)."""
         m = (self.chip.measured_ms or {}).get(tp, {})
         key = "zero1_stage_update" if dp > 1 and "zero1_stage_update" in m else "stage_update"
-        return m.get(key, 0.0) * self._ms
+        return layers * self.update_time(tp, dp) + m.get(key, 0.0) * self._ms
 
     def end_times(self, tp: int) -> tuple[float, float, float, float]:
         """Seconds per micro-batch the pipeline's ends add: (embedding forward, embedding

@@ -419,7 +419,7 @@ def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
             act_bytes=m.activation_bytes(n, st.tp, st.recompute, cl.chip(st.chip).activation_per_layer(st.tp)),
             full_act_bytes=0.0,
             static_bytes=plan.stage_memory(i, inflight=0), capacity=cl.chip(st.chip).usable_memory,
-            update=n * prof.update_time(st.tp, st.dp) + prof.stage_update_time(st.tp, st.dp), name=st.chip,
+            update=prof.stage_update_time(st.tp, st.dp, n), name=st.chip,
             act_limit=cl.chip(st.chip).usable_memory - plan.stage_memory(i, inflight=0),
         ))
     links = []

@@ -251,9 +251,8 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
     bwd = statistics.median(bwd_samples) / time_scale
     # An update's launches and its norm's synchronisation cost a stage the same whatever its
     # layers: a layer's update is what a second layer adds, the rest is the stage's.
-    first = min(layer, spec.n_layers - 2)
-
     def two_layers():
+        first = min(layer, spec.n_layers - 2)
         with torch.device(device):
             return family.stage((first, first + 2), False, False, TPGroup(dist.group.WORLD, tp, rank),
                                 sequence_parallel=sequence_parallel)
