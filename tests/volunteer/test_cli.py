@@ -58,9 +58,8 @@ def run_job(tmp_path: Path, addresses: list[str], on_host=lambda name: [], bind=
     assert plan.returncode == 0, plan.stderr
     allocation = json.loads(alloc.read_text())
     assert len(allocation["stages"]) == 2  # the two sites
-    # short timeouts so that the killed client's work is redone quickly
-    allocation["training"].update(task_timeout=3.0, liveness=2.0, push_timeout=3.0)
-    alloc.write_text(json.dumps(allocation))
+    # The job's own timeouts: no client is killed here, and on a loaded host shorter ones redo
+    # work that was only slow, again and again.
     job = load_job(str(alloc))
     metrics = tmp_path / "loss.jsonl"
     logs = {}
