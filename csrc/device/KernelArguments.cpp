@@ -78,15 +78,19 @@ std::pair<c10::Storage, at::Tensor> newAlias(c10::StorageImpl* s, const at::Tens
   }
   SpareAlias spare = std::move(t_spare_aliases.back());
   t_spare_aliases.pop_back();
-  spare.storage->set_data_ptr_noswap(c10::DataPtr(s->mutable_data(), kernelDevice(device)));
+  const c10::Device kernel_device = kernelDevice(device);
+  spare.storage->set_data_ptr_noswap(c10::DataPtr(s->mutable_data(), kernel_device));
   spare.storage->set_nbytes(s->nbytes());
-  c10::Storage storage(std::move(spare.storage));
+  // The spare tensor still holds its storage, and keeps the dtype, device and geometry of its last
+  // use: only what differs is set again (an op's arguments are mostly shaped like the last op's).
   c10::TensorImpl* impl = spare.tensor.get();
-  impl->set_storage_and_dtype(storage, t.dtype());
-  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (impl->dtype() != t.dtype() || impl->device() != kernel_device)
+    impl->set_storage_and_dtype(c10::Storage(spare.storage), t.dtype());
+  if (impl->sizes() != t.sizes() || impl->strides() != t.strides() || impl->storage_offset() != t.storage_offset())
+    impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   impl->_set_conj(t.is_conj());
   impl->_set_neg(t.is_neg());
-  return {std::move(storage), at::Tensor(std::move(spare.tensor))};
+  return {c10::Storage(std::move(spare.storage)), at::Tensor(std::move(spare.tensor))};
 }
 
 bool isGeneratorArgument(const c10::Argument& arg) {
@@ -132,7 +136,7 @@ at::Tensor KernelArguments::alias(c10::MaybeOwned<at::Tensor> original, bool wri
     std::tie(storage, k) = newAlias(s, t);
     window_.open(s);
   }
-  aliases_.push_back(Alias{storage, k, std::move(original), s->mutable_data(), written});
+  aliases_.push_back(Alias{std::move(storage), k, std::move(original), s->mutable_data(), written});
   return k;
 }
 
@@ -209,7 +213,7 @@ bool KernelArguments::becomeDipu(const at::Tensor& k) {
   return true;
 }
 
-at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
+at::Tensor KernelArguments::toDipu(const at::Tensor& k, bool remember) {
   if (!k.defined() || k.device().type() != kernelDeviceType()) return k;
   if (k.layout() == c10::kSparse) return sparseOver(k, toDipu(k._indices()), toDipu(k._values()));  // to_sparse()
   TORCH_CHECK(k.layout() == c10::kStrided, "dipu holds strided and sparse COO tensors, but the '", vendor().name(),
@@ -224,8 +228,10 @@ at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
   for (auto& [kernel_storage, storage] : adopted_)
     if (kernel_storage == ks) return makeTensor(storage, c10::DispatchKey::PrivateUse1, k);
   if (becomeDipu(k)) {
-    adopted_.emplace_back(ks, k.storage());
-    fresh_.push_back(k);
+    if (remember) {
+      adopted_.emplace_back(ks, k.storage());
+      fresh_.push_back(k);
+    }
     return k;
   }
   c10::DataPtr block;
@@ -236,9 +242,11 @@ at::Tensor KernelArguments::toDipu(const at::Tensor& k) {
     block = takeAsDeviceBlock(ks, device_, /*ours=*/false);
   window_.open(block.get());
   c10::Storage storage(c10::Storage::use_byte_size_t(), ks->nbytes(), std::move(block), &deviceAllocator(), true);
-  adopted_.emplace_back(ks, storage);
   at::Tensor t = makeTensor(storage, c10::DispatchKey::PrivateUse1, k);
-  fresh_.push_back(t);
+  if (remember) {
+    adopted_.emplace_back(ks, std::move(storage));
+    fresh_.push_back(t);
+  }
   return t;
 }
 

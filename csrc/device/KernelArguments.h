@@ -29,8 +29,9 @@ class KernelArguments {
   at::Tensor borrowArgument(const at::Tensor& t, bool written) {
     return alias(c10::MaybeOwned<at::Tensor>::borrowed(t), written);
   }
-  // One kernel result as the caller's dipu tensor (what adoptResults does for each).
-  at::Tensor adoptResult(const at::Tensor& k) { return toDipu(k); }
+  // The kernel's only result as the caller's dipu tensor (what adoptResults does for each): with no
+  // other result to share its storage, it is not recorded, nor listed in freshResults().
+  at::Tensor adoptResult(const at::Tensor& k) { return toDipu(k, /*remember=*/false); }
   // After the kernel: in-place and out= arguments (list items too) it regrew or re-strided carry
   // their new bytes and geometry back to the caller's tensors.
   void syncWritten();
@@ -60,7 +61,8 @@ class KernelArguments {
   };
 
   at::Tensor alias(c10::MaybeOwned<at::Tensor> t, bool written);
-  at::Tensor toDipu(const at::Tensor& k);
+  // `remember`: record the result's storage (for the call's other results) and list it as fresh.
+  at::Tensor toDipu(const at::Tensor& k, bool remember = true);
   // Turns a kernel result into a dipu tensor in place when nothing else holds it (no new tensor
   // and storage to build and free); false when it must be re-wrapped instead.
   bool becomeDipu(const at::Tensor& k);
