@@ -30,8 +30,11 @@ std::string qualifiedName(const c10::OperatorHandle& op) {
 
 bool vendorLacks(const c10::OperatorHandle& op) {
   // A composite kernel counts: ops routed whole to the vendor (ShimRegistration.cpp) may have only that.
-  const c10::DispatchKey kernel_key = kernelDispatchKey();
-  if (!op.hasComputedKernelForDispatchKey(kernel_key)) return true;
+  return vendorLacks(op, op.hasComputedKernelForDispatchKey(kernelDispatchKey()));
+}
+
+bool vendorLacks(const c10::OperatorHandle& op, bool kernel_device_has_kernel) {
+  if (!kernel_device_has_kernel) return true;
   FallbackRegistry& r = registry();
   if (r.unsupported.empty()) return false;  // racy read is fine: the set is configured at start-up
   std::lock_guard<std::mutex> lock(r.mu);

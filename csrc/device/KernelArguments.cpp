@@ -4,6 +4,7 @@
 
 #include "device/Allocator.h"
 #include "device/Generator.h"
+#include "device/ThreadSpares.h"
 #include "device/vendor/Vendor.h"
 
 #include <c10/core/StorageImpl.h>
@@ -60,37 +61,52 @@ c10::DataPtr takeAsDeviceBlock(c10::StorageImpl* ks, int device, bool ours) {
 
 // Alias tensors and their storages are made and dropped by every op. A few per thread are kept
 // for the next op instead: a malloc, a free and two constructors saved per argument (most of what
-// re-viewing an argument costs). Only pairs nothing else holds come back.
+// re-viewing an argument costs). Only pairs nothing else holds come back. Each pointer owns one
+// reference (the spare tensor also holds the storage).
 struct SpareAlias {
-  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tensor;
-  c10::intrusive_ptr<c10::StorageImpl> storage;
+  c10::TensorImpl* tensor;
+  c10::StorageImpl* storage;
 };
-constexpr size_t kMaxSpareAliases = 16;
-thread_local c10::SmallVector<SpareAlias, kMaxSpareAliases> t_spare_aliases;
+void releaseSpareAlias(const SpareAlias& spare) {
+  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(spare.tensor);
+  c10::intrusive_ptr<c10::StorageImpl>::reclaim(spare.storage);
+}
+thread_local ThreadSpares<SpareAlias, 16, &releaseSpareAlias> t_spare_aliases;
 
-// A kernel-device alias over dipu storage `s` shaped like `t`, from a spare pair when one is kept.
-std::pair<c10::Storage, at::Tensor> newAlias(c10::StorageImpl* s, const at::Tensor& t) {
+// Whether `impl` has `t`'s sizes, strides and offset (compared inline: arguments have few dims).
+bool sameGeometry(const c10::TensorImpl* impl, const at::Tensor& t) {
+  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+  const c10::IntArrayRef t_sizes = t.sizes(), t_strides = t.strides();
+  if (sizes.size() != t_sizes.size() || impl->storage_offset() != t.storage_offset()) return false;
+  for (size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] != t_sizes[d] || strides[d] != t_strides[d]) return false;
+  return true;
+}
+
+// A kernel-device alias over dipu storage `s` (its bytes at `data`) shaped like `t`, from a spare
+// pair when one is kept.
+std::pair<c10::Storage, at::Tensor> newAlias(c10::StorageImpl* s, void* data, const at::Tensor& t) {
   const int device = t.device().index();
-  if (t_spare_aliases.empty() || t._is_zerotensor()) {
+  SpareAlias spare;
+  if (t._is_zerotensor() || !t_spare_aliases.pop(spare)) {
     c10::Storage storage = kernelStorageOver(s, device);
     at::Tensor k = makeTensor(storage, kernelDispatchKey(), t);
     return {std::move(storage), std::move(k)};
   }
-  SpareAlias spare = std::move(t_spare_aliases.back());
-  t_spare_aliases.pop_back();
   const c10::Device kernel_device = kernelDevice(device);
-  spare.storage->set_data_ptr_noswap(c10::DataPtr(s->mutable_data(), kernel_device));
+  spare.storage->set_data_ptr_noswap(c10::DataPtr(data, kernel_device));
   spare.storage->set_nbytes(s->nbytes());
   // The spare tensor still holds its storage, and keeps the dtype, device and geometry of its last
   // use: only what differs is set again (an op's arguments are mostly shaped like the last op's).
-  c10::TensorImpl* impl = spare.tensor.get();
+  c10::TensorImpl* impl = spare.tensor;
+  auto storage = c10::intrusive_ptr<c10::StorageImpl>::reclaim(spare.storage);
   if (impl->dtype() != t.dtype() || impl->device() != kernel_device)
-    impl->set_storage_and_dtype(c10::Storage(spare.storage), t.dtype());
-  if (impl->sizes() != t.sizes() || impl->strides() != t.strides() || impl->storage_offset() != t.storage_offset())
-    impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-  impl->_set_conj(t.is_conj());
-  impl->_set_neg(t.is_neg());
-  return {c10::Storage(std::move(spare.storage)), at::Tensor(std::move(spare.tensor))};
+    impl->set_storage_and_dtype(c10::Storage(storage), t.dtype());
+  if (!sameGeometry(impl, t)) impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (impl->is_conj() != t.is_conj()) impl->_set_conj(t.is_conj());
+  if (impl->is_neg() != t.is_neg()) impl->_set_neg(t.is_neg());
+  return {c10::Storage(std::move(storage)),
+          at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(impl))};
 }
 
 bool isGeneratorArgument(const c10::Argument& arg) {
@@ -105,39 +121,34 @@ at::Tensor asKernelTensor(const at::Tensor& t) {
 }
 
 KernelArguments::~KernelArguments() {
+  auto& spares = t_spare_aliases;
   for (Alias& a : aliases_) {
     // Kept only when the alias and the tensor over it are the sole holders of the storage and
     // nothing holds the tensor (a kernel may have kept either).
-    if (t_spare_aliases.size() == kMaxSpareAliases || a.kernel_tensor.use_count() != 1 ||
-        a.kernel_storage.use_count() != 2 || a.kernel_tensor.storage().unsafeGetStorageImpl() !=
-        a.kernel_storage.unsafeGetStorageImpl())
+    if (spares.full() || a.kernel_tensor.use_count() != 1 || a.kernel_storage.use_count() != 2 ||
+        a.kernel_tensor.storage().unsafeGetStorageImpl() != a.kernel_storage.unsafeGetStorageImpl())
       continue;
-    t_spare_aliases.push_back(SpareAlias{a.kernel_tensor.unsafeReleaseIntrusivePtr(),
-                                         c10::intrusive_ptr<c10::StorageImpl>::reclaim(
-                                             a.kernel_storage.unsafeReleaseStorageImpl())});
+    const SpareAlias spare{a.kernel_tensor.unsafeReleaseTensorImpl(), a.kernel_storage.unsafeReleaseStorageImpl()};
+    if (!spares.push(spare)) releaseSpareAlias(spare);  // (the thread is exiting)
   }
 }
 
-at::Tensor KernelArguments::alias(c10::MaybeOwned<at::Tensor> original, bool written) {
+at::Tensor& KernelArguments::alias(c10::MaybeOwned<at::Tensor> original, bool written) {
+  any_written_ |= written;
   const at::Tensor& t = *original;
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  c10::Storage storage;
+  void* data = s->mutable_data();
   for (const Alias& a : aliases_) {
     if (a.original->storage().unsafeGetStorageImpl() == s) {
       // Two views of one storage share one alias storage, so kernels see them overlap.
-      storage = a.kernel_storage;
-      break;
+      c10::Storage shared = a.kernel_storage;
+      at::Tensor k = makeTensor(shared, kernelDispatchKey(), t);
+      return aliases_.emplace_back(std::move(shared), std::move(k), std::move(original), data, written).kernel_tensor;
     }
   }
-  at::Tensor k;
-  if (storage) {
-    k = makeTensor(storage, kernelDispatchKey(), t);
-  } else {
-    std::tie(storage, k) = newAlias(s, t);
-    window_.open(s);
-  }
-  aliases_.push_back(Alias{std::move(storage), k, std::move(original), s->mutable_data(), written});
-  return k;
+  auto [storage, k] = newAlias(s, data, t);
+  window_.open(s);
+  return aliases_.emplace_back(std::move(storage), std::move(k), std::move(original), data, written).kernel_tensor;
 }
 
 void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
@@ -174,6 +185,7 @@ void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& 
 }
 
 void KernelArguments::syncWritten() {
+  if (!any_written_) return;
   for (const Alias& a : aliases_) {
     if (!a.written) continue;
     c10::StorageImpl* ks = a.kernel_storage.unsafeGetStorageImpl();

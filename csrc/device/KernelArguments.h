@@ -24,9 +24,14 @@ class KernelArguments {
   // Rewrites `op`'s arguments on `stack` for the vendor's kernel: dipu tensors become kernel-device
   // aliases, and dipu devices and generators (an absent generator included) the kernel device's.
   void rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack);
-  // One dipu tensor argument of an unboxed call, as the kernel sees it. `t` is borrowed: the caller
-  // holds it for the call (no reference is taken, so a tensor Python owns costs no GIL round trip).
-  at::Tensor borrowArgument(const at::Tensor& t, bool written) {
+  // Arguments up to this many keep their aliases in place: the references borrowArgument returns
+  // stay valid for the whole call.
+  static constexpr size_t kInlineArguments = 8;
+  // One dipu tensor argument of an unboxed call, as the kernel sees it: a reference to the alias
+  // this call holds (valid while it lasts, for the first kInlineArguments arguments). `t` is
+  // borrowed: the caller holds it for the call (no reference is taken, so a tensor Python owns
+  // costs no GIL round trip).
+  at::Tensor& borrowArgument(const at::Tensor& t, bool written) {
     return alias(c10::MaybeOwned<at::Tensor>::borrowed(t), written);
   }
   // The kernel's only result as the caller's dipu tensor (what adoptResults does for each): with no
@@ -53,6 +58,12 @@ class KernelArguments {
   // replaced on the stack (a chip rounds matmul inputs into a copy), and its alias must outlive the
   // kernel so results can still be matched against it.
   struct Alias {
+    Alias(c10::Storage storage, at::Tensor tensor, c10::MaybeOwned<at::Tensor> caller, void* data, bool write)
+        : kernel_storage(std::move(storage)),
+          kernel_tensor(std::move(tensor)),
+          original(std::move(caller)),
+          original_data(data),
+          written(write) {}
     c10::Storage kernel_storage;  // the alias storage the kernel saw
     at::Tensor kernel_tensor;     // the alias tensor the kernel saw
     c10::MaybeOwned<at::Tensor> original;  // the caller's dipu tensor (borrowed from an unboxed call)
@@ -60,7 +71,8 @@ class KernelArguments {
     bool written;                 // an in-place or out= argument
   };
 
-  at::Tensor alias(c10::MaybeOwned<at::Tensor> t, bool written);
+  // The kernel's view of `t`, recorded in aliases_ (the returned reference is that record's).
+  at::Tensor& alias(c10::MaybeOwned<at::Tensor> t, bool written);
   // `remember`: record the result's storage (for the call's other results) and list it as fresh.
   at::Tensor toDipu(const at::Tensor& k, bool remember = true);
   // Turns a kernel result into a dipu tensor in place when nothing else holds it (no new tensor
@@ -69,7 +81,8 @@ class KernelArguments {
 
   MemoryWindow window_;  // the memory the kernel (and the chip's numerics after it) work on
   int device_;
-  c10::SmallVector<Alias, 8> aliases_;
+  bool any_written_ = false;  // an alias is of an in-place or out= argument
+  c10::SmallVector<Alias, kInlineArguments> aliases_;
   // Kernel result storages already given a dipu storage (a list's items may share one).
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> adopted_;
   c10::SmallVector<at::Tensor, 4> fresh_;

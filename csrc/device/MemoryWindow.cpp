@@ -26,8 +26,7 @@ MemoryWindow::~MemoryWindow() {
   t_current = previous_;
 }
 
-void MemoryWindow::open(const void* ptr) {
-  if (!active_ || ptr == nullptr) return;
+void MemoryWindow::openBlock(const void* ptr) {
   const std::uint64_t token = vendor().openForKernel(ptr);
   if (token != 0) opened_.emplace_back(ptr, token);
 }

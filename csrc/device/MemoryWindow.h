@@ -20,12 +20,16 @@ class MemoryWindow {
   MemoryWindow& operator=(const MemoryWindow&) = delete;
 
   // Opens the block holding `ptr` until this window ends (host memory and nullptr: nothing to do).
-  void open(const void* ptr);
+  void open(const void* ptr) {
+    if (active_ && ptr != nullptr) openBlock(ptr);
+  }
   void open(const c10::StorageImpl* storage) { open(storage->data()); }
   // This thread's innermost window, nullptr when none is open (or memory is not protected).
   static MemoryWindow* current();
 
  private:
+  void openBlock(const void* ptr);
+
   bool active_;
   MemoryWindow* previous_ = nullptr;
   c10::SmallVector<std::pair<const void*, std::uint64_t>, 8> opened_;

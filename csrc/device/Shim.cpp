@@ -9,6 +9,8 @@
 #include "device/SpeedEmulation.h"
 #include "device/vendor/Vendor.h"
 
+#include <optional>
+
 namespace ditorch {
 namespace {
 
@@ -135,7 +137,8 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
   if (recomputes(role, numerics)) inputs.assign(stack->end() - op.schema().arguments().size(), stack->end());
 
   const KernelClock start = kernelClockNow(chip.slowdown);
-  const KernelSignature signature = start.read ? signatureOf(op, *stack) : KernelSignature();
+  std::optional<KernelSignature> signature;  // only where the chip's time is charged
+  if (start.read) signature = signatureOf(op, *stack);
   {
     KernelAllocationScope scope(device);
     // A matmul the chip accumulates its own way: its result alone is computed (below), into the
@@ -149,7 +152,7 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
       op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()), stack);
     }
   }
-  chargeKernel(start, chip.slowdown, signature);  // the device time is the kernel's; the numerics below overlap it
+  if (signature) chargeKernel(start, chip.slowdown, *signature);  // the device time is the kernel's; the numerics below overlap it
 
   if (!inputs.empty() && stack->back().isTensor()) reproduceChipResult(role, op, inputs, stack->back().toTensor(), numerics);
   call.syncWritten();

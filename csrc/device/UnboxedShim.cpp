@@ -42,6 +42,7 @@
 #include <ATen/ops/zero_ops.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -88,10 +89,16 @@ void addToSignature(KernelSignature& signature, const T& arg) {
   }
 }
 
+// How the kernel takes an argument declared `Arg`: a tensor by reference (to the call's alias of a
+// dipu tensor, else to the caller's own), anything else by value.
+template <class Arg>
+using KernelArgument = std::conditional_t<kIsTensor<Arg>, std::conditional_t<kIsWritten<Arg>, at::Tensor&, const at::Tensor&>,
+                                          std::decay_t<Arg>>;
+
 template <class Arg, class T>
-auto toKernel(KernelArguments& call, T& arg) {
+KernelArgument<Arg> toKernel(KernelArguments& call, T& arg) {
   if constexpr (kIsTensor<Arg>)
-    return isDipu(arg) ? call.borrowArgument(arg, kIsWritten<Arg>) : at::Tensor(arg);
+    return isDipu(arg) ? call.borrowArgument(arg, kIsWritten<Arg>) : arg;
   else
     return std::decay_t<Arg>(arg);
 }
@@ -107,25 +114,31 @@ struct UnboxedShim<Op, Ret(Args...)> {
   }
 
   static Ret call(c10::DispatchKeySet keys, Args... args) {
+    static_assert((size_t(kIsTensor<Args>) + ...) <= KernelArguments::kInlineArguments,
+                  "the kernel's tensor arguments are references to aliases kept in place");
     int device = -1;
     (joinDevice<Args>(device, args), ...);
     const ChipProfile& chip = chipProfile();
-    if (device < 0 || chip.numerics.any() || vendorLacks(handle()) || bf16MatmulViaFp32Covers(handle()))
+    if (device < 0 || chip.numerics.any() || vendorLacks(handle(), vendorHasKernel()) ||
+        bf16MatmulViaFp32Covers(handle()))
       return c10::impl::BoxedKernelWrapper<Ret(Args...)>::call(c10::BoxedKernel::makeFromFunction<&shimKernel>(),
                                                                 handle(), keys, std::forward<Args>(args)...);
     KernelArguments call(device);
-    std::tuple<std::decay_t<Args>...> kernel_args{toKernel<Args>(call, args)...};
+    std::tuple<KernelArgument<Args>...> kernel_args{toKernel<Args>(call, args)...};
     const KernelClock start = kernelClockNow(chip.slowdown);
-    static const KernelSignature op_signature(handle().schema());
-    KernelSignature signature = op_signature;
-    if (start.read) (addToSignature(signature, args), ...);
+    std::optional<KernelSignature> signature;  // only where the chip's time is charged
+    if (start.read) {
+      static const KernelSignature op_signature(handle().schema());
+      signature.emplace(op_signature);
+      (addToSignature(*signature, args), ...);
+    }
     if constexpr (std::is_same_v<Ret, at::Tensor>) {
       at::Tensor result;
       {
         KernelAllocationScope scope(device);
         result = runKernel(kernel_args);
       }
-      chargeKernel(start, chip.slowdown, signature);
+      if (signature) chargeKernel(start, chip.slowdown, *signature);
       call.syncWritten();
       if (start.read) paceHost();
       return call.adoptResult(result);
@@ -136,11 +149,18 @@ struct UnboxedShim<Op, Ret(Args...)> {
         KernelAllocationScope scope(device);
         written = &runKernel(kernel_args);
       }
-      chargeKernel(start, chip.slowdown, signature);
+      if (signature) chargeKernel(start, chip.slowdown, *signature);
       call.syncWritten();
       if (start.read) paceHost();
       return callerArgument(written, kernel_args, std::index_sequence_for<Args...>{}, args...);
     }
+  }
+
+  // Whether the vendor's kernel device has a kernel for the op: fixed once ditorch has loaded
+  // (registrations for aten ops happen at start-up), so asked once.
+  static bool vendorHasKernel() {
+    static const bool has = handle().hasComputedKernelForDispatchKey(kernelDispatchKey());
+    return has;
   }
 
  private:
