@@ -4,6 +4,7 @@ tensors carry each call's dtype, shape, strides and lazy conjugation, and every 
 plain goes to the boxed shim (mixed devices refused, ops the vendor lacks fall back, chips with
 numerics of their own reproduce them)."""
 import random
+import threading
 
 import pytest
 import torch
@@ -61,6 +62,36 @@ def test_in_place_results_are_the_callers_tensor_and_views_write_through():
     assert x.add_(torch.ones(3, device="dipu"), alpha=2) is x
     assert x.cpu().tolist() == [3.0, 3.0, 3.0]
     assert x.zero_() is x and x.cpu().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_threads_that_exit_leave_their_spares_and_results_sound():
+    # Each thread keeps spare alias tensors and adopted-block records for its next op, released
+    # when it exits; results it made live on and are freed by the main thread, whose spares then
+    # hold records that thread made.
+    rng = random.Random(11)
+    inputs = [(_random_tensor(rng, torch.float32), _random_tensor(rng, torch.float32)) for _ in range(40)]
+    inputs = [(a, b) for a, b in inputs if a.shape == b.shape]
+    results: list = []
+
+    def work() -> None:
+        for a, b in inputs:
+            da, db = a.to("dipu"), b.to("dipu")
+            results.append((da * db + da, da.sub_(db)))
+
+    for _ in range(3):
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    assert len(results) == 3 * len(inputs)
+    for i, (mul_add, sub) in enumerate(results):
+        a, b = inputs[i % len(inputs)]
+        torch.testing.assert_close(mul_add.cpu(), a * b + a)
+        torch.testing.assert_close(sub.cpu(), a - b)
+    before = torch.dipu.memory_allocated()
+    results.clear()
+    assert torch.dipu.memory_allocated() < before  # freed on this thread, counted off
+    for a, b in inputs:  # this thread's ops after it took the exited threads' records
+        torch.testing.assert_close((a.to("dipu") + b.to("dipu")).cpu(), a + b)
 
 
 @pytest.mark.two_devices
