@@ -114,7 +114,7 @@ struct UnboxedShim<Op, Ret(Args...)> {
   }
 
   static Ret call(c10::DispatchKeySet keys, Args... args) {
-    static_assert((size_t(kIsTensor<Args>) + ...) <= KernelArguments::kInlineArguments,
+    static_assert((size_t(0) + ... + size_t(kIsTensor<Args>)) <= KernelArguments::kInlineArguments,
                   "the kernel's tensor arguments are references to aliases kept in place");
     int device = -1;
     (joinDevice<Args>(device, args), ...);
