@@ -9,10 +9,10 @@ speed hit them alike.
              tokens, AdamW), bf16 autocast and fp32 (target: dipu <= 1.05x cpu)
 
 A control row runs native cpu against itself (a second set of tensors, a second model): its
-ratio is the benchmark's own noise floor on this machine, measured in the same rounds. Models
-and tensors are built afresh every round (same seed, one warm-up step), so where their memory happens to lie
-(which moves a step by several percent from one instance to the next) is drawn anew each round
-instead of favouring one device for the whole run.
+ratio is the benchmark's own noise floor on this machine, measured in the same rounds. Models and
+tensors are built afresh every round (same seed, one warm-up step), so where their memory happens
+to lie (which moves a step by several percent from one instance to the next) is drawn anew each
+round instead of favouring one device for the whole run.
 
 Wall time (perf_counter) and this process's CPU time (process_time) are printed side by side:
 CPU time is what the process spent, wall time what it waited too (other agents' load). The

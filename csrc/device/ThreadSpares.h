@@ -29,7 +29,6 @@ class ThreadSpares {
     slots_[size_++] = v;
     return true;
   }
-  std::size_t size() const { return size_; }
   bool full() const { return size_ == N; }
 
  private:
