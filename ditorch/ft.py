@@ -274,18 +274,21 @@ def run_replica(plan: Plan, options: TrainOptions, ft: FTOptions, timeout: float
     log = LossLogger(options.log, append=True) if options.log and rank == 0 else None
     tokens = global_batch_size(plan) * plan.model.seq
     try:
-        while (step := manager.current_step()) < options.steps:
+        while manager.current_step() < options.steps:
             manager.start_quorum(timeout=datetime.timedelta(seconds=ft.quorum_timeout))
             loss = trainer.step(manager.current_step())
             if group.mismatch:
                 raise ReplicaMismatch(group.mismatch)
-            if manager.current_step() == 0 and time.monotonic() - started > ft.quorum_timeout:
+            # The step just committed, read after the commit: a replica that healed in this step
+            # (the quorum runs asynchronously) is at the healthy replicas' step, not its own.
+            step = manager.current_step()
+            if step == 0 and time.monotonic() - started > ft.quorum_timeout:
                 raise ReplicaMismatch(f"replica {name!r} waited {ft.quorum_timeout:g} s at the first step for the "
                                       f"plan's {plan.dp} replicas; the quorums held {manager.num_participants()}")
             if trainer.update.committed and log is not None:
-                log.log(step + 1, loss, (step + 1) * tokens)
+                log.log(step, loss, step * tokens)
                 if options.progress:
-                    print(f"  step {step + 1:>4}/{options.steps}  loss {loss:.4f}  replicas {manager.num_participants()}",
+                    print(f"  step {step:>4}/{options.steps}  loss {loss:.4f}  replicas {manager.num_participants()}",
                           flush=True)
         if options.check_replicas:
             check_quorum_replicas(trainer, manager, name)

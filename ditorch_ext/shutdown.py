@@ -1,15 +1,17 @@
 """What dipu does at interpreter exit: let autograd's device threads finish first.
 
-Autograd runs a dipu backward's kernels on a device thread per dipu device (as for CUDA). That
-thread drops its last graph task after it has woken the caller of ``backward()``, and the graph
-task holds the caller's thread-local state, Python objects among them, so dropping it takes the
-GIL. A program that exits right after a backward (a spawned profiling worker, a rank's last
-step) could have its interpreter finalizing by then, and Python 3.11 ends a thread that asks a
-finalizing interpreter for the GIL with ``pthread_exit``, whose unwinding through autograd's
-``noexcept`` frames aborts the process ("terminate called without an active exception").
-At exit, before finalization, each dipu device with allocator activity runs a one-element
-backward from a fresh C++ thread and waits for it (csrc/device/AutogradDrain.h): a device thread
-runs its tasks in order, so it has then dropped every earlier graph task.
+Autograd runs a dipu backward's kernels on a device thread per dipu device (as for CUDA) on a
+vendor whose kernels run on its device, and on any vendor for a thread that turned autograd's
+multithreading back on (csrc/device/AutogradThreads.h). That thread drops its last graph task
+after it has woken the caller of ``backward()``, and the graph task holds the caller's
+thread-local state, Python objects among them, so dropping it takes the GIL. A program that exits
+right after a backward (a spawned profiling worker, a rank's last step) could have its
+interpreter finalizing by then, and Python 3.11 ends a thread that asks a finalizing interpreter
+for the GIL with ``pthread_exit``, whose unwinding through autograd's ``noexcept`` frames aborts
+the process ("terminate called without an active exception"). At exit, before finalization,
+each dipu device with allocator activity runs a one-element backward from a fresh C++ thread and
+waits for it (csrc/device/AutogradThreads.h): a device thread runs its tasks in order, so it has
+then dropped every earlier graph task.
 """
 from __future__ import annotations
 

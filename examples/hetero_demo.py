@@ -21,8 +21,8 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
 
     python examples/hetero_demo.py [--steps 16] [--chips A:1,B:1,C:2] [--reprofile] [--no-ps] [--no-volunteer]
 
-Outputs land in ``out/hetero`` (plan, logs, trace, loss plot, timeline PNG, Di-PS loss plot) and
-``out/volunteer``.
+Outputs land in ``--out`` (default ``out/hetero``: plan, logs, trace, loss plot, timeline PNG, Di-PS
+loss plot) and the volunteer phase's in its ``volunteer/``.
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         import volunteer_demo
 
         volunteer_started = time.perf_counter()
-        verdict = volunteer_demo.main(["--model", args.model], step="9/9") or verdict
+        verdict = volunteer_demo.main(["--model", args.model, "--out", str(out / "volunteer")], step="9/9") or verdict
         PHASE_SECONDS["9/9"] = time.perf_counter() - volunteer_started
     summarize(out, plan, hsr)
     print("\nphase times: " + ", ".join(f"{step} {seconds:.0f} s" for step, seconds in sorted(PHASE_SECONDS.items())))
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
           f"loss curves {out / 'loss_curves.png'}, timeline {out / 'timeline.png'}, "
           f"trace {out / 'trace.json'} (open in https://ui.perfetto.dev)"
           + ("" if args.no_ps else f", Di-PS clusters {out / 'dips_clusters.png'}")
-          + ("" if args.no_volunteer else f", volunteer loss curves {REPO / 'out/volunteer/loss_curves.png'}"))
+          + ("" if args.no_volunteer else f", volunteer loss curves {out / 'volunteer' / 'loss_curves.png'}"))
     return verdict
 
 

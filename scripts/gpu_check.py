@@ -14,8 +14,9 @@ nothing that can be checked without the GPU is left for the first run that has o
    same computed on the CPU;
 5. the mixed-vendor pipeline: a TP-2 first stage on the GPU (one torchrun) and two stages of
    emulated chips B and C (another torchrun), bf16, MRE < 1.5% against the CPU fp32 reference;
-6. micro-benchmarks, dipu over native cuda: a 4096x4096 bf16 matmul (goal <= 1.03x), a one-element
-   add (goal <= 1.3x, in us) and a training step (goal <= 1.05x).
+6. micro-benchmarks, dipu over native cuda: a 4096x4096 bf16 matmul (goal <= 1.03x), a 1,000-element
+   add (goal: at most 1 us over native, the host overhead a user pays on every small kernel) and
+   a bf16 training step (goal <= 1.05x, the median of per-round ratios, the two taking turns).
 
 Every step runs in a process of its own, so one failure does not hide the others; the report is
 a table printed at the end and written into docs/device.md (between the gpu-check markers) with
@@ -26,7 +27,9 @@ over the cpu (what `make test` also covers), to try the script on a machine with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -55,33 +58,66 @@ def _llama():
     return LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=128)
 
 
-def _train(device: str, precision: str, steps: int, timed: bool = False) -> dict:
-    """The project's LLaMA, AdamW, fixed batches: the losses (and each step's time when timed)."""
-    import torch
+class _LlamaTraining:
+    """The project's LLaMA and AdamW on `device` (seed 0), stepped on the batches it draws (seed 1)."""
 
-    from dimodel.llama import Llama
+    def __init__(self, device: str, precision: str):
+        import torch
 
-    cfg = _llama()
-    torch.manual_seed(0)
-    model = Llama(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = torch.Generator().manual_seed(1)
-    module = getattr(torch, torch.device(device).type)
-    losses, times = [], []
-    for _ in range(steps):
-        tokens = torch.randint(0, cfg.vocab_size, (8, cfg.max_seq_len + 1), generator=batches).to(device)
+        from dimodel.llama import Llama
+
+        self.cfg = _llama()
+        torch.manual_seed(0)
+        self.device, self.bf16 = device, precision == "bf16"
+        self.model = Llama(self.cfg).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.batches = torch.Generator().manual_seed(1)
+        self.sync = getattr(torch, torch.device(device).type).synchronize
+
+    def step(self) -> tuple[float, float]:
+        """One step on the next batch, the device synchronized at its end: (loss, seconds)."""
+        import torch
+
+        cfg = self.cfg
+        tokens = torch.randint(0, cfg.vocab_size, (8, cfg.max_seq_len + 1), generator=self.batches).to(self.device)
         start = time.perf_counter()
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            logits = model(tokens[:, :-1])
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self.model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if timed:
-            module.synchronize()
-            times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return {"losses": losses, "times": times}
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sync()
+        return loss.item(), time.perf_counter() - start
+
+
+def _train(device: str, precision: str, steps: int) -> list[float]:
+    """The losses of `steps` steps of _LlamaTraining on `device`."""
+    run = _LlamaTraining(device, precision)
+    return [run.step()[0] for _ in range(steps)]
+
+
+def _step_ratio(devices: tuple[str, str], rounds: int = 16, turns: int = 4) -> tuple[dict, float]:
+    """Median seconds per bf16 step on each device and the median over rounds of their ratio
+    (second / first). Each round builds both models afresh (where a model's memory lies moves a
+    step by several percent from one instance to the next) and warms each up a step; then they
+    take turns, one step each, the order alternating, the garbage collector held off while a step
+    is timed, so that the host's drifting speed and load hit both alike."""
+    seconds = {d: [] for d in devices}
+    ratios = []
+    for _ in range(rounds):
+        runs = {d: _LlamaTraining(d, "bf16") for d in devices}
+        for run in runs.values():
+            run.step()
+        mine = {d: [] for d in devices}
+        for turn in range(turns):
+            for d in (devices if turn % 2 == 0 else devices[::-1]):
+                with _gc_held_off():
+                    mine[d].append(runs[d].step()[1])
+        for d in devices:
+            seconds[d] += mine[d]
+        ratios.append(statistics.median(mine[devices[1]]) / statistics.median(mine[devices[0]]))
+    return {d: statistics.median(t) for d, t in seconds.items()}, statistics.median(ratios)
 
 
 def worker_train(device_type: str) -> dict:
@@ -97,8 +133,8 @@ def worker_train(device_type: str) -> dict:
 
     out = {}
     for precision, steps in (("fp32", 20), ("bf16", 20)):
-        native = _train(device_type, precision, steps)["losses"]
-        dipu = _train("dipu", precision, steps)["losses"]
+        native = _train(device_type, precision, steps)
+        dipu = _train("dipu", precision, steps)
         worst = max(abs(a - b) / abs(b) for a, b in zip(dipu, native))
         report = mean_relative_error(dict(enumerate(native, 1)), dict(enumerate(dipu, 1)))
         out[precision] = {"max_rel": worst, "mre_percent": report.mre_percent, "last": [dipu[-1], native[-1]]}
@@ -206,6 +242,18 @@ def worker_pipeline(device_type: str) -> dict:
             "stage0": stages_line[0].strip() if stages_line else ""}
 
 
+@contextlib.contextmanager
+def _gc_held_off():
+    """Python's garbage collector off while a contender is timed, after a collection (as timeit
+    does): otherwise a collection lands in whichever contender crosses its threshold."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _per_call(fns: dict, syncs: dict, repeats: int, rounds: int = 7) -> dict:
     """Median over rounds of the seconds per call of each of `fns` (`repeats` calls, then its sync),
     the contenders taking turns within each round so that a busy moment hits both alike."""
@@ -215,11 +263,12 @@ def _per_call(fns: dict, syncs: dict, repeats: int, rounds: int = 7) -> dict:
         syncs[name]()
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            syncs[name]()
-            samples[name].append((time.perf_counter() - start) / repeats)
+            with _gc_held_off():
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                syncs[name]()
+                samples[name].append((time.perf_counter() - start) / repeats)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -234,18 +283,17 @@ def worker_bench(device_type: str) -> dict:
     size = 4096 if device_type == "cuda" else 512
     host = [torch.randn(size, size, dtype=torch.bfloat16) for _ in range(2)]
     mats = {d: [m.to(d) for m in host] for d in devices}
-    ones = {d: torch.ones(1, device=d) for d in devices}
+    vectors = {d: torch.ones(1000, device=d) for d in devices}
     matmul = _per_call({d: (lambda d=d: mats[d][0] @ mats[d][1]) for d in devices}, syncs, 20)
-    add = _per_call({d: (lambda d=d: ones[d] + ones[d]) for d in devices}, syncs, 2000)
-    steps = {d: [] for d in devices}
-    for _ in range(3):  # rounds of a few timed steps each, taking turns
-        for d in devices:
-            steps[d] += _train(d, "bf16", 5, timed=True)["times"][2:]
-    out = {d: {"matmul_s": matmul[d], "add_s": add[d], "step_s": statistics.median(steps[d])} for d in devices}
+    add = _per_call({d: (lambda d=d: vectors[d] + vectors[d]) for d in devices}, syncs, 2000)
+    step, step_ratio = _step_ratio(devices)
+    out = {d: {"matmul_s": matmul[d], "add_s": add[d], "step_s": step[d]} for d in devices}
     native, dipu = out[device_type], out["dipu"]
     ratios = {key: dipu[key] / native[key] for key in native}
+    ratios["step_s"] = step_ratio  # within rounds first, as the step's docstring says
     return {"ok": True, "native": native, "dipu": dipu, "ratios": ratios,
-            "goals_met": ratios["matmul_s"] <= 1.03 and ratios["add_s"] <= 1.3 and ratios["step_s"] <= 1.05}
+            "goals_met": ratios["matmul_s"] <= 1.03 and dipu["add_s"] - native["add_s"] <= 1e-6
+            and ratios["step_s"] <= 1.05}
 
 
 WORKERS = {"train": worker_train, "ranks": worker_ranks, "pipeline": worker_pipeline, "bench": worker_bench}
@@ -386,9 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     _worker_step(report, "pipeline", "mixed-vendor pipeline", args.device_type, deadline, 200,
                  lambda r: f"MRE {r.get('mre_percent', float('nan')):.3f}% (< 1.5%); {r.get('stage0', '')}")
     _worker_step(report, "bench", "dipu / native", args.device_type, deadline, 120,
-                 lambda r: (f"bf16 matmul {r['ratios']['matmul_s']:.3f}x (goal <= 1.03); one-element add "
-                            f"{r['dipu']['add_s'] * 1e6:.1f} us vs {r['native']['add_s'] * 1e6:.1f} us = "
-                            f"{r['ratios']['add_s']:.2f}x (goal <= 1.3); training step {r['ratios']['step_s']:.3f}x "
+                 lambda r: (f"bf16 matmul {r['ratios']['matmul_s']:.3f}x (goal <= 1.03); 1,000-element add "
+                            f"{r['dipu']['add_s'] * 1e6:.2f} us vs {r['native']['add_s'] * 1e6:.2f} us = "
+                            f"{(r['dipu']['add_s'] - r['native']['add_s']) * 1e6:.2f} us over native (goal <= 1 us); "
+                            f"training step {r['ratios']['step_s']:.3f}x "
                             f"(goal <= 1.05){'' if r['goals_met'] else '; a goal is missed'}"))
     header = (f"`make gpu-check` on {gpu}, {datetime.date.today().isoformat()}, torch {torch.__version__}: "
               f"{'PASS' if report.passed else 'FAIL'} in {BUDGET_S - (deadline - time.monotonic()):.0f} s")

@@ -9,7 +9,6 @@
 
 #include <c10/core/StorageImpl.h>
 
-
 namespace ditorch {
 namespace {
 

@@ -1,7 +1,7 @@
 // Python binding of the device layer (ditorch_ext._C). The only file that pulls in
 // torch/extension.h; the runtime itself lives in the other files, one concept each.
 #include "device/Allocator.h"
-#include "device/AutogradDrain.h"
+#include "device/AutogradThreads.h"
 #include "device/ChipProfile.h"
 #include "device/Generator.h"
 #include "device/Guard.h"
@@ -126,7 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("drain_autograd_device_threads", [](const std::vector<int64_t>& devices) {
         py::gil_scoped_release nogil;
         drainAutogradDeviceThreads(devices);
-      }, "wait until autograd's device threads of `devices` hold no graph task (run at exit, AutogradDrain.h)");
+      }, "wait until autograd's device threads of `devices` hold no graph task (run at exit, AutogradThreads.h)");
   m.def("empty_cache", [] { deviceAllocator().emptyCache(); });
   m.def("manual_seed", [](int d, uint64_t seed) { generatorOf(d).set_current_seed(seed); });
   m.def("seed", [](int d) { return generatorOf(d).seed(); });

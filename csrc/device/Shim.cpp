@@ -1,6 +1,7 @@
 #include "device/Shim.h"
 
 #include "device/Allocator.h"
+#include "device/AutogradThreads.h"
 #include "device/ChipNumerics.h"
 #include "device/ChipProfile.h"
 #include "device/CpuFallback.h"
@@ -121,6 +122,7 @@ KernelSignature signatureOf(const c10::OperatorHandle& op, const torch::jit::Sta
 }  // namespace
 
 void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  chooseBackwardThread();
   const OpDevice where = opDevice(op, *stack);
   const int device = where.index;
   if (where.from_tensor) checkOneDevice(op, *stack, device);

@@ -10,6 +10,7 @@
 // a vendor kernel for the op, a chip without numerics of its own and no bf16 matmul run in fp32.
 // Anything else is boxed and handed to the boxed shim, which runs, reproduces or refuses it
 // exactly as it does every op.
+#include "device/AutogradThreads.h"
 #include "device/ChipNumerics.h"
 #include "device/ChipProfile.h"
 #include "device/CpuFallback.h"
@@ -116,6 +117,7 @@ struct UnboxedShim<Op, Ret(Args...)> {
   static Ret call(c10::DispatchKeySet keys, Args... args) {
     static_assert((size_t(0) + ... + size_t(kIsTensor<Args>)) <= KernelArguments::kInlineArguments,
                   "the kernel's tensor arguments are references to aliases kept in place");
+    chooseBackwardThread();
     int device = -1;
     (joinDevice<Args>(device, args), ...);
     const ChipProfile& chip = chipProfile();

@@ -315,3 +315,46 @@ def test_backward_ops_with_their_own_autograd_run_the_vendor_kernel_as_on_cpu():
     assert "silu_backward" in ops["cpu"]
     assert ops["dipu"] == ops["cpu"], ops
     torch.testing.assert_close(grads["dipu"], grads["cpu"], rtol=0, atol=0)
+
+
+@pytest.mark.synchronous_vendor
+def test_backward_runs_on_the_thread_that_calls_it_as_on_cpu():
+    """Kernels that run on the host gain nothing from autograd's device thread, so a dipu backward
+    runs on the thread that called backward(), as a CPU one does: on the main thread and on a
+    thread whose first dipu op is in its backward's graph. `set_multithreading_enabled(True)` gets
+    the device thread back. The gradients are the CPU's either way."""
+    import threading
+
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 16), torch.randn(4, 16)
+
+    def backward_thread(device: str, multithreading: bool | None) -> tuple[int, torch.Tensor]:
+        leaf = w.to(device, copy=True).requires_grad_()
+        hidden = torch.tanh(x.to(device) @ leaf)
+        ran_on = []
+        hidden.register_hook(lambda g: ran_on.append(threading.get_ident()))
+        if multithreading is None:
+            hidden.square().sum().backward()
+        else:
+            with torch.autograd.set_multithreading_enabled(multithreading):
+                hidden.square().sum().backward()
+        return ran_on[0], leaf.grad.cpu()
+
+    want = backward_thread("cpu", None)[1]
+    cases = [("main thread", None, True), ("main thread, multithreading on", True, False)]
+    for name, multithreading, on_caller in cases:
+        ran_on, grad = backward_thread("dipu", multithreading)
+        assert (ran_on == threading.get_ident()) == on_caller, name
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+    on_fresh_thread = {}
+
+    def fresh():
+        ran_on, grad = backward_thread("dipu", None)
+        on_fresh_thread.update(caller=ran_on == threading.get_ident(), grad=grad)
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    assert on_fresh_thread["caller"], "a fresh thread's dipu backward ran on autograd's device thread"
+    torch.testing.assert_close(on_fresh_thread["grad"], want, rtol=0, atol=0)

@@ -117,6 +117,8 @@ def test_two_vendors_train_as_one_process_and_end_equal(plan_dir):
 
 
 def test_a_killed_replica_is_dropped_and_heals_from_the_other_on_its_return(plan_dir):
+    from diutil.loss_log import load_losses
+
     steps = 400  # the survivor must still be training when the victim's new torchrun is up (15-20 s here)
     lighthouse = Lighthouse(plan_dir, min_replicas=1, heartbeat_ms=1000)
     try:
@@ -128,7 +130,9 @@ def test_a_killed_replica_is_dropped_and_heals_from_the_other_on_its_return(plan
             time.sleep(0.1)
         kill_tree(victim.pid)
         victim.wait()
-        killed_at = max(losses(plan_dir / "replica0.jsonl"), default=0)
+        # The victim may have logged a step the survivor has committed but not yet logged.
+        killed_at = max([*losses(plan_dir / "replica0.jsonl"), *losses(plan_dir / "replica1.jsonl")])
+        lines_before_return = len((plan_dir / "replica1.jsonl").read_text().splitlines())
         returned = start_replica(plan_dir, 1, "emu", lighthouse.address, steps, "--check-replicas", "1")
         # The survivor goes on alone meanwhile.
         while max(losses(plan_dir / "replica0.jsonl"), default=0) < killed_at + 3:
@@ -140,10 +144,12 @@ def test_a_killed_replica_is_dropped_and_heals_from_the_other_on_its_return(plan
     assert survivor.returncode == 0, outs[0][-3000:]
     assert returned.returncode == 0, outs[1][-3000:]
     assert "'replica1' left the quorum" in outs[0] and "'replica1' joined the quorum" in outs[0], outs[0][-3000:]
-    # The returned replica logged steps only after it healed, past where it was killed, up to
-    # the end; the survivor logged every step.
-    back = losses(plan_dir / "replica1.jsonl")
-    assert min(s for s in back if s > killed_at) > killed_at + 1 and max(back) == steps
+    # The returned replica (the lines it appended) logged steps only after it healed, past every
+    # step either replica had reached at the kill, then each step up to the end; the survivor
+    # logged every step.
+    back = [json.loads(line)["step"] for line in (plan_dir / "replica1.jsonl").read_text().splitlines()[lines_before_return:]]
+    assert back and back[0] > killed_at and back == list(range(back[0], steps + 1)), (killed_at, back)
+    load_losses(plan_dir / "replica1.jsonl")  # both runs' lines: no step twice, so `ditorch mre` reads it
     assert sorted(losses(plan_dir / "replica0.jsonl")) == list(range(1, steps + 1))
 
 
