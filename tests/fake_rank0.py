@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import struct
+from typing import Callable
 
 import torch
 
@@ -98,13 +99,19 @@ class FakeRank0:
         assert len(answer) == HELLO.size + 32, answer
         return s, mine, answer[:HELLO.size], answer[HELLO.size:]
 
-    def join(self) -> list[socket.socket]:
-        """Dial every lane with a correct handshake; returns the lanes (main lane first)."""
+    def join(self, first: Callable[[socket.socket], None] | None = None) -> list[socket.socket]:
+        """Dial every lane with a correct handshake; returns the lanes (main lane first).
+
+        ``first`` runs on the main lane once it is admitted, before the data lanes are dialled:
+        what it sends is waiting when rank 1's pair starts, so rank 1 meets it while its
+        process group is still being made."""
         lanes = []
         for lane in range(self.lanes):
             s, mine, theirs, _ = self.greet(lane)
             s.sendall(proof(self.key, "dial", mine, theirs))
             lanes.append(s)
+            if lane == 0 and first is not None:
+                first(s)
         if self.transport == "shm":
             # The cross-memory attach probe results, one byte each way: we read nothing of rank 1.
             lanes[0].sendall(b"\0")

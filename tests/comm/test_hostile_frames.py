@@ -1,5 +1,6 @@
 """A peer that passes the handshake and then sends malformed frames: every header field out of
-bounds, frames for transfers never asked for, a frame cut short, a control frame on a data lane.
+bounds, frames for transfers never asked for, a frame cut short (also while rank 1 is still making
+its group), a control frame on a data lane.
 Rank 0 is played at the protocol level (tests/fake_rank0.py); rank 1 is a real backend that runs
 one group per case, each waiting for a 16-byte float receive from rank 0. Each case must fail
 rank 1's group with an error naming rank 0 -- no crash, no hang, nothing delivered -- and a
@@ -40,8 +41,12 @@ for case in range(int(sys.argv[2])):
 """
 
 
-def _rts_then_data_of_another_size(lanes: list[socket.socket]) -> None:
-    main = lanes[0]
+def _cut_short(main: socket.socket) -> None:
+    main.sendall(frame("inline", TAG, 16, FLOAT)[:40])
+    main.shutdown(socket.SHUT_WR)
+
+
+def _rts_then_data_of_another_size(main: socket.socket) -> None:
     main.sendall(frame("rts", TAG, 16, FLOAT, seq=1))
     main.settimeout(10)
     cts = main.recv(FRAME.size, socket.MSG_WAITALL)
@@ -50,8 +55,7 @@ def _rts_then_data_of_another_size(lanes: list[socket.socket]) -> None:
     main.sendall(frame("data", TAG, 1 << 20, FLOAT, seq=1))
 
 
-def _rts_announced_twice(lanes: list[socket.socket]) -> None:
-    main = lanes[0]
+def _rts_announced_twice(main: socket.socket) -> None:
     main.sendall(frame("rts", TAG, 16, FLOAT, seq=1))
     main.settimeout(10)
     cts = main.recv(FRAME.size, socket.MSG_WAITALL)  # matched: rank 1 waits for its data
@@ -59,7 +63,8 @@ def _rts_announced_twice(lanes: list[socket.socket]) -> None:
     main.sendall(frame("rts", TAG, 16, FLOAT, seq=1))
 
 
-# name -> (what rank 0 sends after joining, a word rank 1's error must contain)
+# name -> (what rank 0 sends after joining, a word rank 1's error must contain); a step is bytes
+# for a lane, or a function of the main lane
 CASES = {
     "unknown frame kind": ([(0, frame(99))], "unknown frame kind"),
     "size far beyond any buffer": ([(0, frame("inline", TAG, 1 << 62, FLOAT))], "DICOMM_MAX_MESSAGE_BYTES"),
@@ -70,7 +75,7 @@ CASES = {
     "data never asked for": ([(0, frame("data", TAG, 16, FLOAT, seq=9) + PAYLOAD)], "never asked for"),
     "part never asked for": ([(0, frame("part", TAG, 16, FLOAT, seq=9) + PAYLOAD)], "not expected"),
     "a payload frame on a data lane": ([(1, frame("inline", TAG, 16, FLOAT) + PAYLOAD)], "data lane"),
-    "a frame cut short": ([(0, frame("inline", TAG, 16, FLOAT)[:40]), (0, None)], "closed"),
+    "a frame cut short": ([_cut_short], "closed"),
     "data of another size than announced": ([_rts_then_data_of_another_size], "asked for 16"),
     "a sequence announced twice": ([_rts_announced_twice], "announced twice"),
     # Over tcp the pid rank 0 gave belongs to another host: never read a local process's memory.
@@ -80,9 +85,15 @@ CASES = {
 }
 
 
+# As CASES, but sent on the main lane as soon as it is admitted (FakeRank0.join's `first`):
+# rank 1's pair starts with the frame waiting, and breaks while its group is still being made.
+EARLY = {"a frame cut short while rank 1 makes its group": (_cut_short, "closed")}
+WELL_FORMED = [(0, frame("inline", TAG, 16, FLOAT) + PAYLOAD)]
+
+
 @pytest.mark.timeout(300)
 def test_malformed_frames_fail_the_group_naming_the_peer_and_a_fresh_group_works():
-    names = list(CASES)
+    names = list(CASES) + list(EARLY)
     store, port = master_store()
     env = dict(os.environ, PYTHONPATH=str(ROOT), DICOMM_TRANSPORT="tcp", DICOMM_TCP_STREAMS="2")
     rank1 = subprocess.Popen([sys.executable, "-c", RANK1, str(port), str(len(names) + 1)], env=env,
@@ -90,13 +101,12 @@ def test_malformed_frames_fail_the_group_naming_the_peer_and_a_fresh_group_works
     results = {}
     try:
         for i, name in enumerate(names + ["well-formed"]):
-            lanes = FakeRank0(store, prefix=f"case{i}/").join()
-            steps = CASES[name][0] if name in CASES else [(0, frame("inline", TAG, 16, FLOAT) + PAYLOAD)]
+            first = EARLY[name][0] if name in EARLY else None
+            lanes = FakeRank0(store, prefix=f"case{i}/").join(first=first)
+            steps = CASES[name][0] if name in CASES else [] if name in EARLY else WELL_FORMED
             for step in steps:
                 if callable(step):
-                    step(lanes)
-                elif step[1] is None:
-                    lanes[step[0]].shutdown(socket.SHUT_WR)
+                    step(lanes[0])
                 else:
                     lanes[step[0]].sendall(step[1])
             line = rank1.stdout.readline()
@@ -111,7 +121,7 @@ def test_malformed_frames_fail_the_group_naming_the_peer_and_a_fresh_group_works
     assert rank1.returncode == 0, f"rank 1 exited with {rank1.returncode}"
     assert results["well-formed"] == {"ok": [1.0, 2.0, 3.0, 4.0]}, results["well-formed"]
     bad = {}
-    for name, (_, word) in CASES.items():
+    for name, (_, word) in (CASES | EARLY).items():
         error = results[name].get("error", "")
         if "rank 0" not in error or word not in error:
             bad[name] = results[name]

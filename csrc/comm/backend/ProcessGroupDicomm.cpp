@@ -83,6 +83,15 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
   co.timeout = options_.timeout;
   co.transport = options_.transport;
   co.listenHost = options_.listenHost;
+  co.onFailure = [this](int, const std::string& cause) {
+    // Runs on a transport thread, which close() would join: hand the abort to the watchdog
+    // (which finds it on its first look when the pair broke before the watchdog started).
+    {
+      std::lock_guard<std::mutex> lock(watchMu_);
+      if (pendingAbort_.empty()) pendingAbort_ = cause;
+    }
+    watchCv_.notify_all();
+  };
   comm_ = std::make_unique<Communicator>(co);
   allreduceAlgorithm_ = chooseAllreduce(*comm_, allreduceFromEnv());
   if (rank == 0) {
@@ -97,14 +106,6 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
                 "shared: one shared-memory segment on this host); "
                 "DICOMM_ALLREDUCE=ring|hierarchical|shared forces one");
   }
-  comm_->setFailureHandler([this](int peer, const std::string& cause) {
-    // Runs on a transport thread, which close() would join: hand the abort to the watchdog.
-    {
-      std::lock_guard<std::mutex> lock(watchMu_);
-      if (pendingAbort_.empty()) pendingAbort_ = cause;
-    }
-    watchCv_.notify_all();
-  });
   collectiveThread_ = std::thread([this] { collectiveLoop(); });
   watchdog_ = std::thread([this] { watchdogLoop(); });
 }

@@ -97,7 +97,7 @@ std::string localHostId() {
 }
 
 Communicator::Communicator(CommunicatorOptions options)
-    : options_(std::move(options)), mailbox_(options_.rank) {
+    : options_(std::move(options)), mailbox_(options_.rank, options_.onFailure) {
   checkForcedTransport();
   const std::string myHost = localHostId();
   const std::vector<std::string> myUsable =
@@ -230,9 +230,6 @@ std::map<std::string, Transport*> Communicator::startTransports(const std::vecto
 }
 
 void Communicator::connectPairs(const std::map<std::string, Transport*>& started) {
-  mailbox_.setPeerFailedHandler([this](int peer, const std::string& cause) {
-    if (onFailure_) onFailure_(peer, cause);
-  });
   pairs_.resize(options_.size);
   try {
     for (int p = 0; p < options_.size; ++p) {
@@ -335,10 +332,6 @@ void Communicator::unpark(int peer) {
   for (auto& pair : pairs_) {
     if (pair) pair->unpark();
   }
-}
-
-void Communicator::setFailureHandler(std::function<void(int, const std::string&)> handler) {
-  onFailure_ = std::move(handler);
 }
 
 namespace {

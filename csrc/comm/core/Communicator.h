@@ -24,6 +24,11 @@ struct CommunicatorOptions {
   std::string transport = "auto";  // DICOMM_TRANSPORT: auto | tcp | shm | rdma
   // DICOMM_LISTEN_HOST; "" chooses the address of the interface that routes to the store.
   std::string listenHost;
+  // Called once, on a transport thread, when a pair breaks; the owner decides what to abort.
+  // Given here, not set after construction: a pair's threads start while the constructor still
+  // runs, and a peer that fails then (a frame cut short right after the handshake) must not go
+  // unheard, leaving its receives to time out.
+  std::function<void(int peer, const std::string& cause)> onFailure;
 };
 
 // Transports compiled in / usable on this machine, in preference order.
@@ -54,9 +59,6 @@ class Communicator {
   // ranks ascending within each; and the index into hosts() of `rank`'s host.
   const std::vector<std::vector<int>>& hosts() const { return hosts_; }
   int hostOf(int rank) const { return hostIndex_.at(rank); }
-
-  // Called once, on a transport thread, when a pair breaks. The owner decides what to abort.
-  void setFailureHandler(std::function<void(int peer, const std::string& cause)> handler);
 
   std::shared_ptr<Completion> isend(int peer, uint64_t tag, const void* data, size_t nbytes,
                                     int32_t dtype, Completion::Callback cb = nullptr);
@@ -126,7 +128,6 @@ class Communicator {
   std::vector<std::string> peerHost_;  // host id of each rank (localHostId())
   std::vector<std::vector<int>> hosts_;
   std::vector<int> hostIndex_;
-  std::function<void(int, const std::string&)> onFailure_;
   mutable std::mutex closeMu_;
   std::atomic<bool> closed_{false};
   std::string closeCause_;  // guarded by closeMu_

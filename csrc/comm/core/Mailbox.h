@@ -64,11 +64,10 @@ void checkEnvelope(int peer, const Envelope& envelope);
 
 class Mailbox : public Inbox {
  public:
-  explicit Mailbox(int rank) : rank_(rank) {}
-  // `onPeerFailed` runs on the transport thread that saw the failure.
-  void setPeerFailedHandler(std::function<void(int, const std::string&)> handler) {
-    onPeerFailed_ = std::move(handler);
-  }
+  // `onPeerFailed` runs on the transport thread that saw the failure. It is fixed here, before
+  // any transport can report one, and never reassigned: transport threads read it unlocked.
+  explicit Mailbox(int rank, std::function<void(int, const std::string&)> onPeerFailed = nullptr)
+      : rank_(rank), onPeerFailed_(std::move(onPeerFailed)) {}
   void post(RecvRequest request);
   // Fail every posted receive, and every receive posted from now on (the communicator was
   // aborted). Transports must be stopped first.
@@ -111,7 +110,7 @@ class Mailbox : public Inbox {
   std::map<Key, std::deque<std::shared_ptr<RecvRequest>>> posted_;
   std::map<uint64_t, std::deque<std::shared_ptr<RecvRequest>>> postedAny_;
   std::map<Key, std::deque<std::shared_ptr<Unexpected>>> unexpected_;
-  std::function<void(int, const std::string&)> onPeerFailed_;
+  const std::function<void(int, const std::string&)> onPeerFailed_;
   std::map<int, std::string> closedPeers_;  // peer -> why; receives from them fail at once
   // Set by failAll: a receive that passed the communicator's closed check just before the
   // abort must fail here, under mu_, rather than wait in posted_ for its timeout.
