@@ -76,6 +76,9 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
               " out of range for a group of size ", size);
   TORCH_CHECK(size <= kMaxGroupSize, "dicomm: a group of ", size, " ranks is larger than the ",
               kMaxGroupSize, " its collective message tags can address (a 10-bit ring step)");
+  // Read before connecting: a bad value is refused without touching the network, and nothing
+  // after the communicator is made throws while its threads may call onFailure below.
+  const AllreduceAlgorithm wantedAllreduce = allreduceFromEnv();
   CommunicatorOptions co;
   co.store = store;
   co.rank = rank;
@@ -93,7 +96,7 @@ ProcessGroupDicomm::ProcessGroupDicomm(const c10::intrusive_ptr<c10d::Store>& st
     watchCv_.notify_all();
   };
   comm_ = std::make_unique<Communicator>(co);
-  allreduceAlgorithm_ = chooseAllreduce(*comm_, allreduceFromEnv());
+  allreduceAlgorithm_ = chooseAllreduce(*comm_, wantedAllreduce);
   if (rank == 0) {
     logLine(LogLevel::kInfo,
             std::string("group of ") + std::to_string(size) + " (" + describeHosts(*comm_) +
