@@ -92,7 +92,7 @@ class SimResult:
     bubble_fraction: float
     stage_busy: list[float]  # replica 0, seconds of compute
     stage_peak_memory: list[float]  # bytes per chip, max over replicas
-    timeline: list[tuple[int, str, int, float, float]]  # replica 0: (stage, kind, mb, start, end)
+    timeline: list[tuple[int, str, int, float, float]]  # replica 0: (stage, kind, mb, start, end); UPDATE has mb -1
     comm_timeline: list[tuple[int, str, int, float, float]]  # replica 0: (boundary, dir, mb, start, arrival)
     schedules: list[Schedule] | None = None  # per replica, what ran (comm-aware)
 
@@ -196,6 +196,9 @@ class Simulator:
         # The global gradient norm is summed over every stage before any stage steps, so all
         # updates start once the last backward of the whole pipeline is done.
         it = pipe_end + max(st.update for st in p.stages)
+        # Drawn as the measured timeline draws it: each stage's update from the pipeline's end.
+        self.timeline.extend((s, "UPDATE", -1, pipe_end, pipe_end + st.update)
+                             for s, st in enumerate(p.stages) if st.update > 0)
         bubble = 1.0 - sum(self.busy_time) / (S * pipe_end) if pipe_end > 0 else 0.0
         peaks = [max(self.peak[r][s] for r in range(R)) + p.stages[s].static_bytes for s in range(S)]
         scheds = None

@@ -48,6 +48,9 @@ def test_every_stage_steps_after_the_last_backward_of_the_pipeline():
     res = simulate(Pipeline(st, [LinkModel(0.0, 1e12, 0.0)], [1]), one_f_one_b(2, 1))
     assert res.pipeline_time == pytest.approx(4.0)
     assert res.iteration_time == pytest.approx(4.0 + 5.0)
+    # the timeline draws each stage's update as the measured one does (kind UPDATE, no micro-batch)
+    updates = sorted(row for row in res.timeline if row[1] == "UPDATE")
+    assert updates == [(0, "UPDATE", -1, 4.0, 5.0), (1, "UPDATE", -1, 4.0, 9.0)]
 
 
 def test_shared_link_fair_vs_coordinated():
