@@ -24,3 +24,11 @@ def pytest_unconfigure(config):
     for p in getattr(config, "_busy", []):
         p.kill()
         p.wait()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run first. On two workers the suite's length is the longest worker's:
+    a long test that starts last (Inductor's compile of the pipeline, the OpInfo sweep) leaves the
+    other worker idle at the end, one that starts first overlaps the many short tests (the
+    longest-job-first rule for scheduling on parallel machines). The order is stable otherwise."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
