@@ -1,7 +1,6 @@
-// Python bindings of dicomm._C (the only file that includes torch/python.h: it is slow to compile).
+// Python bindings of dicomm._C (the only file that includes pybind11, through torch/csrc/utils/pybind.h).
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/python.h>
 
 #include "comm/backend/ProcessGroupDicomm.hpp"
 #include "comm/transport/ListenAddress.h"
