@@ -124,6 +124,8 @@ def test_distributions_have_their_moments():
     assert e.min() >= 0 and abs(e.mean() - 0.25) < 0.005
     g = torch.empty(n, device="dipu").geometric_(0.5).cpu()
     assert g.min() >= 1 and abs(g.mean() - 2) < 0.02
+    c = torch.randn(n, dtype=torch.complex64, device="dipu").cpu()  # each part with half the variance
+    assert abs(c.real.std() - 0.5 ** 0.5) < 0.01 and abs(c.imag.std() - 0.5 ** 0.5) < 0.01
     bits = torch.empty(n, dtype=torch.uint8, device="dipu").random_().cpu()
     assert bits.min() == 0 and bits.max() == 255
     mask = torch.nn.functional.dropout(torch.ones(n, device="dipu"), 0.25).cpu()
