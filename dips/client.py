@@ -16,6 +16,13 @@ outer step is skipped and inner training goes on; the speaker reconnects in the 
 (heartbeats) and never blocks on a dead leader. A push whose fate is unknown (the leader died after sealing it) is resolved later:
 its result is merged as theta_new + (theta_local - theta_pushed), so inner steps taken since are
 kept and nothing is counted twice.
+
+Compressed (``push_codec``/``pull_codec`` other than ``bf16``, ``dips.codec``): a push carries the
+pseudo-gradient (the global values the cluster holds minus its parameters) plus the *residual*
+that earlier compressed pushes dropped, encoded; what the encoding drops becomes the next
+residual (error feedback), kept in ``state_dir`` across restarts once the push is sealed. A
+pull carries what changed since the version the cluster holds, which it adds to the values it
+holds (a BF16 pull of the whole values when the followers no longer hold that version).
 """
 from __future__ import annotations
 
@@ -27,7 +34,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from diutil.durable import write_atomic
+
 from .auth import JobToken
+from .codec import Codec
 from .layout import ModelLayout
 from .leader_speaker import LeaderSpeaker, data_plan
 from .rpc import Tls
@@ -108,7 +118,8 @@ class OuterClient:
                  token_file: str | os.PathLike | None = None, token: JobToken | None = None,
                  name: str | None = None, process_group=None, heartbeat_s: float = 0.5,
                  round_timeout_s: float = 60.0, transfer_timeout_s: float = 30.0, join: bool = True,
-                 tls: Tls | None = None):
+                 tls: Tls | None = None, push_codec: str | Codec = "bf16", pull_codec: str | Codec = "bf16",
+                 state_dir: str | os.PathLike | None = None):
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps}; expected >= 1")
         if (token is None) == (token_file is None):
@@ -134,9 +145,16 @@ class OuterClient:
         self.done = False            # the leader's token budget is spent
         self.base = -1               # the global version the parameters started from
         self.plan: dict = {}         # the leader's data plan of the latest task
-        self._snapshot: dict[str, torch.Tensor] = {}     # this worker's units as pushed (BF16)
+        self._snapshot: dict[str, torch.Tensor] = {}     # this worker's units as pushed (BF16, or FP32 when compressed)
+        self.push_codec = Codec.parse(push_codec) if isinstance(push_codec, str) else push_codec
+        self.pull_codec = Codec.parse(pull_codec) if isinstance(pull_codec, str) else pull_codec
+        self.state_dir = None if state_dir is None else os.fspath(state_dir)
+        self._held: dict[str, torch.Tensor] = {}      # global values of this worker's units at ``base``, as decoded
+        self._pulled: dict[str, torch.Tensor] | None = None  # what the latest pull decoded, held once every rank has it
+        self.residual: dict[int, torch.Tensor] = self._load_residual()  # unit -> what compression dropped, flat
+        self._next_residual: dict[int, torch.Tensor] = {}  # the residual of the push in flight
         self.stats = {"pushed": 0, "failed": 0, "skipped": 0, "applied": 0, "rejected": 0, "push_s": 0.0,
-                      "wait_s": 0.0, "pull_s": 0.0}
+                      "wait_s": 0.0, "pull_s": 0.0, "push_bytes": 0, "pull_bytes": 0}
         self.transfer = UnitTransfer(self.token, self.layout, transfer_timeout_s, self.stats)
         self._closed: dict | None = None   # what close() reported
         # the cluster's rank 0 speaks to the leader for it
@@ -262,8 +280,9 @@ class OuterClient:
             sent = self._all_ok(self._push_units(task))
             sealed = self._share(self.speaker.seal(task["push"], sent) if self.speaker is not None else None)
             if not sealed:
-                self._snapshot = {}
+                self._snapshot, self._next_residual = {}, {}
                 return False
+            self._commit_residual()
             self.tokens_pending = 0
             task = self._share(self.speaker.resolve(self.round_timeout_s) if self.speaker is not None else None)
             self.done = task["done"]
@@ -275,6 +294,8 @@ class OuterClient:
         new = self._pull_units(task["version"], task["merge"])
         if not self._all_ok(new is not None):
             return False
+        if self._pulled is not None:
+            self._held, self._pulled = self._pulled, None
         self.view.install(new)
         self.base = task["version"]
         if self.speaker is not None:
@@ -287,14 +308,24 @@ class OuterClient:
         """This worker's units, sent in the schedule's steps with a barrier after each."""
         self.plan = self.transfer.plan = task["plan"]
         full = self.view.full()
-        self._snapshot = {n: t.to(torch.bfloat16) for n, t in full.items()}
+        if self._compresses(task):
+            self._snapshot = full
+            payloads = self._encode_push(full)
+
+            def send(unit: int, address: str) -> str:
+                return self.transfer.send_payload(task, unit, address, payloads[unit], str(self.push_codec))
+        else:
+            self._snapshot = {n: t.to(torch.bfloat16) for n, t in full.items()}
+
+            def send(unit: int, address: str) -> str:
+                return self.transfer.send_unit(task, unit, address, self._snapshot)
         one_worker = len(self.workers) == 1
         ok, waiting = True, {}
         for step in task["schedule"]:
             for worker, unit, follower in step:
                 if worker == self.view.worker:
                     address = self.plan["followers"][follower]
-                    waiting.setdefault(address, set()).add(self.transfer.send_unit(task, unit, address, self._snapshot))
+                    waiting.setdefault(address, set()).add(send(unit, address))
             if not one_worker:  # pairs of a step must not collide with the next step's
                 ok = self.transfer.await_acks(task["push"], waiting) and ok
                 waiting = {}
@@ -305,15 +336,84 @@ class OuterClient:
         """This worker's units at ``version`` (merged with inner progress since the push); None
         when a pull failed. Collective (the merge reads the current parameters)."""
         local = self.view.full() if merge else {}
+        self._pulled = None
         if self.view.worker is None:
             return {}
-        new = self.transfer.pull(version, self.my_units)
-        if new is None:
-            return None
+        new = None
+        if self.pull_codec.lossy and self.base >= 0 and self._holds_mine():
+            change = self.transfer.pull(version, self.my_units, self.pull_codec, since=self.base)
+            if change is None and not self.transfer.refused:
+                return None
+            if change is not None:
+                new = {n: self._held[n] + d for n, d in change.items()}
+        if new is None:  # the whole values: no version held, or the followers no longer keep it
+            new = self.transfer.pull(version, self.my_units)
+            if new is None:
+                return None
+        if self.push_codec.lossy or self.pull_codec.lossy:
+            self._pulled = dict(new)
         if merge:
             for n in new:
                 new[n] = new[n] + (local[n] - self._snapshot[n].float())
         return new
+
+    # ------------------------------------------------------- compression
+    def _holds_mine(self) -> bool:
+        return all(t.name in self._held for u in self.my_units for t in self.layout.units[u].tensors)
+
+    def _compresses(self, task: dict) -> bool:
+        """Whether this push travels compressed: a seed carries parameters, and a pseudo-gradient
+        needs the global values the cluster started from."""
+        return self.push_codec.lossy and not task.get("seed") and self._holds_mine()
+
+    def _encode_push(self, full: dict[str, torch.Tensor]) -> dict[int, bytes]:
+        """Each of this worker's units: its pseudo-gradient plus residual, encoded; what the
+        encoding drops is the residual of this push (kept once it is sealed)."""
+        payloads: dict[int, bytes] = {}
+        self._next_residual = {}
+        for u in self.my_units:
+            spec = self.layout.units[u]
+            x = torch.cat([(self._held[t.name] - full[t.name]).reshape(-1) for t in spec.tensors])
+            if u in self.residual:
+                x = x + self.residual[u]
+            payloads[u], decoded = self.push_codec.round_trip(x)
+            self._next_residual[u] = x - decoded
+        return payloads
+
+    def _residual_path(self) -> str | None:
+        if self.state_dir is None or self.view.worker is None:
+            return None
+        return os.path.join(self.state_dir, f"residual-w{self.view.worker}.pt")
+
+    def _commit_residual(self) -> None:
+        """The sealed push's residual replaces the last one, on disk too (it is the cluster's state)."""
+        if not self._next_residual:
+            return
+        self.residual, self._next_residual = self._next_residual, {}
+        path = self._residual_path()
+        if path is not None:
+            os.makedirs(self.state_dir, exist_ok=True)
+            state = {"fingerprint": self.layout.fingerprint, "units": self.residual}
+            write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+    def _load_residual(self) -> dict[int, torch.Tensor]:
+        """The residual a previous run of this worker left in ``state_dir`` (empty without one, or
+        when it belongs to another model)."""
+        path = self._residual_path()
+        if path is None or not os.path.exists(path):
+            return {}
+        state = torch.load(path, weights_only=True)
+        if state.get("fingerprint") != self.layout.fingerprint:
+            log.warning("residual %s belongs to another model (fingerprint %s, expected %s); starting from none",
+                        path, state.get("fingerprint"), self.layout.fingerprint)
+            return {}
+        sizes = {u: sum(t.numel for t in self.layout.units[u].tensors) for u in self.my_units}
+        out = {int(u): r.float() for u, r in state["units"].items() if sizes.get(int(u)) == r.numel()}
+        if len(out) != len(state["units"]):
+            log.warning("residual %s: %d of its units do not fit this worker's units; they are dropped",
+                        path, len(state["units"]) - len(out))
+        log.info("worker %s resumes the residual of %d units from %s", self.view.worker, len(out), path)
+        return out
 
     def fetch_global(self) -> int | None:
         """Load the latest complete global parameters into a one-process model (no outer step)."""

@@ -20,6 +20,7 @@ import torch
 BLOCK = 64                       # values sharing one FP32 scale
 KINDS = ("bf16", "int8", "int4", "topk")
 DEFAULT_DENSITY = 0.02           # top-k without a density keeps this fraction of the values
+MAX_DENSITY = 0.25               # beyond ~0.21 top-k's indices make it larger than dense int8
 MAX_SPEC_CHARS = 32
 _QMAX = {"int8": 127, "int4": 7}  # symmetric codes: -128 (int8) and -8 (int4) are never sent
 MAX_ELEMENTS = 2 ** 31 - 1       # top-k indices are int32
@@ -34,7 +35,7 @@ class Codec:
 
     @classmethod
     def parse(cls, spec: object) -> "Codec":
-        """``bf16``, ``int8``, ``int4``, ``topk`` or ``topk:D`` (0 < D <= 1), as a peer or a flag
+        """``bf16``, ``int8``, ``int4``, ``topk`` or ``topk:D`` (0 < D <= 0.25), as a peer or a flag
         gives it; ``ValueError`` naming the spec otherwise."""
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
             raise ValueError(f"codec {str(spec)[:40]!r}: expected one of bf16, int8, int4, topk[:DENSITY]")
@@ -47,8 +48,8 @@ class Codec:
             density = float(arg) if arg else DEFAULT_DENSITY
         except ValueError:
             density = math.nan
-        if not 0.0 < density <= 1.0:  # NaN fails too
-            raise ValueError(f"codec {spec!r}: top-k density {arg!r}; expected a number in (0, 1]")
+        if not 0.0 < density <= MAX_DENSITY:  # NaN fails too
+            raise ValueError(f"codec {spec!r}: top-k density {arg!r}; expected a number in (0, {MAX_DENSITY}]")
         return cls(kind, density)
 
     def __str__(self) -> str:

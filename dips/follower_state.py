@@ -4,7 +4,10 @@ what the data server and the leader's RPCs do to it, each under one lock.
 A push moves staged (its units arrive one by one) -> sealed (complete, on disk, its
 pseudo-gradient norm known) -> applied by a round (or discarded) -> retired, its file deleted,
 once a checkpoint covers that round. The parameters (``theta``), the outer optimizer's momentum
-and the BF16 bases clusters pull (and push against) are versioned by the rounds applied."""
+and the BF16 bases clusters pull (and push against) are versioned by the rounds applied.
+
+A push carries either a cluster's parameters (BF16; the pseudo-gradient is the base minus them)
+or, compressed (``dips.codec``), its pseudo-gradient itself, as the follower decoded it."""
 from __future__ import annotations
 
 import logging
@@ -36,8 +39,9 @@ class FollowerState:
         self.theta: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
         self.bases: dict[int, dict[str, torch.Tensor]] = {}
-        self.staged: dict[str, dict] = {}   # push id -> {base, cluster, units{u: {name: bf16}}, t}
-        self.sealed: dict[str, dict] = {}   # push id -> {base, params{name: bf16}}
+        self.staged: dict[str, dict] = {}   # push id -> {base, cluster, form, units{u: {name: tensor}}, t}
+        self.sealed: dict[str, dict] = {}   # push id -> {base, params{name: bf16}} or {base, delta{name: fp32}}
+        self.awaiting_seed = False          # a seeded PS at version 0: the first push must carry parameters
         self.applied_at: dict[str, int] = {}  # push id -> version whose checkpoint retires it
 
     # -- start
@@ -60,6 +64,7 @@ class FollowerState:
                 else:
                     self.theta = {t.name: initial[t.name].float().clone() for t in mine}
                 self.version = 0
+                self.awaiting_seed = initial is None
                 self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
             # pushes sealed since the checkpoint: the leader replays their rounds; those the
             # checkpoint already applied wait to be retired
@@ -72,9 +77,14 @@ class FollowerState:
                      path.name if found else "initial parameters", len(self.sealed))
 
     # -- the data flow
-    def stage(self, unit: int, push: str, base: int, cluster: Any, tensors: dict[str, torch.Tensor]) -> None:
-        """One checked unit of a push (ValueError naming why it is refused)."""
+    def stage(self, unit: int, push: str, base: int, cluster: Any, tensors: dict[str, torch.Tensor],
+              form: str = "params") -> None:
+        """One checked unit of a push: its parameters (``form`` "params") or its decoded
+        pseudo-gradient ("delta"); ValueError naming why it is refused."""
         with self.lock:
+            if form == "delta" and self.awaiting_seed and self.version == 0:
+                raise ValueError(f"push {push}: the PS awaits its seed, which carries parameters (bf16), "
+                                 "not a compressed pseudo-gradient")
             if base not in self.bases:
                 raise ValueError(f"push {push}: base version {base} is not held (held: {sorted(self.bases)})")
             if push in self.sealed:
@@ -82,9 +92,12 @@ class FollowerState:
             if push not in self.staged and len(self.staged) >= self.max_unsealed_pushes:
                 raise ValueError(f"{len(self.staged)} pushes are staged and not sealed, the most this follower holds "
                                  "(--max-unsealed-pushes); retry later")
-            rec = self.staged.setdefault(push, {"base": base, "cluster": cluster, "units": {}, "t": time.monotonic()})
+            rec = self.staged.setdefault(push, {"base": base, "cluster": cluster, "form": form, "units": {},
+                                                "t": time.monotonic()})
             if rec["base"] != base:
                 raise ValueError(f"push {push}: base {base} differs from its earlier units' base {rec['base']}")
+            if rec["form"] != form:
+                raise ValueError(f"push {push}: a unit of {form} among units of {rec['form']}")
             rec["units"][unit] = tensors
 
     def drop_stale(self, now: float) -> None:
@@ -97,13 +110,25 @@ class FollowerState:
     def pull(self, version: int, units: list[int]) -> list[list[torch.Tensor]]:
         """The BF16 parameters of ``units`` at ``version``, unit by unit."""
         with self.lock:
-            params = self.bases.get(version)
-            if params is None:
-                raise ValueError(f"version {version} is not held (held: {sorted(self.bases)})")
-            for u in units:
-                if u not in self.unit_range:
-                    raise ValueError(f"unit {u} is not owned by {self.name}")
+            params = self._held(version, units)
             return [[params[t.name] for t in self.layout.units[u].tensors] for u in units]
+
+    def pull_change(self, version: int, since: int, units: list[int]) -> list[torch.Tensor]:
+        """What ``units`` changed from version ``since`` to ``version``, flat FP32 per unit (a
+        cluster holding ``since`` adds it to reach ``version``)."""
+        with self.lock:
+            new, old = self._held(version, units), self._held(since, units)
+            return [torch.cat([(new[t.name].float() - old[t.name].float()).reshape(-1)
+                               for t in self.layout.units[u].tensors]) for u in units]
+
+    def _held(self, version: int, units: list[int]) -> dict[str, torch.Tensor]:
+        params = self.bases.get(version)
+        if params is None:
+            raise ValueError(f"version {version} is not held (held: {sorted(self.bases)})")
+        for u in units:
+            if u not in self.unit_range:
+                raise ValueError(f"unit {u} is not owned by {self.name}")
+        return params
 
     # -- the leader's control flow
     def seal(self, push: str) -> dict:
@@ -118,12 +143,12 @@ class FollowerState:
                 return {"ok": False, "err": f"push {push} is partial: {self.name} lacks units {missing}"}
             params = {n: t for u in self.unit_range for n, t in rec["units"][u].items()}
             try:
-                self.disk.save_push(push, rec["base"], params)
+                self.disk.save_push(push, rec["base"], params, rec["form"])
             except OSError as exc:  # not sealed: the push stays staged and the leader fails it
                 log.error("%s could not seal push %s: %s", self.name, push, exc)
                 return {"ok": False, "err": f"{self.name} could not write push {push}: {exc}"}
             del self.staged[push]
-            self.sealed[push] = {"base": rec["base"], "params": params}
+            self.sealed[push] = {"base": rec["base"], rec["form"]: params}
             return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
 
     def prepare(self, weights: dict[str, float]) -> dict:
@@ -150,6 +175,7 @@ class FollowerState:
                         d.mul_(scale)
                 self.opt.step(self.theta, delta, self.momentum)
             self.version = version
+            self.awaiting_seed = False
             self.bases[version] = {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}
             for push in list(msg["weights"]) + list(msg.get("drop", [])):
                 if self.sealed.pop(push, None) is not None:
@@ -197,6 +223,8 @@ class FollowerState:
     # -- internals
     def _pseudo_gradient(self, push: str) -> dict[str, torch.Tensor]:
         rec = self.sealed[push]
+        if "delta" in rec:
+            return rec["delta"]
         base = self.bases.get(rec["base"])
         if base is None:
             raise ValueError(f"push {push}: base version {rec['base']} is no longer held")
@@ -214,7 +242,9 @@ class FollowerState:
     def _install_seed(self, weights: dict) -> None:
         if len(weights) != 1 or next(iter(weights)) not in self.sealed:
             raise ValueError(f"a seed decision names one sealed push; got {sorted(weights)[:4]}")
-        params = self.sealed[next(iter(weights))]["params"]
+        params = self.sealed[next(iter(weights))].get("params")
+        if params is None:
+            raise ValueError(f"seed push {next(iter(weights))} carries a pseudo-gradient, not parameters")
         self.theta = {n: params[n].float() for n in self.theta}
         self.momentum = {}
 

@@ -130,7 +130,7 @@ class LeaderSpeaker:
         if reply.get("seed"):  # this cluster's parameters become the PS's version 1: push them, pull that
             log.info("cluster %s seeds the PS with its parameters", self.cluster_id)
             self.base, self.plan = int(reply["version"]), data_plan(reply)
-            return self.request_push()
+            return self.request_push(seed=True)
         self.plan = data_plan(reply)
         return self.task("pull", version=int(reply["version"]), merge=False, plan=self.plan, consumed=True)
 
@@ -155,7 +155,8 @@ class LeaderSpeaker:
             self.stats["skipped"] += 1
             return self.task("none")
 
-    def request_push(self) -> dict:
+    def request_push(self, seed: bool = False) -> dict:
+        """Ask for a push id and schedule (``seed``: the push that makes a seeded PS's model)."""
         self._t_push = time.monotonic()
         workers = {str(w): units for w, units in self.workers.items()}
         reply = self.leader.call("PushRequest", **self._me(), tokens=self.cluster_tokens, base=self.base,
@@ -171,7 +172,7 @@ class LeaderSpeaker:
             return self.task("none")
         self.plan = data_plan(reply)
         return self.task("push", push=reply["push"], schedule=reply["schedule"], base=self.base,
-                         cluster=self.cluster_id, plan=self.plan)
+                         cluster=self.cluster_id, plan=self.plan, seed=seed)
 
     def seal(self, push: str, sent: bool) -> bool:
         """Ask the leader to seal ``push`` once every unit was ``sent``; True when sealed."""

@@ -89,7 +89,8 @@ class RoundRunner:
             for p in pushes:
                 p.state, p.version = ("applied" if p.id in accepted else "rejected"), version
                 if p.cluster in st.clusters:
-                    st.clusters[p.cluster].base = version
+                    c = st.clusters[p.cluster]
+                    c.held, c.base = c.base, version
             try:
                 st.save()  # commit point
             except OSError:

@@ -62,7 +62,7 @@ def ref_payload(kind: str, x: np.ndarray, density: float = 0.0) -> tuple[bytes, 
     return struct.pack(f"<{k}i{len(s)}f{k}b", *idx, *s, *c), dec
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "topk:0.1", "topk:0.5", "topk:1"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "topk:0.01", "topk:0.1", "topk:0.25"])
 def test_round_trip_matches_the_reference_for_every_length(kind):
     codec = Codec.parse(kind)
     rng = np.random.default_rng(7)
@@ -172,7 +172,7 @@ def test_a_bad_topk_index_is_refused(index, match):
     _bad("topk:0.1", bytes(good), 300, match)
 
 
-@pytest.mark.parametrize("spec", ["", "int16", "topk:0", "topk:1.5", "topk:nan", "topk:x", "int8:3", "bf16:1",
+@pytest.mark.parametrize("spec", ["", "int16", "topk:0", "topk:0.3", "topk:1", "topk:nan", "topk:x", "int8:3", "bf16:1",
                                   "topk:" + "1" * 40, None, 8])
 def test_bad_specs_are_refused_by_name(spec):
     with pytest.raises(ValueError, match="codec"):
