@@ -23,6 +23,15 @@ that earlier compressed pushes dropped, encoded; what the encoding drops becomes
 residual (error feedback), kept in ``state_dir`` across restarts once the push is sealed. A
 pull carries what changed since the version the cluster holds, which it adds to the values it
 holds (a BF16 pull of the whole values when the followers no longer hold that version).
+
+Streamed (``fragments`` > 1, after Streaming DiLoCo): the outer step takes the snapshot and
+encodes the push at once, but sends its units in ``fragments`` parts spread over the next inner
+steps (part j at inner step j*H/fragments), so the link carries the push while the cluster
+computes, and seals it once the last part is acknowledged; the next outer step waits for that
+push's round, pulls and merges (the inner progress made since the snapshot is kept) and starts
+the next stream. The push is one push with one base version (the leader's bookkeeping and
+staleness count are those of any push); the leader does not hold a round for a streamed push in
+flight.
 """
 from __future__ import annotations
 
@@ -119,9 +128,13 @@ class OuterClient:
                  name: str | None = None, process_group=None, heartbeat_s: float = 0.5,
                  round_timeout_s: float = 60.0, transfer_timeout_s: float = 30.0, join: bool = True,
                  tls: Tls | None = None, push_codec: str | Codec = "bf16", pull_codec: str | Codec = "bf16",
-                 state_dir: str | os.PathLike | None = None):
+                 state_dir: str | os.PathLike | None = None, fragments: int = 1):
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps}; expected >= 1")
+        if not 1 <= fragments <= inner_steps:
+            raise ValueError(f"fragments={fragments}; expected 1..inner_steps ({inner_steps})")
+        self.fragments = fragments
+        self._stream: dict | None = None  # the streamed push in flight
         if (token is None) == (token_file is None):
             raise ValueError("give exactly one of token_file or token")
         self.view: ParameterView = ReplicatedModel(model, process_group) if isinstance(model, torch.nn.Module) else model
@@ -172,12 +185,21 @@ class OuterClient:
         self.inner_count += 1
         self.tokens_pending += int(tokens)
         self.tokens_total += int(tokens)
-        if self.inner_count % self.inner_steps:
+        outer = self.inner_count % self.inner_steps == 0
+        if self._stream is not None:
+            self._stream_step(outer)
+        if not outer:
             return False
         cluster_tokens = self.view.cluster_tokens(self.tokens_pending)
         if self.speaker is not None:
             self.speaker.cluster_tokens = cluster_tokens
-        return self._round(lambda: self.speaker.outer_step())
+        if self.fragments == 1:
+            return self._round(lambda: self.speaker.outer_step())
+        # the last streamed push's round (sealed a while ago), then the next stream at once
+        updated = self._round(lambda: self.speaker.outer_step(wait_s=self.round_timeout_s, stream=True))
+        if updated and not self.done:
+            self._round(lambda: self.speaker.outer_step(stream=True))
+        return updated
 
     def join(self, timeout_s: float = 30.0) -> bool:
         """(Re)join the PS, retrying until ``timeout_s``; collective over the cluster's ranks.
@@ -207,6 +229,9 @@ class OuterClient:
         leader's side; other ranks get their own counters. Safe to call twice."""
         if self._closed is not None:
             return self._closed
+        if self._stream is not None:  # never sealed: the leader lets it lapse, followers drop its units
+            log.info("cluster %s leaves with streamed push %s unsent", self.name, self._stream["task"]["push"])
+            self._stream, self._next_residual = None, {}
         fate = None
         if self.speaker is not None:
             fate = self.speaker.finish(timeout_s)
@@ -276,6 +301,9 @@ class OuterClient:
         self.done = task["done"]
         if task.get("consumed"):  # the tokens counted so far went into a sealed push (or a join)
             self.tokens_pending = 0
+        if task["do"] == "push" and task.get("stream"):
+            self._start_stream(task)
+            return False
         if task["do"] == "push":
             sent = self._all_ok(self._push_units(task))
             sealed = self._share(self.speaker.seal(task["push"], sent) if self.speaker is not None else None)
@@ -306,6 +334,13 @@ class OuterClient:
 
     def _push_units(self, task: dict) -> bool:
         """This worker's units, sent in the schedule's steps with a barrier after each."""
+        send, waiting = self._prepare_push(task), {}
+        ok = self._send_steps(task, task["schedule"], send, waiting)
+        return self.transfer.await_acks(task["push"], waiting) and ok
+
+    def _prepare_push(self, task: dict):
+        """Snapshot this worker's units (and encode them when compressing); the function that
+        sends one unit to a follower's address and returns its request id."""
         self.plan = self.transfer.plan = task["plan"]
         full = self.view.full()
         if self._compresses(task):
@@ -319,18 +354,55 @@ class OuterClient:
 
             def send(unit: int, address: str) -> str:
                 return self.transfer.send_unit(task, unit, address, self._snapshot)
-        one_worker = len(self.workers) == 1
-        ok, waiting = True, {}
-        for step in task["schedule"]:
+        return send
+
+    def _send_steps(self, task: dict, steps: list, send, waiting: dict[str, set]) -> bool:
+        """Send this worker's units of schedule ``steps``; with several workers, wait for the
+        acknowledgements and a barrier after each step. ``waiting`` collects the rest to await."""
+        ok = True
+        for step in steps:
             for worker, unit, follower in step:
                 if worker == self.view.worker:
                     address = self.plan["followers"][follower]
                     waiting.setdefault(address, set()).add(send(unit, address))
-            if not one_worker:  # pairs of a step must not collide with the next step's
+            if len(self.workers) > 1:  # pairs of a step must not collide with the next step's
                 ok = self.transfer.await_acks(task["push"], waiting) and ok
-                waiting = {}
+                waiting.clear()
                 dist.barrier(group=self._ctl)
-        return self.transfer.await_acks(task["push"], waiting) and ok
+        return ok
+
+    # ------------------------------------------------------- streaming
+    def _start_stream(self, task: dict) -> None:
+        """Snapshot and encode the push now; send its first part (the rest follow the inner steps)."""
+        steps = task["schedule"]
+        parts = max(1, min(self.fragments, len(steps)))
+        self._stream = {"task": task, "send": self._prepare_push(task), "waiting": {}, "ok": True, "sent": 0,
+                        "parts": [steps[len(steps) * j // parts: len(steps) * (j + 1) // parts] for j in range(parts)],
+                        "start": self.inner_count, "tokens": self.tokens_pending}
+        self._stream_step(False)
+
+    def _stream_step(self, outer: bool) -> None:
+        """Send the parts due by this inner step; seal the push one inner step after its last
+        part went (or at the outer step, whichever comes first)."""
+        s = self._stream
+        offset, parts = self.inner_count - s["start"], s["parts"]
+        while s["sent"] < len(parts) and offset >= s["sent"] * self.inner_steps // len(parts):
+            s["ok"] = self._send_steps(s["task"], parts[s["sent"]], s["send"], s["waiting"]) and s["ok"]
+            s["sent"] += 1
+        last_due = (len(parts) - 1) * self.inner_steps // len(parts)
+        if s["sent"] == len(parts) and (offset > last_due or outer):
+            self._finish_stream()
+
+    def _finish_stream(self) -> None:
+        s, self._stream = self._stream, None
+        task = s["task"]
+        sent = self._all_ok(self.transfer.await_acks(task["push"], s["waiting"]) and s["ok"])
+        sealed = self._share(self.speaker.seal(task["push"], sent) if self.speaker is not None else None)
+        if not sealed:  # its progress is still local and goes into the next push
+            self._snapshot, self._next_residual = {}, {}
+            return
+        self._commit_residual()
+        self.tokens_pending -= s["tokens"]  # what came since the snapshot goes into the next push
 
     def _pull_units(self, version: int, merge: bool) -> dict[str, torch.Tensor] | None:
         """This worker's units at ``version`` (merged with inner progress since the push); None
