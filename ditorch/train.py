@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-pull", default="bf16", metavar="CODEC",
                    help="how pulls travel: bf16 (parameters), int8, int4 or topk[:DENSITY] (the change since the "
                         "version held) (with --ps)")
+    p.add_argument("--ps-fragments", type=int, default=1,
+                   help="stream each push: send its units in this many parts over the inner steps (with --ps; "
+                        "1: all at the outer step)")
     p.add_argument("--ps-state-dir", type=Path, default=None,
                    help="where each worker keeps its compression residual across restarts (with --ps; "
                         "default: <--save>/ps when --save is given)")
@@ -213,7 +216,8 @@ def _outer_client(trainer, args):
     state_dir = args.ps_state_dir or (args.save / "ps" if args.save else None)
     outer = OuterClient(PipelineStages(trainer), args.ps, args.inner_steps, token_file=args.ps_token_file,
                         name=args.ps_name, join=False, tls=Tls(args.ps_tls_ca) if args.ps_tls_ca else None,
-                        push_codec=args.ps_push, pull_codec=args.ps_pull, state_dir=state_dir)
+                        push_codec=args.ps_push, pull_codec=args.ps_pull, state_dir=state_dir,
+                        fragments=args.ps_fragments)
     if not outer.join(timeout_s=120.0):
         raise ValueError(f"could not join the Di-PS leader at {args.ps} within 120 s")
     return outer
