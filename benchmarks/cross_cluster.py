@@ -66,12 +66,13 @@ MODES = {
     "dips-int4": ("dips", True, True, True, "Di-PS int4 / int4"),
     "dips-topk": ("dips", True, True, True, "Di-PS top-k 2% / int4"),
     "dips-topk2": ("dips", True, True, True, "Di-PS top-k 2% / top-k 2%"),
+    "dips-topk-bf16": ("dips", True, True, True, "Di-PS top-k 2% / bf16"),
     "dips-int8-stream": ("dips", True, True, True, "Di-PS int8 / int8, streamed"),
     "dips-topk-stream": ("dips", True, True, True, "Di-PS top-k 2% / int4, streamed"),
 }
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
-        "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-int8-stream": ("int8", "int8", 4),
+        "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
         "dips-topk-stream": ("topk:0.02", "int4", 4)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
@@ -211,7 +212,8 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
     stale_scales = [r["stale_scale"] for r in rounds]
     stale = [s for r in rounds for s in r["staleness"]]
     ends = [rs[-1].get("stats", {}) for rs in read.values() if rs and "stats" in rs[-1]]
-    per_round = [(e["push_bytes"] + e["pull_bytes"]) / e["pushed"] for e in ends if e.get("pushed")]
+    # a push and a pull each (the join's whole BF16 pull counts as one of the pulls)
+    per_round = [e["push_bytes"] / e["pushed"] + e["pull_bytes"] / e["pulls"] for e in ends if e.get("pushed")]
     return {"bytes_per_round": sum(per_round) / max(len(per_round), 1), "peak_bytes_s": peak_bytes(read),"mode": mode, "label": label, "momentum": momentum, "tokens": tokens, "wall": t_end - t_start,
             "throughput": tokens / (t_end - t_start), "final_loss": final, "version": version,
             "rounds": len(rounds), "rejected": sum(r["rejected"] for r in rounds),

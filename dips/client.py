@@ -22,7 +22,8 @@ pseudo-gradient (the global values the cluster holds minus its parameters) plus 
 that earlier compressed pushes dropped, encoded; what the encoding drops becomes the next
 residual (error feedback), kept in ``state_dir`` across restarts once the push is sealed. A
 pull carries what changed since the version the cluster holds, which it adds to the values it
-holds (a BF16 pull of the whole values when the followers no longer hold that version).
+holds (the followers track it per cluster, so what a pull's encoding drops comes with the next
+pull; a BF16 pull of the whole values when they do not know it, e.g. after a restart).
 
 Streamed (``fragments`` > 1, after Streaming DiLoCo): the outer step takes the snapshot and
 encodes the push at once, but sends its units in ``fragments`` parts spread over the next inner
@@ -167,7 +168,8 @@ class OuterClient:
         self.residual: dict[int, torch.Tensor] = self._load_residual()  # unit -> what compression dropped, flat
         self._next_residual: dict[int, torch.Tensor] = {}  # the residual of the push in flight
         self.stats = {"pushed": 0, "failed": 0, "skipped": 0, "applied": 0, "rejected": 0, "push_s": 0.0,
-                      "wait_s": 0.0, "pull_s": 0.0, "push_bytes": 0, "pull_bytes": 0}
+                      "wait_s": 0.0, "pull_s": 0.0, "push_bytes": 0, "pull_bytes": 0,
+                      "pulls": 0}
         self.transfer = UnitTransfer(self.token, self.layout, transfer_timeout_s, self.stats)
         self._closed: dict | None = None   # what close() reported
         # the cluster's rank 0 speaks to the leader for it
@@ -319,7 +321,7 @@ class OuterClient:
         if task["do"] != "pull":
             return False
         self.plan = self.transfer.plan = task["plan"]
-        new = self._pull_units(task["version"], task["merge"])
+        new = self._pull_units(task["version"], task["merge"], task.get("cluster"))
         if not self._all_ok(new is not None):
             return False
         if self._pulled is not None:
@@ -404,7 +406,7 @@ class OuterClient:
         self._commit_residual()
         self.tokens_pending -= s["tokens"]  # what came since the snapshot goes into the next push
 
-    def _pull_units(self, version: int, merge: bool) -> dict[str, torch.Tensor] | None:
+    def _pull_units(self, version: int, merge: bool, cluster: str | None = None) -> dict[str, torch.Tensor] | None:
         """This worker's units at ``version`` (merged with inner progress since the push); None
         when a pull failed. Collective (the merge reads the current parameters)."""
         local = self.view.full() if merge else {}
@@ -412,14 +414,15 @@ class OuterClient:
         if self.view.worker is None:
             return {}
         new = None
-        if self.pull_codec.lossy and self.base >= 0 and self._holds_mine():
-            change = self.transfer.pull(version, self.my_units, self.pull_codec, since=self.base)
+        tracked = cluster if self.pull_codec.lossy else None  # followers track what it holds
+        if tracked is not None and self.base >= 0 and self._holds_mine():
+            change = self.transfer.pull(version, self.my_units, self.pull_codec, since=self.base, cluster=tracked)
             if change is None and not self.transfer.refused:
                 return None
             if change is not None:
                 new = {n: self._held[n] + d for n, d in change.items()}
-        if new is None:  # the whole values: no version held, or the followers no longer keep it
-            new = self.transfer.pull(version, self.my_units)
+        if new is None:  # the whole values: nothing held yet, or the followers do not know it
+            new = self.transfer.pull(version, self.my_units, cluster=tracked)
             if new is None:
                 return None
         if self.push_codec.lossy or self.pull_codec.lossy:

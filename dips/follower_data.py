@@ -185,11 +185,14 @@ class FollowerDataServer:
                 version = untrusted.integer(header, "version", 0, MAX_VERSION)
                 units = untrusted.integers(header, "units", r.start, r.stop - 1, len(r), distinct=True)
                 codec = Codec.parse(header.get("codec", "bf16"))
-                if codec.lossy:  # the change since a version the cluster holds
+                cluster = untrusted.text(header, "cluster", MAX_ID_CHARS, default=None)
+                if codec.lossy:  # the difference from what the cluster holds
                     since = untrusted.integer(header, "since", 0, MAX_VERSION)
-                    payload = [codec.encode(d) for d in self.state.pull_change(version, since, units)]
+                    if cluster is None:
+                        raise BadMessage("a compressed pull names its cluster")
+                    payload = self.state.pull_change(version, since, units, cluster, codec)
                 else:
-                    payload = [pack_unit(ts) for ts in self.state.pull(version, units)]
+                    payload = [pack_unit(ts) for ts in self.state.pull(version, units, cluster)]
                 reply.update(ok=True, version=version, units=units, codec=str(codec))
             except Exception as exc:
                 if not isinstance(exc, ValueError):

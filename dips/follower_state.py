@@ -7,16 +7,24 @@ once a checkpoint covers that round. The parameters (``theta``), the outer optim
 and the BF16 bases clusters pull (and push against) are versioned by the rounds applied.
 
 A push carries either a cluster's parameters (BF16; the pseudo-gradient is the base minus them)
-or, compressed (``dips.codec``), its pseudo-gradient itself, as the follower decoded it."""
+or, compressed (``dips.codec``), its pseudo-gradient itself, as the follower decoded it.
+
+A compressed pull sends a cluster the encoded difference between a version and what that cluster
+holds, which the follower tracks per cluster (its *view*: the values the cluster decoded, at the
+version it says it holds); what the encoding drops stays in the difference of the next pull
+(error feedback on pulls). A view starts from a whole BF16 pull; without one a compressed pull
+is refused and the cluster pulls whole."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from .codec import Codec
 from .follower_disk import FollowerDisk
 from .layout import WIRE_DTYPE, ModelLayout
 from .outer_optimizer import NesterovOuter
@@ -24,6 +32,7 @@ from .outer_optimizer import NesterovOuter
 log = logging.getLogger("dips.follower")
 
 STALE_UNSEALED_S = 120.0
+MAX_VIEWS = 64  # clusters whose held values a follower tracks for compressed pulls (least recent goes)
 
 
 class FollowerState:
@@ -43,6 +52,8 @@ class FollowerState:
         self.sealed: dict[str, dict] = {}   # push id -> {base, params{name: bf16}} or {base, delta{name: fp32}}
         self.awaiting_seed = False          # a seeded PS at version 0: the first push must carry parameters
         self.applied_at: dict[str, int] = {}  # push id -> version whose checkpoint retires it
+        # cluster -> version -> unit -> the flat FP32 values that cluster holds (at most two versions)
+        self.views: OrderedDict[str, dict[int, dict[int, torch.Tensor]]] = OrderedDict()
 
     # -- start
     def load(self, initial: dict[str, torch.Tensor] | None) -> None:
@@ -107,19 +118,52 @@ class FollowerState:
                 log.warning("%s dropped unsealed push %s after %.0f s", self.name, p, STALE_UNSEALED_S)
                 del self.staged[p]
 
-    def pull(self, version: int, units: list[int]) -> list[list[torch.Tensor]]:
-        """The BF16 parameters of ``units`` at ``version``, unit by unit."""
+    def pull(self, version: int, units: list[int], cluster: str | None = None) -> list[list[torch.Tensor]]:
+        """The BF16 parameters of ``units`` at ``version``, unit by unit; ``cluster``'s view of
+        them starts there."""
         with self.lock:
             params = self._held(version, units)
-            return [[params[t.name] for t in self.layout.units[u].tensors] for u in units]
+            out = [[params[t.name] for t in self.layout.units[u].tensors] for u in units]
+            if cluster is not None:
+                view = self._view(cluster)
+                view.setdefault(version, {}).update({u: torch.cat([t.reshape(-1).float() for t in ts])
+                                                     for u, ts in zip(units, out)})
+                self._forget_older(view, version)
+            return out
 
-    def pull_change(self, version: int, since: int, units: list[int]) -> list[torch.Tensor]:
-        """What ``units`` changed from version ``since`` to ``version``, flat FP32 per unit (a
-        cluster holding ``since`` adds it to reach ``version``)."""
+    def pull_change(self, version: int, since: int, units: list[int], cluster: str, codec: Codec) -> list[bytes]:
+        """``units`` at ``version`` for ``cluster``, which holds them at ``since``: the encoded
+        difference from what it holds, one payload per unit; its view moves to what it decodes."""
         with self.lock:
-            new, old = self._held(version, units), self._held(since, units)
-            return [torch.cat([(new[t.name].float() - old[t.name].float()).reshape(-1)
-                               for t in self.layout.units[u].tensors]) for u in units]
+            params = self._held(version, units)
+            held = self.views.get(cluster, {}).get(since, {})
+            missing = [u for u in units if u not in held]
+            if missing:
+                raise ValueError(f"{self.name} does not know what cluster {cluster[:40]!r} holds of units "
+                                 f"{missing[:8]} at version {since}: pull them whole (bf16)")
+            old = {u: held[u] for u in units}
+            new = {u: torch.cat([params[t.name].reshape(-1).float() for t in self.layout.units[u].tensors])
+                   for u in units}
+        # encoded outside the lock: versions and views are replaced, never changed in place
+        coded = {u: codec.round_trip(new[u] - old[u]) for u in units}
+        with self.lock:
+            view = self._view(cluster)
+            view.setdefault(version, {}).update({u: old[u] + coded[u][1] for u in units})
+            self._forget_older(view, since)
+        return [coded[u][0] for u in units]
+
+    def _view(self, cluster: str) -> dict[int, dict[int, torch.Tensor]]:
+        view = self.views.setdefault(cluster, {})
+        self.views.move_to_end(cluster)
+        while len(self.views) > MAX_VIEWS:
+            self.views.popitem(last=False)
+        return view
+
+    @staticmethod
+    def _forget_older(view: dict, version: int) -> None:
+        """A cluster that pulls from ``version`` holds no older one."""
+        for v in [v for v in view if v < version]:
+            del view[v]
 
     def _held(self, version: int, units: list[int]) -> dict[str, torch.Tensor]:
         params = self.bases.get(version)

@@ -175,7 +175,6 @@ class LeaderService:
                 log.warning("cluster %s pushes against version %d; the PS expects %d: it re-joins", cid, base, rec.base)
                 return {"status": "unknown"}
             tokens = self._checked_tokens(rec, msg["tokens"])
-            rec.held = -1  # it pulled its base: the version before it is no longer needed for it
             # one push in flight per cluster: a new request supersedes one it gave up on
             stale = [p.id for p in st.pushes.values() if p.cluster == cid and p.state == "requested"]
             for p in stale:

@@ -77,7 +77,7 @@ class LeaderSpeaker:
         self.leader.close()
 
     def task(self, do: str, **fields) -> dict:
-        return {"do": do, "done": self.done, **fields}
+        return {"do": do, "done": self.done, "cluster": self.cluster_id, **fields}
 
     def pulled(self, version: int) -> None:
         """The cluster's parameters are now the global ones of ``version``."""

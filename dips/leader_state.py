@@ -53,9 +53,6 @@ class ClusterRecord:
     # Handed to the cluster at registration; every later call in its name must present it, so a
     # holder of the job token cannot speak for another cluster (leave, heartbeat, push for it).
     secret: str = ""
-    # The version the cluster held when its push was applied, kept until it pushes again: a
-    # compressed pull is the change from it (-1: none).
-    held: int = -1
 
 
 @dataclasses.dataclass
@@ -140,7 +137,7 @@ class LeaderState:
     def keep_versions(self) -> list[int]:
         """Versions followers must keep: what clusters build on and pending pushes started from."""
         keep = {self.version, self.complete}
-        keep |= {c.base for c in self.clusters.values()} | {c.held for c in self.clusters.values() if c.held >= 0}
+        keep |= {c.base for c in self.clusters.values()}
         keep |= {self.pushes[p].base for p in self.collecting}
         return sorted(keep)
 
@@ -202,15 +199,15 @@ class LeaderState:
         is the metadata write, and a decision that could not be written was never made."""
         version, decisions = self.version, dict(self.decisions)
         fates = [(p, p.state, p.version) for p in pushes]
-        bases = {c.id: (c.base, c.held) for c in self.clusters.values()}
+        bases = {c.id: c.base for c in self.clusters.values()}
 
         def undo() -> None:
             self.version, self.decisions = version, decisions
             for p, state, v in fates:
                 p.state, p.version = state, v
-            for cid, (base, held) in bases.items():
+            for cid, base in bases.items():
                 if cid in self.clusters:
-                    self.clusters[cid].base, self.clusters[cid].held = base, held
+                    self.clusters[cid].base = base
         return undo
 
     def persist(self) -> None:

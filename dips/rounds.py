@@ -90,8 +90,7 @@ class RoundRunner:
             for p in pushes:
                 p.state, p.version = ("applied" if p.id in accepted else "rejected"), version
                 if p.cluster in st.clusters:
-                    c = st.clusters[p.cluster]
-                    c.held, c.base = c.base, version
+                    st.clusters[p.cluster].base = version
             try:
                 st.save()  # commit point
             except OSError:

@@ -97,10 +97,12 @@ class UnitTransfer:
                 reqs.discard(header["req"])
                 yield header, frames[1:]
 
-    def pull(self, version: int, units, codec: Codec | None = None, since: int = -1) -> dict[str, torch.Tensor] | None:
+    def pull(self, version: int, units, codec: Codec | None = None, since: int = -1,
+             cluster: str | None = None) -> dict[str, torch.Tensor] | None:
         """``units`` at ``version`` from the followers that own them, as FP32 (None: a pull failed;
-        ``refused`` then says whether a follower answered no). With a lossy ``codec``, what they
-        changed since version ``since`` instead, decoded."""
+        ``refused`` then says whether a follower answered no). With a lossy ``codec``, the decoded
+        difference from what ``cluster`` holds at version ``since`` instead; a whole pull naming
+        ``cluster`` tells the followers it now holds these values."""
         t0 = time.monotonic()
         out: dict[str, torch.Tensor] = {}
         wanted = set(units)
@@ -112,6 +114,8 @@ class UnitTransfer:
                 continue
             req = f"pull:{version}:{i}:{next(self._req)}"
             extra = {"codec": str(codec), "since": since} if change else {}
+            if cluster is not None:
+                extra["cluster"] = cluster
             self.sock(address).send_multipart([self.header(op="pull", version=version, units=mine, req=req, **extra)])
             got = list(self.replies(address, {req}))
             if not got or not got[0][0].get("ok") or len(got[0][1]) != len(mine):
@@ -130,6 +134,7 @@ class UnitTransfer:
                 return None
         self.last_pull_s = time.monotonic() - t0
         self.stats["pull_s"] += self.last_pull_s
+        self.stats["pulls"] += 1
         return {n: t.float() for n, t in out.items()}
 
     def _decode(self, unit: int, payload, codec: Codec) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Compressed pushes and pulls end to end in one process: the PS applies exactly the decoded
 pseudo-gradients (a reference run of torch.optim.SGD on them), the residual carries what the
-wire dropped into the next push and survives a restart, a pull adds the decoded change to the
-values the cluster holds, and payloads that do not fit their unit are refused with nothing applied."""
+wire dropped into the next push and survives a restart, a pull adds the decoded difference
+between the new version and what the cluster holds (so what one pull drops comes with the next),
+and payloads that do not fit their unit are refused with nothing applied."""
 import json
 import struct
 import time
@@ -30,7 +31,7 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
     """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
     the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
-    part as the next residual, and tracks the held values through the pull codec."""
+    part as the next residual, and the held values move by codec(new - held) at each pull."""
     pc, qc = Codec.parse(push), Codec.parse(pull)
     theta = {n: p.detach().clone() for n, p in build_model(MODEL, 0).named_parameters()}
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in theta.items()}
@@ -52,13 +53,12 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
                 residual[u] = x - dec
                 decoded.update(_unflat(dec, unit))
             norm = torch.sqrt(sum((d.double() ** 2).sum() for d in decoded.values())).item()
-            old = {n: r.detach().bfloat16().float() for n, r in ref.items()}
             for n, r in ref.items():
                 r.grad = decoded[n] * min(1.0, 1.0 / norm)
             sgd.step()
             new = {n: r.detach().bfloat16().float() for n, r in ref.items()}
             for unit in units:  # what the cluster holds after its pull
-                change = _flat(new, unit) - _flat(old, unit)
+                change = _flat(new, unit) - _flat(held, unit)
                 got = _flat(held, unit) + qc.round_trip(change)[1] if qc.lossy else _flat(new, unit)
                 held.update(_unflat(got, unit))
             assert c.step(tokens=100)
@@ -194,16 +194,47 @@ def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tm
 
 def test_hostile_compressed_pull_headers_are_refused(tmp_path):
     with in_process_ps(tmp_path) as (leader, followers, token):
-        c = OuterClient(build_model(MODEL, 3), leader.address, inner_steps=1, token=token, name="c")
+        c = OuterClient(build_model(MODEL, 3), leader.address, inner_steps=1, token=token, name="c",
+                        pull_codec="int8")
         addr, units = c.plan["followers"][0], list(range(*c.plan["units"][0]))
         sock = c.transfer.sock(addr)
-        for extra, words in [({"codec": "int8"}, "since"), ({"codec": "int8", "since": 5}, "version 5 is not held"),
-                             ({"codec": "int8", "since": -1}, "since"), ({"codec": "topk:2"}, "top-k density"),
-                             ({"codec": ["int8"]}, "codec")]:
+        for extra, words in [({"codec": "int8", "cluster": "c"}, "since"),
+                             ({"codec": "int8", "since": 0}, "names its cluster"),
+                             ({"codec": "int8", "since": 5, "cluster": "c"}, "what cluster 'c' holds"),
+                             ({"codec": "int8", "since": 0, "cluster": "x" * 200}, "cluster"),
+                             ({"codec": "int8", "since": -1, "cluster": "c"}, "since"),
+                             ({"codec": "topk:2"}, "top-k density"), ({"codec": ["int8"]}, "codec")]:
             sock.send_multipart([json.dumps({"op": "pull", "req": "r", "version": 0, "units": units,
                                              **extra}).encode()])
             assert sock.poll(3000)
             header = json.loads(sock.recv_multipart()[0])
             assert not header["ok"] and words in header["err"], (extra, header)
-        assert c.transfer.pull(0, range(len(c.layout.units)), Codec.parse("int8"), since=0) is not None
+        assert c.transfer.pull(0, range(len(c.layout.units)), Codec.parse("int8"), since=0, cluster="c") is not None
         c.close()
+
+
+def test_what_a_pull_drops_comes_with_the_next(tmp_path):
+    """Pulls of one version in top-k 5%: each sends the largest part of what the cluster still
+    lacks, so the values it holds close in on the global ones (without the followers' record of
+    what it holds, a second pull of the same version would carry nothing)."""
+    codec = Codec.parse("topk:0.05")
+    with in_process_ps(tmp_path) as (leader, _, token):
+        a = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="a",
+                        push_codec="int8", pull_codec=str(codec))
+        perturb(a.model, 0, scale=0.05)
+        assert a.step(tokens=10)
+        target = global_params(leader, token)
+        held = dict(a._held)
+        units = range(len(a.layout.units))
+
+        def gap() -> float:
+            return sum(float((held[n] - target[n]).norm() ** 2) for n in target) ** 0.5
+
+        gaps = [gap()]
+        assert gaps[0] > 0  # one top-k pull did not bring it all
+        for _ in range(30):
+            change = a.transfer.pull(1, units, codec, since=1, cluster="a")
+            held = {n: held[n] + change[n] for n in held}
+            gaps.append(gap())
+        assert all(b <= g for g, b in zip(gaps, gaps[1:])) and gaps[-1] < 0.05 * gaps[0], gaps
+        a.close()
