@@ -348,10 +348,13 @@ def compare_with_sync(results: list[dict]) -> None:
 
 
 def run_tag(args) -> str:
-    """The run's name: cluster count and scenario, and the outer momentum when not the default."""
+    """The run's name: cluster count and scenario, the outer momentum when not the default,
+    whether compressed modes ran, and the links when not the default."""
     momentum = "" if args.outer_momentum == [0.0] else "-momentum-" + "-".join(f"{m:g}" for m in args.outer_momentum)
+    wire = "-compressed" if any(m in WIRE for m in args.modes.split(",")) else ""
+    links = "-links-" + args.links.replace(",", "-") if args.links else ""
     return (f"{args.clusters}c{'-churn' if args.churn else ''}{'-faulty' if args.faulty is not None else ''}"
-            f"{momentum}")
+            f"{momentum}{wire}{links}")
 
 
 def measurements(results: list[dict], tag: str) -> list[Measurement]:

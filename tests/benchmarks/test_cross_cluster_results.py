@@ -47,6 +47,8 @@ def test_a_run_without_sync_states_no_target():
 
 def test_the_default_momentum_keeps_the_plain_tag():
     assert cross_cluster.run_tag(cross_cluster.parse([])) == "4c"
+    assert cross_cluster.run_tag(cross_cluster.parse(["--modes", "dips,dips-int8", "--links", "10,10,0.1,10"])) == \
+        "4c-compressed-links-10-10-0.1-10"
     assert cross_cluster.run_tag(cross_cluster.parse(["--faulty", "1", "--clusters", "9", "--churn",
                                                       "--outer-momentum", "0,0.8"])) == "9c-churn-faulty-momentum-0-0.8"
 
