@@ -347,10 +347,11 @@ class OuterClient:
         full = self.view.full()
         if self._compresses(task):
             self._snapshot = full
-            payloads = self._encode_push(full)
+            payloads, sqnorms = self._encode_push(full)
 
             def send(unit: int, address: str) -> str:
-                return self.transfer.send_payload(task, unit, address, payloads[unit], str(self.push_codec))
+                return self.transfer.send_payload(task, unit, address, payloads[unit], str(self.push_codec),
+                                                  sqnorms[unit])
         else:
             self._snapshot = {n: t.to(torch.bfloat16) for n, t in full.items()}
 
@@ -441,19 +442,22 @@ class OuterClient:
         needs the global values the cluster started from."""
         return self.push_codec.lossy and not task.get("seed") and self._holds_mine()
 
-    def _encode_push(self, full: dict[str, torch.Tensor]) -> dict[int, bytes]:
-        """Each of this worker's units: its pseudo-gradient plus residual, encoded; what the
-        encoding drops is the residual of this push (kept once it is sealed)."""
+    def _encode_push(self, full: dict[str, torch.Tensor]) -> tuple[dict[int, bytes], dict[int, float]]:
+        """Each of this worker's units: its pseudo-gradient plus residual, encoded, and the
+        pseudo-gradient's squared norm (what the outlier filter scores); what the encoding drops
+        is the residual of this push (kept once it is sealed)."""
         payloads: dict[int, bytes] = {}
+        sqnorms: dict[int, float] = {}
         self._next_residual = {}
         for u in self.my_units:
             spec = self.layout.units[u]
             x = torch.cat([(self._held[t.name] - full[t.name]).reshape(-1) for t in spec.tensors])
+            sqnorms[u] = float((x.double() ** 2).sum())
             if u in self.residual:
                 x = x + self.residual[u]
             payloads[u], decoded = self.push_codec.round_trip(x)
             self._next_residual[u] = x - decoded
-        return payloads
+        return payloads, sqnorms
 
     def _residual_path(self) -> str | None:
         if self.state_dir is None or self.view.worker is None:

@@ -32,6 +32,7 @@ ZAP_DOMAIN = "dips-data"
 MAX_ID_CHARS = 128  # push and request ids a cluster sends are echoed back: bound them
 MAX_HEADER_BYTES = 64 * 1024  # a header names one unit's tensors: far below this
 MAX_VERSION = 2 ** 62
+MAX_SQNORM = 1e300  # a reported squared norm: finite, and the sum over a model stays finite
 
 
 class FollowerDataServer:
@@ -158,10 +159,11 @@ class FollowerDataServer:
         if not push_id_issued(self.token, push, cluster):
             raise BadMessage(f"push {push}: not an id the leader issued to cluster {cluster[:40]!r}")
         if codec.lossy:  # the pseudo-gradient itself, checked whole by the codec before anything is staged
+            sqnorm = untrusted.number(header, "sqnorm", 0.0, MAX_SQNORM)
             flat = codec.decode(payload, sum(t.numel for t in spec.tensors), what=f"unit {spec.name}")
             tensors = dict(zip(want, (c.view(t.shape) for c, t in zip(flat.split([t.numel for t in spec.tensors]),
                                                                          spec.tensors))))
-            state.stage(unit, push, base, cluster, tensors, form="delta")
+            state.stage(unit, push, base, cluster, tensors, form="delta", sqnorm=sqnorm)
             return unit
         tensors = unpack_unit(spec, payload)
         for n, t in tensors.items():

@@ -38,9 +38,11 @@ class FollowerDisk:
         write_text_atomic(self.dir / "follower.json", json.dumps({"index": index}))
 
     # -- sealed pushes
-    def save_push(self, push: str, base: int, tensors: dict[str, torch.Tensor], form: str = "params") -> None:
-        """A sealed push: its parameters (``form`` "params") or decoded pseudo-gradient ("delta")."""
-        write_atomic(self._push(push), lambda tmp: torch.save({"base": base, form: tensors}, tmp))
+    def save_push(self, push: str, base: int, tensors: dict[str, torch.Tensor], form: str = "params",
+                  sqnorm: float | None = None) -> None:
+        """A sealed push: its parameters (``form`` "params") or decoded pseudo-gradient ("delta",
+        with the squared norm its cluster reported)."""
+        write_atomic(self._push(push), lambda tmp: torch.save({"base": base, form: tensors, "sqnorm": sqnorm}, tmp))
 
     def load_pushes(self) -> dict[str, dict[str, Any]]:
         """push id -> {base, params or delta} of every push on disk that reads whole (one that
@@ -50,7 +52,7 @@ class FollowerDisk:
             try:
                 rec = torch.load(f, weights_only=True)
                 form = "delta" if "delta" in rec else "params"
-                out[f.stem] = {"base": int(rec["base"]), form: rec[form]}
+                out[f.stem] = {"base": int(rec["base"]), form: rec[form], "sqnorm": rec.get("sqnorm")}
             except _UNREADABLE as exc:
                 log.error("sealed push file %s is unreadable (%s); it is skipped", f, exc)
         return out

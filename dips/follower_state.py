@@ -7,7 +7,10 @@ once a checkpoint covers that round. The parameters (``theta``), the outer optim
 and the BF16 bases clusters pull (and push against) are versioned by the rounds applied.
 
 A push carries either a cluster's parameters (BF16; the pseudo-gradient is the base minus them)
-or, compressed (``dips.codec``), its pseudo-gradient itself, as the follower decoded it.
+or, compressed (``dips.codec``), its pseudo-gradient itself, as the follower decoded it, with the
+squared norm of each unit's uncompressed pseudo-gradient as the cluster reports it (what the
+outlier filter scores: the norm of what a compressed push carries grows over a cluster's first
+pushes as error feedback's residual fills).
 
 A compressed pull sends a cluster the encoded difference between a version and what that cluster
 holds, which the follower tracks per cluster (its *view*: the values the cluster decoded, at the
@@ -89,9 +92,10 @@ class FollowerState:
 
     # -- the data flow
     def stage(self, unit: int, push: str, base: int, cluster: Any, tensors: dict[str, torch.Tensor],
-              form: str = "params") -> None:
+              form: str = "params", sqnorm: float | None = None) -> None:
         """One checked unit of a push: its parameters (``form`` "params") or its decoded
-        pseudo-gradient ("delta"); ValueError naming why it is refused."""
+        pseudo-gradient ("delta", with the reported ``sqnorm`` of the uncompressed one);
+        ValueError naming why it is refused."""
         with self.lock:
             if form == "delta" and self.awaiting_seed and self.version == 0:
                 raise ValueError(f"push {push}: the PS awaits its seed, which carries parameters (bf16), "
@@ -110,6 +114,8 @@ class FollowerState:
             if rec["form"] != form:
                 raise ValueError(f"push {push}: a unit of {form} among units of {rec['form']}")
             rec["units"][unit] = tensors
+            if form == "delta":
+                rec.setdefault("sqnorms", {})[unit] = float(sqnorm)
 
     def drop_stale(self, now: float) -> None:
         """Forget pushes whose units stopped coming (a cluster that died mid-push)."""
@@ -178,7 +184,7 @@ class FollowerState:
     def seal(self, push: str) -> dict:
         with self.lock:
             if push in self.sealed:
-                return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
+                return {"ok": True, "norm": self._scored_norm(push)}
             rec = self.staged.get(push)
             if rec is None:
                 return {"ok": False, "err": f"{self.name} holds no unit of push {push}"}
@@ -186,14 +192,15 @@ class FollowerState:
             if missing:
                 return {"ok": False, "err": f"push {push} is partial: {self.name} lacks units {missing}"}
             params = {n: t for u in self.unit_range for n, t in rec["units"][u].items()}
+            sqnorm = sum(rec["sqnorms"][u] for u in self.unit_range) if rec["form"] == "delta" else None
             try:
-                self.disk.save_push(push, rec["base"], params, rec["form"])
+                self.disk.save_push(push, rec["base"], params, rec["form"], sqnorm)
             except OSError as exc:  # not sealed: the push stays staged and the leader fails it
                 log.error("%s could not seal push %s: %s", self.name, push, exc)
                 return {"ok": False, "err": f"{self.name} could not write push {push}: {exc}"}
             del self.staged[push]
-            self.sealed[push] = {"base": rec["base"], rec["form"]: params}
-            return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
+            self.sealed[push] = {"base": rec["base"], rec["form"]: params, "sqnorm": sqnorm}
+            return {"ok": True, "norm": self._scored_norm(push)}
 
     def prepare(self, weights: dict[str, float]) -> dict:
         with self.lock:
@@ -265,6 +272,12 @@ class FollowerState:
             return done
 
     # -- internals
+    def _scored_norm(self, push: str) -> float:
+        """What the outlier filter scores: the norm of the push's pseudo-gradient (as reported,
+        for a compressed one)."""
+        sq = self.sealed[push].get("sqnorm")
+        return _norm(self._pseudo_gradient(push)) if sq is None else sq ** 0.5
+
     def _pseudo_gradient(self, push: str) -> dict[str, torch.Tensor]:
         rec = self.sealed[push]
         if "delta" in rec:

@@ -55,15 +55,18 @@ class UnitTransfer:
         spec = self.layout.units[unit]
         return self.send_payload(task, unit, address, pack_unit([values[t.name] for t in spec.tensors]), "bf16")
 
-    def send_payload(self, task: dict, unit: int, address: str, payload: bytes, codec: str) -> str:
+    def send_payload(self, task: dict, unit: int, address: str, payload: bytes, codec: str,
+                     sqnorm: float | None = None) -> str:
         """Unit ``unit`` of push ``task`` as ``payload`` in ``codec`` (``bf16``: its parameters;
-        any other: its encoded pseudo-gradient) to the follower at ``address``; the request id."""
+        any other: its encoded pseudo-gradient, with ``sqnorm`` the squared norm of the
+        uncompressed one) to the follower at ``address``; the request id."""
         spec = self.layout.units[unit]
         req = f"{task['push']}:{unit}"
         self.sock(address).send_multipart([
             self.header(op="push", push=task["push"], cluster=task["cluster"], base=task["base"], unit=unit,
                         names=[t.name for t in spec.tensors], shapes=[list(t.shape) for t in spec.tensors],
-                        dtype="bfloat16", codec=codec, req=req), payload], copy=False)
+                        dtype="bfloat16", codec=codec, req=req,
+                        **({} if sqnorm is None else {"sqnorm": sqnorm})), payload], copy=False)
         self.stats["push_bytes"] += len(payload)
         return req
 

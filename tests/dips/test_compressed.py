@@ -46,6 +46,9 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
         for rnd in range(3):
             perturb(model, rnd)
             local = {n: p.detach().clone() for n, p in model.named_parameters()}
+            # the filter's norm: the sum over followers of the pseudo-gradient's norm on their units
+            sent_norm = sum(sum(float(((held[t.name] - local[t.name]).double() ** 2).sum())
+                                for u in range(a, b) for t in units[u].tensors) ** 0.5 for a, b in c.plan["units"])
             decoded = {}
             for u, unit in enumerate(units):
                 x = _flat(held, unit) - _flat(local, unit) + residual[u]
@@ -62,6 +65,9 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
                 got = _flat(held, unit) + qc.round_trip(change)[1] if qc.lossy else _flat(new, unit)
                 held.update(_unflat(got, unit))
             assert c.step(tokens=100)
+            # the outlier filter scored the uncompressed pseudo-gradient's norm, as the cluster reported it
+            scored = [p.norm for p in leader.state.pushes.values() if p.cluster == "c"][-1]
+            assert scored == pytest.approx(sent_norm, rel=1e-9)
             for u in range(len(units)):
                 torch.testing.assert_close(c.residual[u], residual[u], rtol=0, atol=1e-6)
             for n, p in model.named_parameters():
@@ -129,12 +135,12 @@ def test_a_seeded_ps_takes_the_seed_as_parameters_from_a_compressing_cluster(tmp
 def test_sealed_delta_pushes_read_back_from_disk(tmp_path):
     disk = FollowerDisk(tmp_path)
     delta = {"a": torch.randn(3, 4), "b": torch.randn(5)}
-    disk.save_push("p1", 3, delta, "delta")
+    disk.save_push("p1", 3, delta, "delta", 2.5)
     disk.save_push("p2", 4, {"a": torch.randn(2).bfloat16()})
     got = disk.load_pushes()
-    assert set(got["p1"]) == {"base", "delta"} and got["p1"]["base"] == 3
+    assert set(got["p1"]) == {"base", "delta", "sqnorm"} and got["p1"]["base"] == 3 and got["p1"]["sqnorm"] == 2.5
     assert all(torch.equal(got["p1"]["delta"][n], delta[n]) for n in delta)
-    assert set(got["p2"]) == {"base", "params"}
+    assert set(got["p2"]) == {"base", "params", "sqnorm"} and got["p2"]["sqnorm"] is None
 
 
 # ------------------------------------------------------------------ hostile payloads
@@ -172,7 +178,7 @@ def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tm
             reply = c.speaker.leader.call("PushRequest", **c.speaker._me(), tokens=1, base=c.base,
                                           workers={"0": list(range(len(c.layout.units)))})
             task = {"push": reply["push"], "cluster": c.speaker.cluster_id, "base": c.base}
-            req = c.transfer.send_payload(task, unit, addr, mutate(good), spec)
+            req = c.transfer.send_payload(task, unit, addr, mutate(good), spec, sqnorm=1.0)
             acks = [h for h, _ in c.transfer.replies(addr, {req})]
             assert acks and not acks[0]["ok"] and words in acks[0]["err"], (what, acks)
             assert not any(f.state.staged for f in followers), what
@@ -180,9 +186,13 @@ def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tm
         reply = c.speaker.leader.call("PushRequest", **c.speaker._me(), tokens=1, base=c.base,
                                       workers={"0": list(range(len(c.layout.units)))})
         task = {"push": reply["push"], "cluster": c.speaker.cluster_id, "base": c.base}
-        req = c.transfer.send_payload(task, unit, addr, good, "int3")
+        req = c.transfer.send_payload(task, unit, addr, good, "int3", sqnorm=1.0)
         acks = [h for h, _ in c.transfer.replies(addr, {req})]
         assert not acks[0]["ok"] and "codec 'int3'" in acks[0]["err"]
+        for sqnorm in (None, -1.0, 1e301, "1"):  # the reported norm: present, a finite number >= 0
+            req = c.transfer.send_payload(task, unit, addr, good, spec, sqnorm=sqnorm)
+            acks = [h for h, _ in c.transfer.replies(addr, {req})]
+            assert not acks[0]["ok"] and "sqnorm" in acks[0]["err"], (sqnorm, acks)
         assert c.speaker.leader.call("PushDone", **c.speaker._me(), push=reply["push"])["status"] == "failed"
         time.sleep(0.1)
         assert leader.status()["version"] == 0

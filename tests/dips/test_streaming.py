@@ -16,9 +16,9 @@ def _sends(client) -> list[int]:
     at: list[int] = []
     send = client.transfer.send_payload
 
-    def recorded(task, unit, address, payload, codec):
+    def recorded(*args, **kwargs):
         at.append(client.inner_count)
-        return send(task, unit, address, payload, codec)
+        return send(*args, **kwargs)
     client.transfer.send_payload = recorded
     return at
 
