@@ -69,6 +69,7 @@ MODES = {
     "dips-topk-bf16": ("dips", True, True, True, "Di-PS top-k 2% / bf16"),
     "dips-int8-stream": ("dips", True, True, True, "Di-PS int8 / int8, streamed"),
     "dips-topk-stream": ("dips", True, True, True, "Di-PS top-k 2% / int4, streamed"),
+    "dips-topk2-stream": ("dips", True, True, True, "Di-PS top-k 2% / top-k 2%, streamed"),
     "dips-topk-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / int4, no filter"),
     "dips-topk2-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / top-k 2%, no filter"),
     "dips-topk2-stream-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / top-k 2%, streamed, no filter"),
@@ -76,7 +77,8 @@ MODES = {
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
         "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
-        "dips-topk-stream": ("topk:0.02", "int4", 4), "dips-topk-nofilter": ("topk:0.02", "int4", 1),
+        "dips-topk-stream": ("topk:0.02", "int4", 4), "dips-topk2-stream": ("topk:0.02", "topk:0.02", 4),
+        "dips-topk-nofilter": ("topk:0.02", "int4", 1),
         "dips-topk2-nofilter": ("topk:0.02", "topk:0.02", 1), "dips-topk2-stream-nofilter": ("topk:0.02", "topk:0.02", 4)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
@@ -354,7 +356,7 @@ def run_tag(args) -> str:
     wire = "-compressed" if any(m in WIRE for m in args.modes.split(",")) else ""
     links = "-links-" + args.links.replace(",", "-") if args.links else ""
     return (f"{args.clusters}c{'-churn' if args.churn else ''}{'-faulty' if args.faulty is not None else ''}"
-            f"{momentum}{wire}{links}")
+            f"{momentum}{wire}{links}{'-' + args.tag if args.tag else ''}")
 
 
 def measurements(results: list[dict], tag: str) -> list[Measurement]:
@@ -441,6 +443,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--links", default="",
                     help="each cluster's link in the paper's Gbps, comma-separated (default: 1 for the middle "
                          "cluster, 10 for the rest)")
+    ap.add_argument("--tag", default="", help="a suffix for the run's saved name (runs of other modes side by side)")
     ap.add_argument("--loopback", action="store_true", help="no emulated hosts: every link is loopback, unshaped")
     ap.add_argument("--heartbeat", type=float, default=2.0,
                     help="cluster heartbeat interval (s); generous because many processes share 2 busy cores")
