@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"ditorch.train: --ps-push/--ps-pull: {exc}", file=sys.stderr)
             return 2
+        if not 1 <= args.ps_fragments <= args.inner_steps:
+            print(f"ditorch.train: --ps-fragments {args.ps_fragments}: expected 1..--inner-steps ({args.inner_steps})",
+                  file=sys.stderr)
+            return 2
     if args.ft and (args.lighthouse is None or args.replica is None):
         print("ditorch.train: --ft needs --lighthouse http://HOST:PORT and --replica K", file=sys.stderr)
         return 2
