@@ -119,21 +119,24 @@ def test_pipeline_and_data_parallel_clusters_train_one_model(tmp_path):
         assert leader.status()["version"] >= 6
 
 
-def test_a_pipeline_cluster_pushes_and_pulls_compressed(tmp_path):
-    """``--ps-push int8 --ps-pull int8``: as the exactness test above (H = 1, outer lr 1, no
-    momentum, clipping or penalty) each round hands the cluster back its own parameters, now to
-    int8's precision with the dropped part fed into the next push; each stage's worker keeps its
-    residual, for its own units only, under ``--save``/ps."""
+def test_a_pipeline_cluster_pushes_and_pulls_compressed_and_streamed(tmp_path):
+    """``--ps-push int8 --ps-pull int8 --ps-fragments 2`` with H = 2: as in the exactness test
+    above (outer lr 1, no momentum, clipping or penalty) each round hands the cluster back the
+    parameters it pushed, now to int8's precision with the dropped part fed into the next push,
+    and the merge keeps the step taken while the push streamed, so training stays plain
+    training's; each stage's worker keeps its residual, for its own units only, under
+    ``--save``/ps. Pushes stream from steps 2, 4 and 6; the last is still streaming at the end."""
     plan = make_plan(TWO_STAGES)
     plan.to_json(tmp_path / "plan.json")
     plain, _ = train_reference(plan, TrainOptions(steps=STEPS, progress=False))
     with parameter_server(tmp_path, mode="async", outer_lr=1.0, outer_momentum=0.0, clip_norm=None) as (leader, token):
         run = torchrun(tmp_path / "plan.json", plan.num_chips,
                        ["--steps", str(STEPS), "--precision", "fp32", "--loss-log", "ps.jsonl", "--save", "ckpt",
-                        "--ps", leader.address, "--inner-steps", "1", "--ps-token-file", str(tmp_path / "job.key"),
-                        "--ps-name", "pipeline", "--ps-push", "int8", "--ps-pull", "int8"], tmp_path)
+                        "--ps", leader.address, "--inner-steps", "2", "--ps-token-file", str(tmp_path / "job.key"),
+                        "--ps-name", "pipeline", "--ps-push", "int8", "--ps-pull", "int8", "--ps-fragments", "2"],
+                       tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
-        assert leader.status()["version"] == STEPS
+        assert leader.status()["version"] == STEPS // 2 - 1
     for step, (a, b) in enumerate(zip(losses(tmp_path / "ps.jsonl"), plain), 1):
         assert a == pytest.approx(b, rel=1e-2), f"step {step}: through the PS {a}, plain {b}"
     from dips.layout import ModelLayout
