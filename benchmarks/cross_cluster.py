@@ -246,15 +246,16 @@ def apply_event(e: Event, specs: list[ClusterSpec], procs: dict, logs: list[str]
 
 def peak_bytes(logs: dict, window_s: float = 1.0) -> float:
     """The most payload bytes one cluster handed its link within ``window_s`` (its pushes and
-    pulls, counted when sent): a burst's size, which streaming spreads out."""
+    pulls, counted when sent; the join's whole pull before the first step left out): a burst's
+    size, which streaming spreads out."""
     best = 0.0
     for rs in logs.values():
         marks = [(r["t"], r["bytes"]) for r in rs if "bytes" in r]
         lo = 0
-        for hi in range(len(marks)):
+        for hi in range(1, len(marks)):
             while marks[hi][0] - marks[lo][0] > window_s:
                 lo += 1
-            best = max(best, marks[hi][1] - (marks[lo - 1][1] if lo else 0))
+            best = max(best, marks[hi][1] - marks[max(lo - 1, 0)][1])
     return best / window_s
 
 

@@ -69,3 +69,10 @@ def test_compressed_modes_are_compared_with_uncompressed_dips():
     saved = cross_cluster.measurements(results, "4c")
     assert saved[2].extra_info["vs_Di-PS"] == "32.0x fewer bytes, 1.50x tokens/s, loss +1.0%"
     assert saved[2].extra_info["KB_per_round"] == 100
+
+
+def test_peak_bytes_counts_the_largest_one_second_burst_after_the_join():
+    logs = {"c0": [{"t": 0.0, "bytes": 5000}, {"t": 0.5, "bytes": 5000}, {"t": 1.0, "bytes": 5300},
+                   {"t": 1.4, "bytes": 5600}, {"t": 3.0, "bytes": 5700}],
+            "c1": [{"event": "start"}, {"t": 0.0, "bytes": 100}, {"t": 2.0, "bytes": 550}]}
+    assert cross_cluster.peak_bytes(logs) == 600.0  # c0's 300 + 300 within one second; not its 5000 at join
