@@ -21,9 +21,10 @@ Compressed (``push_codec``/``pull_codec`` other than ``bf16``, ``dips.codec``): 
 pseudo-gradient (the global values the cluster holds minus its parameters) plus the *residual*
 that earlier compressed pushes dropped, encoded; what the encoding drops becomes the next
 residual (error feedback), kept in ``state_dir`` across restarts once the push is sealed. A
-pull carries what changed since the version the cluster holds, which it adds to the values it
-holds (the followers track it per cluster, so what a pull's encoding drops comes with the next
-pull; a BF16 pull of the whole values when they do not know it, e.g. after a restart).
+pull carries the encoded difference between the new version and the values the cluster holds,
+which it adds to them (the followers track those values per cluster, so what a pull's encoding
+drops comes with the next pull; a BF16 pull of the whole values when they do not know them,
+e.g. after a restart).
 
 Streamed (``fragments`` > 1, after Streaming DiLoCo): the outer step takes the snapshot and
 encodes the push at once, but sends its units in ``fragments`` parts spread over the next inner
