@@ -169,7 +169,8 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
                          log=str(work / f"c{i}.jsonl"), inner_steps=args.inner_steps, batch=args.batch, seq=args.seq,
                          inner_lr=args.inner_lr, step_s=step_s, delay=d, seed=i, go_file=str(work / "go"),
                          heartbeat_s=args.heartbeat, push_codec=push_codec, pull_codec=pull_codec,
-                         fragments=min(fragments, args.inner_steps), **(faulty if i == args.faulty else {}))
+                         fragments=min(fragments, args.inner_steps), transfer_timeout_s=args.transfer_timeout,
+                         **(faulty if i == args.faulty else {}))
              for i, d in enumerate(delays)]
     events = churn_events(n, args.inner_steps * step_s) if args.churn else []
     late = {e.cluster for e in events if e.what == "join"}
@@ -444,6 +445,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--links", default="",
                     help="each cluster's link in the paper's Gbps, comma-separated (default: 1 for the middle "
                          "cluster, 10 for the rest)")
+    ap.add_argument("--transfer-timeout", type=float, default=30.0,
+                    help="seconds a cluster waits for a push or pull (a slow link moving the whole model needs more)")
     ap.add_argument("--tag", default="", help="a suffix for the run's saved name (runs of other modes side by side)")
     ap.add_argument("--loopback", action="store_true", help="no emulated hosts: every link is loopback, unshaped")
     ap.add_argument("--heartbeat", type=float, default=2.0,

@@ -62,6 +62,7 @@ class ClusterSpec:
     push_codec: str = "bf16"     # how pushes and pulls travel (dips.codec)
     pull_codec: str = "bf16"
     fragments: int = 1           # > 1: streamed pushes
+    transfer_timeout_s: float = 30.0  # a slow link needs longer to move a whole model
 
 
 def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
@@ -87,7 +88,8 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
     model = build_model(spec.model, seed=1000 + spec.seed)  # replaced by the global parameters on join
     client = OuterClient(model, spec.leader, spec.inner_steps, token=JobToken.from_file(spec.token_file),
                          name=spec.name, heartbeat_s=spec.heartbeat_s, join=False, push_codec=spec.push_codec,
-                         pull_codec=spec.pull_codec, fragments=spec.fragments)
+                         pull_codec=spec.pull_codec, fragments=spec.fragments,
+                         transfer_timeout_s=spec.transfer_timeout_s)
     if not client.join(timeout_s=120.0):
         raise RuntimeError(f"cluster {spec.name} could not join the PS at {spec.leader}")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.inner_lr, weight_decay=0.0)
