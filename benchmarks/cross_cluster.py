@@ -10,6 +10,11 @@ the same token budget. Clusters differ in two ways, as in the paper's section 5.
   loopback with unshaped links, and the benchmark says so.
 The PS (one leader in the driver process and two follower processes) runs on host 0.
 
+Modes ``dips-int8``, ``dips-int4``, ``dips-topk`` (and ``-stream``: pushes streamed in 4 parts over
+the inner steps) are Di-PS with compressed pushes and pulls (docs/dips.md, "Compressed and streamed
+outer steps"); the table adds each cluster's bytes per outer round, the most bytes it handed its
+link in one second, and the loss and throughput against uncompressed Di-PS.
+
 ``--churn`` adds the production scenario's events (paper, section 5.4) in every mode: a cluster
 joins late, one leaves on purpose (SIGTERM: it says goodbye), one crashes (SIGKILL) and comes back.
 Modes ``dips-noclip``, ``dips-nofilter`` and ``dips-nostale`` are Di-PS without clipping, without
@@ -57,7 +62,25 @@ MODES = {
     "dips-noclip": ("dips", False, True, True, "Di-PS without clipping"),
     "dips-nofilter": ("dips", True, False, True, "Di-PS without outlier filter"),
     "dips-nostale": ("dips", True, True, False, "Di-PS without staleness penalty"),
+    "dips-int8": ("dips", True, True, True, "Di-PS int8 / int8"),
+    "dips-int4": ("dips", True, True, True, "Di-PS int4 / int4"),
+    "dips-topk": ("dips", True, True, True, "Di-PS top-k 2% / int4"),
+    "dips-topk2": ("dips", True, True, True, "Di-PS top-k 2% / top-k 2%"),
+    "dips-topk-bf16": ("dips", True, True, True, "Di-PS top-k 2% / bf16"),
+    "dips-int8-stream": ("dips", True, True, True, "Di-PS int8 / int8, streamed"),
+    "dips-topk-stream": ("dips", True, True, True, "Di-PS top-k 2% / int4, streamed"),
+    "dips-topk2-stream": ("dips", True, True, True, "Di-PS top-k 2% / top-k 2%, streamed"),
+    "dips-topk-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / int4, no filter"),
+    "dips-topk2-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / top-k 2%, no filter"),
+    "dips-topk2-stream-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / top-k 2%, streamed, no filter"),
 }
+# mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
+WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
+        "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
+        "dips-topk-stream": ("topk:0.02", "int4", 4), "dips-topk2-stream": ("topk:0.02", "topk:0.02", 4),
+        "dips-topk-nofilter": ("topk:0.02", "int4", 1),
+        "dips-topk2-nofilter": ("topk:0.02", "topk:0.02", 1), "dips-topk2-stream-nofilter": ("topk:0.02", "topk:0.02", 4)}
+DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%
 # of 989 TFLOPS). The emulated links keep that 5% share for the fast links.
@@ -127,6 +150,7 @@ class Places:
 def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, work: Path, places: Places) -> dict:
     work.mkdir(parents=True)
     base_mode, clip, outlier_filter, stale_penalty, label = MODES[mode]
+    push_codec, pull_codec, fragments = WIRE.get(mode, ("bf16", "bf16", 1))
     token_file, server_token_file = str(work / "job.key"), str(work / "servers.key")
     token, server_token = JobToken.create(token_file), JobToken.create(server_token_file)
     ps = places.ps_address
@@ -144,7 +168,9 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
     specs = [ClusterSpec(name=f"c{i}", leader=leader.address, token_file=token_file, model=model_cfg,
                          log=str(work / f"c{i}.jsonl"), inner_steps=args.inner_steps, batch=args.batch, seq=args.seq,
                          inner_lr=args.inner_lr, step_s=step_s, delay=d, seed=i, go_file=str(work / "go"),
-                         heartbeat_s=args.heartbeat, **(faulty if i == args.faulty else {}))
+                         heartbeat_s=args.heartbeat, push_codec=push_codec, pull_codec=pull_codec,
+                         fragments=min(fragments, args.inner_steps), transfer_timeout_s=args.transfer_timeout,
+                         **(faulty if i == args.faulty else {}))
              for i, d in enumerate(delays)]
     events = churn_events(n, args.inner_steps * step_s) if args.churn else []
     late = {e.cluster for e in events if e.what == "join"}
@@ -192,7 +218,10 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
     scales = [r["scale"] for r in rounds]
     stale_scales = [r["stale_scale"] for r in rounds]
     stale = [s for r in rounds for s in r["staleness"]]
-    return {"mode": mode, "label": label, "momentum": momentum, "tokens": tokens, "wall": t_end - t_start,
+    ends = [rs[-1].get("stats", {}) for rs in read.values() if rs and "stats" in rs[-1]]
+    # a push and a pull each (the join's whole BF16 pull counts as one of the pulls)
+    per_round = [e["push_bytes"] / e["pushed"] + e["pull_bytes"] / e["pulls"] for e in ends if e.get("pushed")]
+    return {"bytes_per_round": sum(per_round) / max(len(per_round), 1), "peak_bytes_s": peak_bytes(read),"mode": mode, "label": label, "momentum": momentum, "tokens": tokens, "wall": t_end - t_start,
             "throughput": tokens / (t_end - t_start), "final_loss": final, "version": version,
             "rounds": len(rounds), "rejected": sum(r["rejected"] for r in rounds),
             "mean_scale": sum(scales) / max(len(scales), 1), "min_scale": min(scales, default=1.0),
@@ -214,6 +243,21 @@ def apply_event(e: Event, specs: list[ClusterSpec], procs: dict, logs: list[str]
         again = dataclasses.replace(spec, log=spec.log.replace(".jsonl", "-again.jsonl"), seed=spec.seed + 100)
         procs[e.cluster] = start_cluster(again, places.wrap(e.cluster))
         logs.append(again.log)
+
+
+def peak_bytes(logs: dict, window_s: float = 1.0) -> float:
+    """The most payload bytes one cluster handed its link within ``window_s`` (its pushes and
+    pulls, counted when sent; the join's whole pull before the first step left out): a burst's
+    size, which streaming spreads out."""
+    best = 0.0
+    for rs in logs.values():
+        marks = [(r["t"], r["bytes"]) for r in rs if "bytes" in r]
+        lo = 0
+        for hi in range(1, len(marks)):
+            while marks[hi][0] - marks[lo][0] > window_s:
+                lo += 1
+            best = max(best, marks[hi][1] - marks[max(lo - 1, 0)][1])
+    return best / window_s
 
 
 def curve(logs: dict, t0: float, window: int = 32) -> list[tuple[float, int, float]]:
@@ -267,13 +311,19 @@ def report(results: list[dict], args, links: list[float] | None, step_s: float, 
     for momentum in args.outer_momentum:
         rows = [r for r in results if r["momentum"] == momentum]
         print(f"\nouter momentum {momentum:g}")
-        print(f"{'mode':30s} {'tokens':>8s} {'wall s':>7s} {'tokens/s':>9s} {'rounds':>6s} {'rejected':>8s} "
-              f"{'clip mean/min':>13s} {'stale':>9s} {'x stale':>7s} {'late':>5s} {'final loss':>10s}")
+        print(f"{'mode':33s} {'tokens':>8s} {'wall s':>7s} {'tokens/s':>9s} {'rounds':>6s} {'rejected':>8s} "
+              f"{'clip mean/min':>13s} {'stale':>9s} {'x stale':>7s} {'late':>5s} {'KB/round':>9s} {'peak KB/s':>9s} "
+              f"{'final loss':>10s}")
         for r in rows:
-            print(f"{r['label']:30s} {r['tokens']:8d} {r['wall']:7.1f} {r['throughput']:9.0f} {r['rounds']:6d} "
+            print(f"{r['label']:33s} {r['tokens']:8d} {r['wall']:7.1f} {r['throughput']:9.0f} {r['rounds']:6d} "
                   f"{r['rejected']:8d} {r['mean_scale']:6.2f}/{r['min_scale']:<6.2f} "
                   f"{r['staleness']:5.1f}/{r['max_staleness']:<3d} {r['mean_stale_scale']:7.2f} {r['late']:5.0%} "
-                  f"{r['final_loss']:10.4f}")
+                  f"{r['bytes_per_round'] / 1e3:9.0f} {r['peak_bytes_s'] / 1e3:9.0f} {r['final_loss']:10.4f}")
+        for r in rows:
+            if "vs_dips" in r:
+                print(f"{r['label']} / Di-PS: {r['vs_dips']['bytes']:.1f}x fewer bytes per round, throughput "
+                      f"{r['vs_dips']['throughput']:.2f}x, final loss {r['vs_dips']['loss'] * 100:+.2f}% "
+                      f"(goal: >= 16x fewer bytes, loss within 2%)")
         for r in rows:
             if "vs_sync" in r:
                 target = " (target >= 1.27x, loss within 2%)" if r["mode"] == "dips" else ""
@@ -292,13 +342,23 @@ def compare_with_sync(results: list[dict]) -> None:
         if base is not None and r is not base:
             r["vs_sync"] = {"throughput": r["throughput"] / base["throughput"],
                             "loss": (r["final_loss"] - base["final_loss"]) / base["final_loss"]}
+    plain = {r["momentum"]: r for r in results if r["mode"] == "dips"}
+    for r in results:
+        base = plain.get(r["momentum"])
+        if base is not None and r["mode"] in WIRE:
+            r["vs_dips"] = {"bytes": base["bytes_per_round"] / max(r["bytes_per_round"], 1.0),
+                            "throughput": r["throughput"] / base["throughput"],
+                            "loss": (r["final_loss"] - base["final_loss"]) / base["final_loss"]}
 
 
 def run_tag(args) -> str:
-    """The run's name: cluster count and scenario, and the outer momentum when not the default."""
+    """The run's name: cluster count and scenario, the outer momentum when not the default,
+    whether compressed modes ran, and the links when not the default."""
     momentum = "" if args.outer_momentum == [0.0] else "-momentum-" + "-".join(f"{m:g}" for m in args.outer_momentum)
+    wire = "-compressed" if any(m in WIRE for m in args.modes.split(",")) else ""
+    links = "-links-" + args.links.replace(",", "-") if args.links else ""
     return (f"{args.clusters}c{'-churn' if args.churn else ''}{'-faulty' if args.faulty is not None else ''}"
-            f"{momentum}")
+            f"{momentum}{wire}{links}{'-' + args.tag if args.tag else ''}")
 
 
 def measurements(results: list[dict], tag: str) -> list[Measurement]:
@@ -312,6 +372,11 @@ def measurements(results: list[dict], tag: str) -> list[Measurement]:
                          "staleness_scale": round(r["mean_stale_scale"], 2),
                          "final_loss": round(r["final_loss"], 4),
                          "loss_vs_sync": f"{r['vs_sync']['loss'] * 100:+.1f}%" if "vs_sync" in r else "",
+                         "KB_per_round": round(r["bytes_per_round"] / 1e3),
+                         "peak_KB/s": round(r["peak_bytes_s"] / 1e3),
+                         **({"vs_Di-PS": f"{r['vs_dips']['bytes']:.1f}x fewer bytes, "
+                                         f"{r['vs_dips']['throughput']:.2f}x tokens/s, "
+                                         f"loss {r['vs_dips']['loss'] * 100:+.1f}%"} if "vs_dips" in r else {}),
                          **({"target": "<= 0.79x (1.27x tokens/s), loss within 2%"}
                             if r["mode"] == "dips" and "vs_sync" in r else {})})
             for r in results]
@@ -351,7 +416,7 @@ def drive(args, model_cfg: dict, step_s: float, measured: float, links: list[flo
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "examples/configs/llama-tiny.yaml"))
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--clusters", type=int, default=4)
     ap.add_argument("--churn", action="store_true", help="a late join, a leave and a crash + restart in every mode")
     ap.add_argument("--faulty", type=int, default=None,
@@ -380,6 +445,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--links", default="",
                     help="each cluster's link in the paper's Gbps, comma-separated (default: 1 for the middle "
                          "cluster, 10 for the rest)")
+    ap.add_argument("--transfer-timeout", type=float, default=30.0,
+                    help="seconds a cluster waits for a push or pull (a slow link moving the whole model needs more)")
+    ap.add_argument("--tag", default="", help="a suffix for the run's saved name (runs of other modes side by side)")
     ap.add_argument("--loopback", action="store_true", help="no emulated hosts: every link is loopback, unshaped")
     ap.add_argument("--heartbeat", type=float, default=2.0,
                     help="cluster heartbeat interval (s); generous because many processes share 2 busy cores")

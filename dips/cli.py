@@ -1,4 +1,5 @@
-"""``ditorch ps leader|follower``: run the Di-PS leader or a follower PS.
+"""``ditorch ps leader|follower``: run the Di-PS leader or a follower PS; ``ditorch ps bytes``:
+what an outer round moves per cluster under each codec.
 
 Also runnable as ``python -m dips.cli ...`` (the same arguments, without the ``ps``).
 """
@@ -88,6 +89,14 @@ def _add_commands(sub) -> None:
     dep.add_argument("--throughput", required=True, help="training throughput of each training cluster, e.g. '4,1'")
     dep.set_defaults(func=_checked(run_deploy))
 
+    cost = sub.add_parser("bytes", help="bytes a cluster moves per outer round under each push/pull codec")
+    src = cost.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model config (as the leader's --model)")
+    src.add_argument("--init", help="initial parameters file (as the leader's --init)")
+    cost.add_argument("--push", default="bf16,int8,int4,topk", help="push codecs, comma-separated")
+    cost.add_argument("--pull", default="bf16,int8,int4,topk", help="pull codecs, comma-separated")
+    cost.set_defaults(func=_checked(run_bytes))
+
     tok = sub.add_parser("token", help="write a fresh random job token file (mode 0600)")
     tok.add_argument("path", help="where to write the token, e.g. job.key")
     tok.set_defaults(func=_checked(run_token))
@@ -141,6 +150,34 @@ def run_deploy(args: argparse.Namespace) -> int:
     for i, row in enumerate(bandwidth):
         score = sum(b * p for b, p in zip(row, throughput))
         print(f"candidate {i}: B.p = {score:g}{'  <- deploy the PS here' if i == best else ''}")
+    return 0
+
+
+def run_bytes(args: argparse.Namespace) -> int:
+    from .codec import Codec
+    from .layout import ModelLayout
+
+    if args.model:
+        from .model import build_model, load_config
+        layout = ModelLayout.of(build_model(load_config(args.model), 0))
+    else:
+        import torch
+        layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in
+                                       torch.load(args.init, weights_only=True, map_location="cpu").items()])
+    sizes = [sum(t.numel for t in u.tensors) for u in layout.units]
+    push = [Codec.parse(c) for c in args.push.split(",")]
+    pull = [Codec.parse(c) for c in args.pull.split(",")]
+
+    def total(codec: Codec) -> int:
+        return sum(codec.payload_bytes(n) for n in sizes)
+
+    bf16 = 2 * total(Codec("bf16"))
+    print(f"{sum(sizes)} parameters in {len(sizes)} units; BF16 both ways: {bf16} bytes per outer round")
+    print(f"{'push':>10} {'pull':>10} {'bytes/round':>12} {'vs bf16':>8}")
+    for a in push:
+        for b in pull:
+            n = total(a) + total(b)
+            print(f"{str(a):>10} {str(b):>10} {n:>12} {bf16 / n:>7.1f}x")
     return 0
 
 

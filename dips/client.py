@@ -16,6 +16,24 @@ outer step is skipped and inner training goes on; the speaker reconnects in the 
 (heartbeats) and never blocks on a dead leader. A push whose fate is unknown (the leader died after sealing it) is resolved later:
 its result is merged as theta_new + (theta_local - theta_pushed), so inner steps taken since are
 kept and nothing is counted twice.
+
+Compressed (``push_codec``/``pull_codec`` other than ``bf16``, ``dips.codec``): a push carries the
+pseudo-gradient (the global values the cluster holds minus its parameters) plus the *residual*
+that earlier compressed pushes dropped, encoded; what the encoding drops becomes the next
+residual (error feedback), kept in ``state_dir`` across restarts once the push is sealed. A
+pull carries the encoded difference between the new version and the values the cluster holds,
+which it adds to them (the followers track those values per cluster, so what a pull's encoding
+drops comes with the next pull; a BF16 pull of the whole values when they do not know them,
+e.g. after a restart).
+
+Streamed (``fragments`` > 1, after Streaming DiLoCo): the outer step takes the snapshot and
+encodes the push at once, but sends its units in ``fragments`` parts spread over the next inner
+steps (part j at inner step j*H/fragments), so the link carries the push while the cluster
+computes, and seals it once the last part is acknowledged; the next outer step waits for that
+push's round, pulls and merges (the inner progress made since the snapshot is kept) and starts
+the next stream. The push is one push with one base version (the leader's bookkeeping and
+staleness count are those of any push); the leader does not hold a round for a streamed push in
+flight.
 """
 from __future__ import annotations
 
@@ -27,7 +45,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from diutil.durable import write_atomic
+
 from .auth import JobToken
+from .codec import Codec
 from .layout import ModelLayout
 from .leader_speaker import LeaderSpeaker, data_plan
 from .rpc import Tls
@@ -108,9 +129,14 @@ class OuterClient:
                  token_file: str | os.PathLike | None = None, token: JobToken | None = None,
                  name: str | None = None, process_group=None, heartbeat_s: float = 0.5,
                  round_timeout_s: float = 60.0, transfer_timeout_s: float = 30.0, join: bool = True,
-                 tls: Tls | None = None):
+                 tls: Tls | None = None, push_codec: str | Codec = "bf16", pull_codec: str | Codec = "bf16",
+                 state_dir: str | os.PathLike | None = None, fragments: int = 1):
         if inner_steps < 1:
             raise ValueError(f"inner_steps={inner_steps}; expected >= 1")
+        if not 1 <= fragments <= inner_steps:
+            raise ValueError(f"fragments={fragments}; expected 1..inner_steps ({inner_steps})")
+        self.fragments = fragments
+        self._stream: dict | None = None  # the streamed push in flight
         if (token is None) == (token_file is None):
             raise ValueError("give exactly one of token_file or token")
         self.view: ParameterView = ReplicatedModel(model, process_group) if isinstance(model, torch.nn.Module) else model
@@ -134,9 +160,17 @@ class OuterClient:
         self.done = False            # the leader's token budget is spent
         self.base = -1               # the global version the parameters started from
         self.plan: dict = {}         # the leader's data plan of the latest task
-        self._snapshot: dict[str, torch.Tensor] = {}     # this worker's units as pushed (BF16)
+        self._snapshot: dict[str, torch.Tensor] = {}     # this worker's units as pushed (BF16, or FP32 when compressed)
+        self.push_codec = Codec.parse(push_codec) if isinstance(push_codec, str) else push_codec
+        self.pull_codec = Codec.parse(pull_codec) if isinstance(pull_codec, str) else pull_codec
+        self.state_dir = None if state_dir is None else os.fspath(state_dir)
+        self._held: dict[str, torch.Tensor] = {}      # global values of this worker's units at ``base``, as decoded
+        self._pulled: dict[str, torch.Tensor] | None = None  # what the latest pull decoded, held once every rank has it
+        self.residual: dict[int, torch.Tensor] = self._load_residual()  # unit -> what compression dropped, flat
+        self._next_residual: dict[int, torch.Tensor] = {}  # the residual of the push in flight
         self.stats = {"pushed": 0, "failed": 0, "skipped": 0, "applied": 0, "rejected": 0, "push_s": 0.0,
-                      "wait_s": 0.0, "pull_s": 0.0}
+                      "wait_s": 0.0, "pull_s": 0.0, "push_bytes": 0, "pull_bytes": 0,
+                      "pulls": 0}
         self.transfer = UnitTransfer(self.token, self.layout, transfer_timeout_s, self.stats)
         self._closed: dict | None = None   # what close() reported
         # the cluster's rank 0 speaks to the leader for it
@@ -154,12 +188,21 @@ class OuterClient:
         self.inner_count += 1
         self.tokens_pending += int(tokens)
         self.tokens_total += int(tokens)
-        if self.inner_count % self.inner_steps:
+        outer = self.inner_count % self.inner_steps == 0
+        if self._stream is not None:
+            self._stream_step(outer)
+        if not outer:
             return False
         cluster_tokens = self.view.cluster_tokens(self.tokens_pending)
         if self.speaker is not None:
             self.speaker.cluster_tokens = cluster_tokens
-        return self._round(lambda: self.speaker.outer_step())
+        if self.fragments == 1:
+            return self._round(lambda: self.speaker.outer_step())
+        # the last streamed push's round (sealed a while ago), then the next stream at once
+        updated = self._round(lambda: self.speaker.outer_step(wait_s=self.round_timeout_s, stream=True))
+        if updated and not self.done:
+            self._round(lambda: self.speaker.outer_step(stream=True))
+        return updated
 
     def join(self, timeout_s: float = 30.0) -> bool:
         """(Re)join the PS, retrying until ``timeout_s``; collective over the cluster's ranks.
@@ -189,6 +232,9 @@ class OuterClient:
         leader's side; other ranks get their own counters. Safe to call twice."""
         if self._closed is not None:
             return self._closed
+        if self._stream is not None:  # never sealed: the leader lets it lapse, followers drop its units
+            log.info("cluster %s leaves with streamed push %s unsent", self.name, self._stream["task"]["push"])
+            self._stream, self._next_residual = None, {}
         fate = None
         if self.speaker is not None:
             fate = self.speaker.finish(timeout_s)
@@ -258,12 +304,16 @@ class OuterClient:
         self.done = task["done"]
         if task.get("consumed"):  # the tokens counted so far went into a sealed push (or a join)
             self.tokens_pending = 0
+        if task["do"] == "push" and task.get("stream"):
+            self._start_stream(task)
+            return False
         if task["do"] == "push":
             sent = self._all_ok(self._push_units(task))
             sealed = self._share(self.speaker.seal(task["push"], sent) if self.speaker is not None else None)
             if not sealed:
-                self._snapshot = {}
+                self._snapshot, self._next_residual = {}, {}
                 return False
+            self._commit_residual()
             self.tokens_pending = 0
             task = self._share(self.speaker.resolve(self.round_timeout_s) if self.speaker is not None else None)
             self.done = task["done"]
@@ -272,9 +322,11 @@ class OuterClient:
         if task["do"] != "pull":
             return False
         self.plan = self.transfer.plan = task["plan"]
-        new = self._pull_units(task["version"], task["merge"])
+        new = self._pull_units(task["version"], task["merge"], task.get("cluster"))
         if not self._all_ok(new is not None):
             return False
+        if self._pulled is not None:
+            self._held, self._pulled = self._pulled, None
         self.view.install(new)
         self.base = task["version"]
         if self.speaker is not None:
@@ -285,35 +337,163 @@ class OuterClient:
 
     def _push_units(self, task: dict) -> bool:
         """This worker's units, sent in the schedule's steps with a barrier after each."""
+        send, waiting = self._prepare_push(task), {}
+        ok = self._send_steps(task, task["schedule"], send, waiting)
+        return self.transfer.await_acks(task["push"], waiting) and ok
+
+    def _prepare_push(self, task: dict):
+        """Snapshot this worker's units (and encode them when compressing); the function that
+        sends one unit to a follower's address and returns its request id."""
         self.plan = self.transfer.plan = task["plan"]
         full = self.view.full()
-        self._snapshot = {n: t.to(torch.bfloat16) for n, t in full.items()}
-        one_worker = len(self.workers) == 1
-        ok, waiting = True, {}
-        for step in task["schedule"]:
+        if self._compresses(task):
+            self._snapshot = full
+            payloads, sqnorms = self._encode_push(full)
+
+            def send(unit: int, address: str) -> str:
+                return self.transfer.send_payload(task, unit, address, payloads[unit], str(self.push_codec),
+                                                  sqnorms[unit])
+        else:
+            self._snapshot = {n: t.to(torch.bfloat16) for n, t in full.items()}
+
+            def send(unit: int, address: str) -> str:
+                return self.transfer.send_unit(task, unit, address, self._snapshot)
+        return send
+
+    def _send_steps(self, task: dict, steps: list, send, waiting: dict[str, set]) -> bool:
+        """Send this worker's units of schedule ``steps``; with several workers, wait for the
+        acknowledgements and a barrier after each step. ``waiting`` collects the rest to await."""
+        ok = True
+        for step in steps:
             for worker, unit, follower in step:
                 if worker == self.view.worker:
                     address = self.plan["followers"][follower]
-                    waiting.setdefault(address, set()).add(self.transfer.send_unit(task, unit, address, self._snapshot))
-            if not one_worker:  # pairs of a step must not collide with the next step's
+                    waiting.setdefault(address, set()).add(send(unit, address))
+            if len(self.workers) > 1:  # pairs of a step must not collide with the next step's
                 ok = self.transfer.await_acks(task["push"], waiting) and ok
-                waiting = {}
+                waiting.clear()
                 dist.barrier(group=self._ctl)
-        return self.transfer.await_acks(task["push"], waiting) and ok
+        return ok
 
-    def _pull_units(self, version: int, merge: bool) -> dict[str, torch.Tensor] | None:
+    # ------------------------------------------------------- streaming
+    def _start_stream(self, task: dict) -> None:
+        """Snapshot and encode the push now; send its first part (the rest follow the inner steps)."""
+        steps = task["schedule"]
+        parts = max(1, min(self.fragments, len(steps)))
+        self._stream = {"task": task, "send": self._prepare_push(task), "waiting": {}, "ok": True, "sent": 0,
+                        "parts": [steps[len(steps) * j // parts: len(steps) * (j + 1) // parts] for j in range(parts)],
+                        "start": self.inner_count, "tokens": self.tokens_pending}
+        self._stream_step(False)
+
+    def _stream_step(self, outer: bool) -> None:
+        """Send the parts due by this inner step; seal the push one inner step after its last
+        part went (or at the outer step, whichever comes first)."""
+        s = self._stream
+        offset, parts = self.inner_count - s["start"], s["parts"]
+        while s["sent"] < len(parts) and offset >= s["sent"] * self.inner_steps // len(parts):
+            s["ok"] = self._send_steps(s["task"], parts[s["sent"]], s["send"], s["waiting"]) and s["ok"]
+            s["sent"] += 1
+        last_due = (len(parts) - 1) * self.inner_steps // len(parts)
+        if s["sent"] == len(parts) and (offset > last_due or outer):
+            self._finish_stream()
+
+    def _finish_stream(self) -> None:
+        s, self._stream = self._stream, None
+        task = s["task"]
+        sent = self._all_ok(self.transfer.await_acks(task["push"], s["waiting"]) and s["ok"])
+        sealed = self._share(self.speaker.seal(task["push"], sent) if self.speaker is not None else None)
+        if not sealed:  # its progress is still local and goes into the next push
+            self._snapshot, self._next_residual = {}, {}
+            return
+        self._commit_residual()
+        self.tokens_pending -= s["tokens"]  # what came since the snapshot goes into the next push
+
+    def _pull_units(self, version: int, merge: bool, cluster: str | None = None) -> dict[str, torch.Tensor] | None:
         """This worker's units at ``version`` (merged with inner progress since the push); None
         when a pull failed. Collective (the merge reads the current parameters)."""
         local = self.view.full() if merge else {}
+        self._pulled = None
         if self.view.worker is None:
             return {}
-        new = self.transfer.pull(version, self.my_units)
-        if new is None:
-            return None
+        new = None
+        tracked = cluster if self.pull_codec.lossy else None  # followers track what it holds
+        if tracked is not None and self.base >= 0 and self._holds_mine():
+            change = self.transfer.pull(version, self.my_units, self.pull_codec, since=self.base, cluster=tracked)
+            if change is None and not self.transfer.refused:
+                return None
+            if change is not None:
+                new = {n: self._held[n] + d for n, d in change.items()}
+        if new is None:  # the whole values: nothing held yet, or the followers do not know it
+            new = self.transfer.pull(version, self.my_units, cluster=tracked)
+            if new is None:
+                return None
+        if self.push_codec.lossy or self.pull_codec.lossy:
+            self._pulled = dict(new)
         if merge:
             for n in new:
                 new[n] = new[n] + (local[n] - self._snapshot[n].float())
         return new
+
+    # ------------------------------------------------------- compression
+    def _holds_mine(self) -> bool:
+        return all(t.name in self._held for u in self.my_units for t in self.layout.units[u].tensors)
+
+    def _compresses(self, task: dict) -> bool:
+        """Whether this push travels compressed: a seed carries parameters, and a pseudo-gradient
+        needs the global values the cluster started from."""
+        return self.push_codec.lossy and not task.get("seed") and self._holds_mine()
+
+    def _encode_push(self, full: dict[str, torch.Tensor]) -> tuple[dict[int, bytes], dict[int, float]]:
+        """Each of this worker's units: its pseudo-gradient plus residual, encoded, and the
+        pseudo-gradient's squared norm (what the outlier filter scores); what the encoding drops
+        is the residual of this push (kept once it is sealed)."""
+        payloads: dict[int, bytes] = {}
+        sqnorms: dict[int, float] = {}
+        self._next_residual = {}
+        for u in self.my_units:
+            spec = self.layout.units[u]
+            x = torch.cat([(self._held[t.name] - full[t.name]).reshape(-1) for t in spec.tensors])
+            sqnorms[u] = float((x.double() ** 2).sum())
+            if u in self.residual:
+                x = x + self.residual[u]
+            payloads[u], decoded = self.push_codec.round_trip(x)
+            self._next_residual[u] = x - decoded
+        return payloads, sqnorms
+
+    def _residual_path(self) -> str | None:
+        if self.state_dir is None or self.view.worker is None:
+            return None
+        return os.path.join(self.state_dir, f"residual-w{self.view.worker}.pt")
+
+    def _commit_residual(self) -> None:
+        """The sealed push's residual replaces the last one, on disk too (it is the cluster's state)."""
+        if not self._next_residual:
+            return
+        self.residual, self._next_residual = self._next_residual, {}
+        path = self._residual_path()
+        if path is not None:
+            os.makedirs(self.state_dir, exist_ok=True)
+            state = {"fingerprint": self.layout.fingerprint, "units": self.residual}
+            write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+    def _load_residual(self) -> dict[int, torch.Tensor]:
+        """The residual a previous run of this worker left in ``state_dir`` (empty without one, or
+        when it belongs to another model)."""
+        path = self._residual_path()
+        if path is None or not os.path.exists(path):
+            return {}
+        state = torch.load(path, weights_only=True)
+        if state.get("fingerprint") != self.layout.fingerprint:
+            log.warning("residual %s belongs to another model (fingerprint %s, expected %s); starting from none",
+                        path, state.get("fingerprint"), self.layout.fingerprint)
+            return {}
+        sizes = {u: sum(t.numel for t in self.layout.units[u].tensors) for u in self.my_units}
+        out = {int(u): r.float() for u, r in state["units"].items() if sizes.get(int(u)) == r.numel()}
+        if len(out) != len(state["units"]):
+            log.warning("residual %s: %d of its units do not fit this worker's units; they are dropped",
+                        path, len(state["units"]) - len(out))
+        log.info("worker %s resumes the residual of %d units from %s", self.view.worker, len(out), path)
+        return out
 
     def fetch_global(self) -> int | None:
         """Load the latest complete global parameters into a one-process model (no outer step)."""

@@ -1,4 +1,6 @@
-"""A follower's data server (ZeroMQ ROUTER): clusters push BF16 units and pull BF16 parameters.
+"""A follower's data server (ZeroMQ ROUTER): clusters push units (BF16 parameters, or a
+compressed pseudo-gradient) and pull them (BF16 parameters, or compressed changes since a
+version they hold; ``dips.codec``).
 
 One network thread owns the socket; a decoder thread deserializes and checks pushes and an
 encoder thread serializes pulls, so (de)serialization overlaps the network (the paper's
@@ -19,6 +21,7 @@ from diutil import untrusted
 from diutil.untrusted import BadMessage, RateLimitedLog
 
 from .auth import JobToken, push_id_issued
+from .codec import Codec
 from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
 from .follower_state import FollowerState
 from .layout import pack_unit, unpack_unit
@@ -29,6 +32,7 @@ ZAP_DOMAIN = "dips-data"
 MAX_ID_CHARS = 128  # push and request ids a cluster sends are echoed back: bound them
 MAX_HEADER_BYTES = 64 * 1024  # a header names one unit's tensors: far below this
 MAX_VERSION = 2 ** 62
+MAX_SQNORM = 1e300  # a reported squared norm: finite, and the sum over a model stays finite
 
 
 class FollowerDataServer:
@@ -146,13 +150,21 @@ class FollowerDataServer:
             raise BadMessage(f"unit {spec.name}: tensors {str(header.get('names'))[:200]}; expected {want}")
         if header.get("shapes") != want_shapes:
             raise BadMessage(f"unit {spec.name}: shapes {str(header.get('shapes'))[:200]}; expected {want_shapes}")
-        if header.get("dtype") != "bfloat16":
+        codec = Codec.parse(header.get("codec", "bf16"))
+        if not codec.lossy and header.get("dtype") != "bfloat16":
             raise BadMessage(f"unit {spec.name}: dtype {str(header.get('dtype'))[:40]!r}; expected 'bfloat16'")
         push = untrusted.text(header, "push", MAX_ID_CHARS)
         base = untrusted.integer(header, "base", 0, MAX_VERSION)
         cluster = untrusted.text(header, "cluster", MAX_ID_CHARS)
         if not push_id_issued(self.token, push, cluster):
             raise BadMessage(f"push {push}: not an id the leader issued to cluster {cluster[:40]!r}")
+        if codec.lossy:  # the pseudo-gradient itself, checked whole by the codec before anything is staged
+            sqnorm = untrusted.number(header, "sqnorm", 0.0, MAX_SQNORM)
+            flat = codec.decode(payload, sum(t.numel for t in spec.tensors), what=f"unit {spec.name}")
+            tensors = dict(zip(want, (c.view(t.shape) for c, t in zip(flat.split([t.numel for t in spec.tensors]),
+                                                                         spec.tensors))))
+            state.stage(unit, push, base, cluster, tensors, form="delta", sqnorm=sqnorm)
+            return unit
         tensors = unpack_unit(spec, payload)
         for n, t in tensors.items():
             if not torch.isfinite(t).all():
@@ -174,9 +186,16 @@ class FollowerDataServer:
                 r = self.state.unit_range
                 version = untrusted.integer(header, "version", 0, MAX_VERSION)
                 units = untrusted.integers(header, "units", r.start, r.stop - 1, len(r), distinct=True)
-                tensors = self.state.pull(version, units)
-                payload = [pack_unit(ts) for ts in tensors]
-                reply.update(ok=True, version=version, units=units)
+                codec = Codec.parse(header.get("codec", "bf16"))
+                cluster = untrusted.text(header, "cluster", MAX_ID_CHARS, default=None)
+                if codec.lossy:  # the difference from what the cluster holds
+                    since = untrusted.integer(header, "since", 0, MAX_VERSION)
+                    if cluster is None:
+                        raise BadMessage("a compressed pull names its cluster")
+                    payload = self.state.pull_change(version, since, units, cluster, codec)
+                else:
+                    payload = [pack_unit(ts) for ts in self.state.pull(version, units, cluster)]
+                reply.update(ok=True, version=version, units=units, codec=str(codec))
             except Exception as exc:
                 if not isinstance(exc, ValueError):
                     log.exception("%s: serving a pull failed", self.name)

@@ -38,17 +38,21 @@ class FollowerDisk:
         write_text_atomic(self.dir / "follower.json", json.dumps({"index": index}))
 
     # -- sealed pushes
-    def save_push(self, push: str, base: int, params: dict[str, torch.Tensor]) -> None:
-        write_atomic(self._push(push), lambda tmp: torch.save({"base": base, "params": params}, tmp))
+    def save_push(self, push: str, base: int, tensors: dict[str, torch.Tensor], form: str = "params",
+                  sqnorm: float | None = None) -> None:
+        """A sealed push: its parameters (``form`` "params") or decoded pseudo-gradient ("delta",
+        with the squared norm its cluster reported)."""
+        write_atomic(self._push(push), lambda tmp: torch.save({"base": base, form: tensors, "sqnorm": sqnorm}, tmp))
 
     def load_pushes(self) -> dict[str, dict[str, Any]]:
-        """push id -> {base, params} of every push on disk that reads whole (one that does not
-        was never acknowledged: its Seal failed)."""
+        """push id -> {base, params or delta} of every push on disk that reads whole (one that
+        does not was never acknowledged: its Seal failed)."""
         out = {}
         for f in sorted((self.dir / "pushes").glob("*.pt")):
             try:
                 rec = torch.load(f, weights_only=True)
-                out[f.stem] = {"base": int(rec["base"]), "params": rec["params"]}
+                form = "delta" if "delta" in rec else "params"
+                out[f.stem] = {"base": int(rec["base"]), form: rec[form], "sqnorm": rec.get("sqnorm")}
             except _UNREADABLE as exc:
                 log.error("sealed push file %s is unreadable (%s); it is skipped", f, exc)
         return out

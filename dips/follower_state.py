@@ -4,16 +4,30 @@ what the data server and the leader's RPCs do to it, each under one lock.
 A push moves staged (its units arrive one by one) -> sealed (complete, on disk, its
 pseudo-gradient norm known) -> applied by a round (or discarded) -> retired, its file deleted,
 once a checkpoint covers that round. The parameters (``theta``), the outer optimizer's momentum
-and the BF16 bases clusters pull (and push against) are versioned by the rounds applied."""
+and the BF16 bases clusters pull (and push against) are versioned by the rounds applied.
+
+A push carries either a cluster's parameters (BF16; the pseudo-gradient is the base minus them)
+or, compressed (``dips.codec``), its pseudo-gradient itself, as the follower decoded it, with the
+squared norm of each unit's uncompressed pseudo-gradient as the cluster reports it (what the
+outlier filter scores: the norm of what a compressed push carries grows over a cluster's first
+pushes as error feedback's residual fills).
+
+A compressed pull sends a cluster the encoded difference between a version and what that cluster
+holds, which the follower tracks per cluster (its *view*: the values the cluster decoded, at the
+version it says it holds); what the encoding drops stays in the difference of the next pull
+(error feedback on pulls). A view starts from a whole BF16 pull; without one a compressed pull
+is refused and the cluster pulls whole."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from .codec import Codec
 from .follower_disk import FollowerDisk
 from .layout import WIRE_DTYPE, ModelLayout
 from .outer_optimizer import NesterovOuter
@@ -21,6 +35,7 @@ from .outer_optimizer import NesterovOuter
 log = logging.getLogger("dips.follower")
 
 STALE_UNSEALED_S = 120.0
+MAX_VIEWS = 64  # clusters whose held values a follower tracks for compressed pulls (least recent goes)
 
 
 class FollowerState:
@@ -36,9 +51,12 @@ class FollowerState:
         self.theta: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
         self.bases: dict[int, dict[str, torch.Tensor]] = {}
-        self.staged: dict[str, dict] = {}   # push id -> {base, cluster, units{u: {name: bf16}}, t}
-        self.sealed: dict[str, dict] = {}   # push id -> {base, params{name: bf16}}
+        self.staged: dict[str, dict] = {}   # push id -> {base, cluster, form, units{u: {name: tensor}}, t}
+        self.sealed: dict[str, dict] = {}   # push id -> {base, params{name: bf16}} or {base, delta{name: fp32}}
+        self.awaiting_seed = False          # a seeded PS at version 0: the first push must carry parameters
         self.applied_at: dict[str, int] = {}  # push id -> version whose checkpoint retires it
+        # cluster -> version -> unit -> the flat FP32 values that cluster holds (at most two versions)
+        self.views: OrderedDict[str, dict[int, dict[int, torch.Tensor]]] = OrderedDict()
 
     # -- start
     def load(self, initial: dict[str, torch.Tensor] | None) -> None:
@@ -60,6 +78,7 @@ class FollowerState:
                 else:
                     self.theta = {t.name: initial[t.name].float().clone() for t in mine}
                 self.version = 0
+                self.awaiting_seed = initial is None
                 self.bases = {0: {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}}
             # pushes sealed since the checkpoint: the leader replays their rounds; those the
             # checkpoint already applied wait to be retired
@@ -72,9 +91,15 @@ class FollowerState:
                      path.name if found else "initial parameters", len(self.sealed))
 
     # -- the data flow
-    def stage(self, unit: int, push: str, base: int, cluster: Any, tensors: dict[str, torch.Tensor]) -> None:
-        """One checked unit of a push (ValueError naming why it is refused)."""
+    def stage(self, unit: int, push: str, base: int, cluster: Any, tensors: dict[str, torch.Tensor],
+              form: str = "params", sqnorm: float | None = None) -> None:
+        """One checked unit of a push: its parameters (``form`` "params") or its decoded
+        pseudo-gradient ("delta", with the reported ``sqnorm`` of the uncompressed one);
+        ValueError naming why it is refused."""
         with self.lock:
+            if form == "delta" and self.awaiting_seed and self.version == 0:
+                raise ValueError(f"push {push}: the PS awaits its seed, which carries parameters (bf16), "
+                                 "not a compressed pseudo-gradient")
             if base not in self.bases:
                 raise ValueError(f"push {push}: base version {base} is not held (held: {sorted(self.bases)})")
             if push in self.sealed:
@@ -82,10 +107,15 @@ class FollowerState:
             if push not in self.staged and len(self.staged) >= self.max_unsealed_pushes:
                 raise ValueError(f"{len(self.staged)} pushes are staged and not sealed, the most this follower holds "
                                  "(--max-unsealed-pushes); retry later")
-            rec = self.staged.setdefault(push, {"base": base, "cluster": cluster, "units": {}, "t": time.monotonic()})
+            rec = self.staged.setdefault(push, {"base": base, "cluster": cluster, "form": form, "units": {},
+                                                "t": time.monotonic()})
             if rec["base"] != base:
                 raise ValueError(f"push {push}: base {base} differs from its earlier units' base {rec['base']}")
+            if rec["form"] != form:
+                raise ValueError(f"push {push}: a unit of {form} among units of {rec['form']}")
             rec["units"][unit] = tensors
+            if form == "delta":
+                rec.setdefault("sqnorms", {})[unit] = float(sqnorm)
 
     def drop_stale(self, now: float) -> None:
         """Forget pushes whose units stopped coming (a cluster that died mid-push)."""
@@ -94,22 +124,67 @@ class FollowerState:
                 log.warning("%s dropped unsealed push %s after %.0f s", self.name, p, STALE_UNSEALED_S)
                 del self.staged[p]
 
-    def pull(self, version: int, units: list[int]) -> list[list[torch.Tensor]]:
-        """The BF16 parameters of ``units`` at ``version``, unit by unit."""
+    def pull(self, version: int, units: list[int], cluster: str | None = None) -> list[list[torch.Tensor]]:
+        """The BF16 parameters of ``units`` at ``version``, unit by unit; ``cluster``'s view of
+        them starts there."""
         with self.lock:
-            params = self.bases.get(version)
-            if params is None:
-                raise ValueError(f"version {version} is not held (held: {sorted(self.bases)})")
-            for u in units:
-                if u not in self.unit_range:
-                    raise ValueError(f"unit {u} is not owned by {self.name}")
-            return [[params[t.name] for t in self.layout.units[u].tensors] for u in units]
+            params = self._held(version, units)
+            out = [[params[t.name] for t in self.layout.units[u].tensors] for u in units]
+            if cluster is not None:
+                view = self._view(cluster)
+                view.setdefault(version, {}).update({u: torch.cat([t.reshape(-1).float() for t in ts])
+                                                     for u, ts in zip(units, out)})
+                self._forget_older(view, version)
+            return out
+
+    def pull_change(self, version: int, since: int, units: list[int], cluster: str, codec: Codec) -> list[bytes]:
+        """``units`` at ``version`` for ``cluster``, which holds them at ``since``: the encoded
+        difference from what it holds, one payload per unit; its view moves to what it decodes."""
+        with self.lock:
+            params = self._held(version, units)
+            held = self.views.get(cluster, {}).get(since, {})
+            missing = [u for u in units if u not in held]
+            if missing:
+                raise ValueError(f"{self.name} does not know what cluster {cluster[:40]!r} holds of units "
+                                 f"{missing[:8]} at version {since}: pull them whole (bf16)")
+            old = {u: held[u] for u in units}
+            new = {u: torch.cat([params[t.name].reshape(-1).float() for t in self.layout.units[u].tensors])
+                   for u in units}
+        # encoded outside the lock: versions and views are replaced, never changed in place
+        coded = {u: codec.round_trip(new[u] - old[u]) for u in units}
+        with self.lock:
+            view = self._view(cluster)
+            view.setdefault(version, {}).update({u: old[u] + coded[u][1] for u in units})
+            self._forget_older(view, since)
+        return [coded[u][0] for u in units]
+
+    def _view(self, cluster: str) -> dict[int, dict[int, torch.Tensor]]:
+        view = self.views.setdefault(cluster, {})
+        self.views.move_to_end(cluster)
+        while len(self.views) > MAX_VIEWS:
+            self.views.popitem(last=False)
+        return view
+
+    @staticmethod
+    def _forget_older(view: dict, version: int) -> None:
+        """A cluster that pulls from ``version`` holds no older one."""
+        for v in [v for v in view if v < version]:
+            del view[v]
+
+    def _held(self, version: int, units: list[int]) -> dict[str, torch.Tensor]:
+        params = self.bases.get(version)
+        if params is None:
+            raise ValueError(f"version {version} is not held (held: {sorted(self.bases)})")
+        for u in units:
+            if u not in self.unit_range:
+                raise ValueError(f"unit {u} is not owned by {self.name}")
+        return params
 
     # -- the leader's control flow
     def seal(self, push: str) -> dict:
         with self.lock:
             if push in self.sealed:
-                return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
+                return {"ok": True, "norm": self._scored_norm(push)}
             rec = self.staged.get(push)
             if rec is None:
                 return {"ok": False, "err": f"{self.name} holds no unit of push {push}"}
@@ -117,14 +192,15 @@ class FollowerState:
             if missing:
                 return {"ok": False, "err": f"push {push} is partial: {self.name} lacks units {missing}"}
             params = {n: t for u in self.unit_range for n, t in rec["units"][u].items()}
+            sqnorm = sum(rec["sqnorms"][u] for u in self.unit_range) if rec["form"] == "delta" else None
             try:
-                self.disk.save_push(push, rec["base"], params)
+                self.disk.save_push(push, rec["base"], params, rec["form"], sqnorm)
             except OSError as exc:  # not sealed: the push stays staged and the leader fails it
                 log.error("%s could not seal push %s: %s", self.name, push, exc)
                 return {"ok": False, "err": f"{self.name} could not write push {push}: {exc}"}
             del self.staged[push]
-            self.sealed[push] = {"base": rec["base"], "params": params}
-            return {"ok": True, "norm": _norm(self._pseudo_gradient(push))}
+            self.sealed[push] = {"base": rec["base"], rec["form"]: params, "sqnorm": sqnorm}
+            return {"ok": True, "norm": self._scored_norm(push)}
 
     def prepare(self, weights: dict[str, float]) -> dict:
         with self.lock:
@@ -150,6 +226,7 @@ class FollowerState:
                         d.mul_(scale)
                 self.opt.step(self.theta, delta, self.momentum)
             self.version = version
+            self.awaiting_seed = False
             self.bases[version] = {n: t.to(WIRE_DTYPE) for n, t in self.theta.items()}
             for push in list(msg["weights"]) + list(msg.get("drop", [])):
                 if self.sealed.pop(push, None) is not None:
@@ -195,8 +272,16 @@ class FollowerState:
             return done
 
     # -- internals
+    def _scored_norm(self, push: str) -> float:
+        """What the outlier filter scores: the norm of the push's pseudo-gradient (as reported,
+        for a compressed one)."""
+        sq = self.sealed[push].get("sqnorm")
+        return _norm(self._pseudo_gradient(push)) if sq is None else sq ** 0.5
+
     def _pseudo_gradient(self, push: str) -> dict[str, torch.Tensor]:
         rec = self.sealed[push]
+        if "delta" in rec:
+            return rec["delta"]
         base = self.bases.get(rec["base"])
         if base is None:
             raise ValueError(f"push {push}: base version {rec['base']} is no longer held")
@@ -214,7 +299,9 @@ class FollowerState:
     def _install_seed(self, weights: dict) -> None:
         if len(weights) != 1 or next(iter(weights)) not in self.sealed:
             raise ValueError(f"a seed decision names one sealed push; got {sorted(weights)[:4]}")
-        params = self.sealed[next(iter(weights))]["params"]
+        params = self.sealed[next(iter(weights))].get("params")
+        if params is None:
+            raise ValueError(f"seed push {next(iter(weights))} carries a pseudo-gradient, not parameters")
         self.theta = {n: params[n].float() for n in self.theta}
         self.momentum = {}
 

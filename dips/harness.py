@@ -59,6 +59,10 @@ class ClusterSpec:
     dp: int = 1                  # data-parallel ranks inside the cluster (processes)
     backend: str = "gloo"        # torch.distributed backend inside the cluster ("dicomm" once built)
     dist_port: int = 0
+    push_codec: str = "bf16"     # how pushes and pulls travel (dips.codec)
+    pull_codec: str = "bf16"
+    fragments: int = 1           # > 1: streamed pushes
+    transfer_timeout_s: float = 30.0  # a slow link needs longer to move a whole model
 
 
 def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
@@ -83,7 +87,9 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
     train, _ = text_corpus()
     model = build_model(spec.model, seed=1000 + spec.seed)  # replaced by the global parameters on join
     client = OuterClient(model, spec.leader, spec.inner_steps, token=JobToken.from_file(spec.token_file),
-                         name=spec.name, heartbeat_s=spec.heartbeat_s, join=False)
+                         name=spec.name, heartbeat_s=spec.heartbeat_s, join=False, push_codec=spec.push_codec,
+                         pull_codec=spec.pull_codec, fragments=spec.fragments,
+                         transfer_timeout_s=spec.transfer_timeout_s)
     if not client.join(timeout_s=120.0):
         raise RuntimeError(f"cluster {spec.name} could not join the PS at {spec.leader}")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.inner_lr, weight_decay=0.0)
@@ -115,6 +121,7 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
             log.write(json.dumps({"t": time.time(), "step": step, "loss": round(loss.item(), 4),
                                   "late": spec.step_s > 0 and compute_s > spec.step_s * (1 + spec.delay),
                                   "tokens": client.tokens_total, "updated": updated,
+                                  "bytes": client.stats["push_bytes"] + client.stats["pull_bytes"],
                                   "base": client.base}) + "\n")
             if client.done or _any_rank(bool(leaving), spec.dp):
                 break

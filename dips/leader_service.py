@@ -181,7 +181,11 @@ class LeaderService:
                 st.pushes[p].state = "failed"
             if stale:
                 self.pool.submit(st.discard, stale)
-            push = PushRecord(issue_push_id(self.server_token, cid), cid, tokens, base, t=time.monotonic())
+            streamed = msg.get("stream", False)
+            if not isinstance(streamed, bool):
+                raise ValueError(f"stream {str(streamed)[:40]}; expected true or false")
+            push = PushRecord(issue_push_id(self.server_token, cid), cid, tokens, base, t=time.monotonic(),
+                              streamed=streamed)
             st.pushes[push.id] = push
             steps = greedy_schedule(workers, st.dest)
             return {"status": "ok", "push": push.id, "schedule": steps, **st.data_plan()}  # followers may have moved

@@ -77,7 +77,7 @@ class LeaderSpeaker:
         self.leader.close()
 
     def task(self, do: str, **fields) -> dict:
-        return {"do": do, "done": self.done, **fields}
+        return {"do": do, "done": self.done, "cluster": self.cluster_id, **fields}
 
     def pulled(self, version: int) -> None:
         """The cluster's parameters are now the global ones of ``version``."""
@@ -130,12 +130,14 @@ class LeaderSpeaker:
         if reply.get("seed"):  # this cluster's parameters become the PS's version 1: push them, pull that
             log.info("cluster %s seeds the PS with its parameters", self.cluster_id)
             self.base, self.plan = int(reply["version"]), data_plan(reply)
-            return self.request_push()
+            return self.request_push(seed=True)
         self.plan = data_plan(reply)
         return self.task("pull", version=int(reply["version"]), merge=False, plan=self.plan, consumed=True)
 
-    def outer_step(self) -> dict:
-        """What the cluster does at an outer step: resolve the pending push, or push anew."""
+    def outer_step(self, wait_s: float = 0.0, stream: bool = False) -> dict:
+        """What the cluster does at an outer step: resolve the pending push (waiting up to
+        ``wait_s`` for its round), or push anew (``stream``: its units will come spread over the
+        inner steps)."""
         if not self._leader_up.is_set():
             self.stats["skipped"] += 1
             return self.task("none")
@@ -143,23 +145,25 @@ class LeaderSpeaker:
             if self.cluster_id is None:
                 return self.join()
             if self.pending is not None:
-                task = self.resolve(timeout=0.0)
+                task = self.resolve(timeout=wait_s)
                 if self.pending is not None:
                     self.stats["skipped"] += 1
                     return task
                 if task["do"] == "pull":
                     return task
-            return self.request_push()
+            return self.request_push(stream=stream)
         except RpcError as exc:
             log.warning("outer step skipped: %s", exc)
             self.stats["skipped"] += 1
             return self.task("none")
 
-    def request_push(self) -> dict:
+    def request_push(self, seed: bool = False, stream: bool = False) -> dict:
+        """Ask for a push id and schedule (``seed``: the push that makes a seeded PS's model;
+        ``stream``: one whose units come spread over the inner steps, which rounds do not wait for)."""
         self._t_push = time.monotonic()
         workers = {str(w): units for w, units in self.workers.items()}
         reply = self.leader.call("PushRequest", **self._me(), tokens=self.cluster_tokens, base=self.base,
-                                 workers=workers, pull_s=self._pull_seconds())
+                                 workers=workers, pull_s=self._pull_seconds(), stream=stream)
         if reply["status"] == "unknown":
             self.cluster_id = None
             return self.join()
@@ -171,7 +175,7 @@ class LeaderSpeaker:
             return self.task("none")
         self.plan = data_plan(reply)
         return self.task("push", push=reply["push"], schedule=reply["schedule"], base=self.base,
-                         cluster=self.cluster_id, plan=self.plan)
+                         cluster=self.cluster_id, plan=self.plan, seed=seed, stream=stream and not seed)
 
     def seal(self, push: str, sent: bool) -> bool:
         """Ask the leader to seal ``push`` once every unit was ``sent``; True when sealed."""

@@ -65,6 +65,8 @@ class PushRecord:
     norm: float = 0.0
     version: int = -1
     t: float = 0.0
+    # Its units arrive spread over the cluster's inner steps: a round does not wait for it.
+    streamed: bool = False
 
 
 class LeaderState:

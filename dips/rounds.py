@@ -33,7 +33,8 @@ class RoundRunner:
         if self.cfg.mode == "sync":
             pushed = {st.pushes[p].cluster for p in st.collecting}
             return set(st.clusters) <= pushed
-        inflight = any(p.state == "requested" and now - p.t < self.cfg.push_timeout_s for p in st.pushes.values())
+        inflight = any(p.state == "requested" and not p.streamed and now - p.t < self.cfg.push_timeout_s
+                       for p in st.pushes.values())
         return not inflight and now - st.last_seal >= st.grace.grace()
 
     def loop(self) -> None:

@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-token-file", type=Path, default=None, help="the job token (with --ps)")
     p.add_argument("--ps-name", default=None, help="this cluster's stable id at the PS (with --ps)")
     p.add_argument("--ps-tls-ca", default=None, help="CA of the leader's TLS certificate (with --ps)")
+    p.add_argument("--ps-push", default="bf16", metavar="CODEC",
+                   help="how pushes travel: bf16 (parameters), int8, int4 or topk[:DENSITY] (a compressed "
+                        "pseudo-gradient with error feedback; docs/dips.md) (with --ps)")
+    p.add_argument("--ps-pull", default="bf16", metavar="CODEC",
+                   help="how pulls travel: bf16 (parameters), int8, int4 or topk[:DENSITY] (the change since the "
+                        "version held) (with --ps)")
+    p.add_argument("--ps-fragments", type=int, default=1,
+                   help="stream each push: send its units in this many parts over the inner steps (with --ps; "
+                        "1: all at the outer step)")
+    p.add_argument("--ps-state-dir", type=Path, default=None,
+                   help="where each worker keeps its compression residual across restarts (with --ps; "
+                        "default: <--save>/ps when --save is given)")
     p.add_argument("--ft", action="store_true",
                    help="run one DP replica of the plan as a torchft replica group (docs/ft.md): with --lighthouse, --replica")
     p.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT", help="the torchft lighthouse (with --ft)")
@@ -98,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.ps and not args.ps_token_file:
         print("ditorch.train: --ps needs --ps-token-file (the job token clusters hold)", file=sys.stderr)
         return 2
+    if args.ps:
+        from dips.codec import Codec
+        try:
+            Codec.parse(args.ps_push), Codec.parse(args.ps_pull)
+        except ValueError as exc:
+            print(f"ditorch.train: --ps-push/--ps-pull: {exc}", file=sys.stderr)
+            return 2
+        if not 1 <= args.ps_fragments <= args.inner_steps:
+            print(f"ditorch.train: --ps-fragments {args.ps_fragments}: expected 1..--inner-steps ({args.inner_steps})",
+                  file=sys.stderr)
+            return 2
     if args.ft and (args.lighthouse is None or args.replica is None):
         print("ditorch.train: --ft needs --lighthouse http://HOST:PORT and --replica K", file=sys.stderr)
         return 2
@@ -194,8 +217,11 @@ def _outer_client(trainer, args):
     from ditorch.ps_pipeline import PipelineStages
     from dips.rpc import Tls
 
+    state_dir = args.ps_state_dir or (args.save / "ps" if args.save else None)
     outer = OuterClient(PipelineStages(trainer), args.ps, args.inner_steps, token_file=args.ps_token_file,
-                        name=args.ps_name, join=False, tls=Tls(args.ps_tls_ca) if args.ps_tls_ca else None)
+                        name=args.ps_name, join=False, tls=Tls(args.ps_tls_ca) if args.ps_tls_ca else None,
+                        push_codec=args.ps_push, pull_codec=args.ps_pull, state_dir=state_dir,
+                        fragments=args.ps_fragments)
     if not outer.join(timeout_s=120.0):
         raise ValueError(f"could not join the Di-PS leader at {args.ps} within 120 s")
     return outer

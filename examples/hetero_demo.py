@@ -14,7 +14,9 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
    of the whole cluster (at the same global batch) is measured against them;
 8. ``ditorch ps leader`` + two clusters: the heterogeneous pipeline of step 3 and a one-chip
    cluster of another plan train one model together through Di-PS (each pipeline stage pushes
-   its own units), and their loss curves are plotted;
+   its own units; pushes and pulls compressed with the codecs of ``PS_WIRE``, the fewest bytes
+   of benchmarks/cross_cluster.py's modes that kept Di-PS's loss, whose bytes per outer round
+   it prints), and their loss curves are plotted;
 9. ``ditorch volunteer``: devices that come and go (examples/volunteer_demo.py): clients on
    chips A, B and C join parameter-server stages, one is killed, one leaves, one joins late,
    and the loss curve still equals single-process training's.
@@ -220,6 +222,11 @@ def summarize(out: Path, plan_path: Path, hsr: dict | None) -> None:
           f"alone ({best['name']})")
 
 
+# How the Di-PS phase's pushes and pulls travel: 4-bit both ways, 3.6x fewer bytes than BF16 at
+# Di-PS's loss (docs/dips.md, "Compressed and streamed outer steps", measured).
+PS_WIRE = {"push": "int4", "pull": "int4"}
+
+
 def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Path, env: dict) -> int:
     """Step 7: a Di-PS leader (with two followers it runs) and two clusters training one model:
     the heterogeneous pipeline of ``plan`` and a one-chip cluster planned for the first chip type."""
@@ -233,6 +240,8 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
     first = next(iter(counts))
     run([*ditorch, "plan", "--cluster", str(write_cluster(out / "cluster-single.yaml", {first: 1})), "--model",
          args.model, "--gbs", args.gbs, "--out", str(single)], env, "8/9")
+    run([*ditorch, "ps", "bytes", "--model", args.model, "--push", f"bf16,{PS_WIRE['push']}",
+         "--pull", f"bf16,{PS_WIRE['pull']}"], env, "8/9")
     leader_addr = f"127.0.0.1:{free_port()}"
     followers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
     leader_cmd = [*ditorch, "ps", "leader", "--bind", leader_addr, "--followers", "2", "--launch-followers",
@@ -252,7 +261,8 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
             cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                    "-m", "ditorch.train", "--plan", str(cluster_plan),
                    "--steps", str(args.ps_steps), "--seed", str(seed), "--ps", leader_addr, "--inner-steps", "4", "--ps-token-file",
-                   str(out / "job.key"), "--ps-name", name, "--quiet", "--loss-log", str(out / f"ps-{name}.jsonl")]
+                   str(out / "job.key"), "--ps-name", name, "--quiet", "--loss-log", str(out / f"ps-{name}.jsonl"),
+                   "--ps-push", PS_WIRE["push"], "--ps-pull", PS_WIRE["pull"]]
             print(f"[8/9] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
             procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(out / f"ps-{name}.log", "w"),
                                            stderr=subprocess.STDOUT)
@@ -268,9 +278,21 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
         print(f"   clusters {failed} failed; see {out}/ps-*.log")
         return 1
     print(f"   Di-PS: {status.get('version')} outer steps applied from clusters pipeline ({', '.join(counts)}) "
-          f"and single ({first}); {status.get('tokens')} tokens pushed")
+          f"and single ({first}); {status.get('tokens')} tokens pushed; each push {PS_WIRE['push']}, each pull "
+          f"{PS_WIRE['pull']}: {_bytes_per_round(args.model):,} bytes per outer round and cluster")
     _plot_clusters(out, clusters)
     return 0
+
+
+def _bytes_per_round(model: str) -> int:
+    """What one cluster's push and pull of the whole model move under ``PS_WIRE`` (a payload's
+    size follows from the codec and the unit's size alone)."""
+    from dips.codec import Codec
+    from dips.layout import ModelLayout
+    from dips.model import build_model, load_config
+
+    sizes = [sum(t.numel for t in u.tensors) for u in ModelLayout.of(build_model(load_config(model), 0)).units]
+    return sum(Codec.parse(PS_WIRE[d]).payload_bytes(n) for d in ("push", "pull") for n in sizes)
 
 
 def _plot_clusters(out: Path, clusters: dict) -> None:

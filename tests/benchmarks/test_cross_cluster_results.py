@@ -12,7 +12,8 @@ cross_cluster = load("cross_cluster")
 def _result(mode: str, momentum: float, throughput: float, loss: float) -> dict:
     return {"mode": mode, "label": cross_cluster.MODES[mode][-1], "momentum": momentum, "tokens": 1000,
             "throughput": throughput, "final_loss": loss, "rounds": 3, "rejected": 0, "mean_scale": 0.5,
-            "min_scale": 0.25, "mean_stale_scale": 0.7, "staleness": 1.5, "max_staleness": 3}
+            "min_scale": 0.25, "mean_stale_scale": 0.7, "staleness": 1.5, "max_staleness": 3,
+            "bytes_per_round": 3.2e6 if mode in ("dips", "sync") else 1e5, "peak_bytes_s": 1e6}
 
 
 def test_a_sweep_compares_each_mode_with_sync_at_its_own_momentum():
@@ -46,6 +47,8 @@ def test_a_run_without_sync_states_no_target():
 
 def test_the_default_momentum_keeps_the_plain_tag():
     assert cross_cluster.run_tag(cross_cluster.parse([])) == "4c"
+    assert cross_cluster.run_tag(cross_cluster.parse(["--modes", "dips,dips-int8", "--links", "10,10,0.1,10"])) == \
+        "4c-compressed-links-10-10-0.1-10"
     assert cross_cluster.run_tag(cross_cluster.parse(["--faulty", "1", "--clusters", "9", "--churn",
                                                       "--outer-momentum", "0,0.8"])) == "9c-churn-faulty-momentum-0-0.8"
 
@@ -55,3 +58,21 @@ def test_a_bad_momentum_is_refused_naming_it(value, capsys):
     with pytest.raises(SystemExit):
         cross_cluster.parse(["--outer-momentum", value])
     assert "--outer-momentum" in capsys.readouterr().err
+
+
+def test_compressed_modes_are_compared_with_uncompressed_dips():
+    results = [_result("dips", 0.0, 100.0, 2.0), _result("sync", 0.0, 50.0, 2.1), _result("dips-topk", 0.0, 150.0, 2.02)]
+    cross_cluster.compare_with_sync(results)
+    topk = results[2]["vs_dips"]
+    assert topk["bytes"] == 32.0 and topk["throughput"] == 1.5 and abs(topk["loss"] - 0.01) < 1e-12
+    assert "vs_dips" not in results[0] and "vs_dips" not in results[1]
+    saved = cross_cluster.measurements(results, "4c")
+    assert saved[2].extra_info["vs_Di-PS"] == "32.0x fewer bytes, 1.50x tokens/s, loss +1.0%"
+    assert saved[2].extra_info["KB_per_round"] == 100
+
+
+def test_peak_bytes_counts_the_largest_one_second_burst_after_the_join():
+    logs = {"c0": [{"t": 0.0, "bytes": 5000}, {"t": 0.5, "bytes": 5000}, {"t": 1.0, "bytes": 5300},
+                   {"t": 1.4, "bytes": 5600}, {"t": 3.0, "bytes": 5700}],
+            "c1": [{"event": "start"}, {"t": 0.0, "bytes": 100}, {"t": 2.0, "bytes": 550}]}
+    assert cross_cluster.peak_bytes(logs) == 600.0  # c0's 300 + 300 within one second; not its 5000 at join

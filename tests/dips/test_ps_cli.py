@@ -42,3 +42,25 @@ def test_deploy_prints_choice(capsys):
     assert "candidate 1: B.p = 41  <- deploy the PS here" in out and "candidate 0: B.p = 25\n" in out
     assert cli.main(["deploy", "--bandwidth", "5,x", "--throughput", "1,1"]) == 2
     assert "'5,x'" in capsys.readouterr().err
+
+
+def test_bytes_prints_each_codec_pair_per_round(tmp_path, capsys):
+    """Bytes per outer round from a saved model's tensors, counted by hand: BF16 2 bytes a value;
+    int8 one byte and a 4-byte scale per 64; top-k 2% of the values with an int32 index, an int8
+    code and a scale per 64 kept."""
+    import math
+
+    import torch
+
+    torch.save({"a.weight": torch.zeros(100, 30), "b.weight": torch.zeros(7)}, tmp_path / "m.pt")
+    assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "topk:0.02,int8", "--pull", "bf16"]) == 0
+    out = capsys.readouterr().out
+    k = [math.ceil(0.02 * 3000), 1]
+    topk = sum(4 * n + 4 * math.ceil(n / 64) + n for n in k)
+    int8 = 3000 + 4 * math.ceil(3000 / 64) + 7 + 4
+    bf16 = 2 * 3007
+    assert f"BF16 both ways: {2 * bf16} bytes" in out
+    rows = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()[2:]}
+    assert rows == {("topk:0.02", "bf16"): topk + bf16, ("int8", "bf16"): int8 + bf16}
+    assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "int9"]) == 2
+    assert "codec 'int9'" in capsys.readouterr().err

@@ -117,3 +117,46 @@ def test_pipeline_and_data_parallel_clusters_train_one_model(tmp_path):
         assert pushed.count("pipeline") == 6 and pushed.count("dp") == 6
         assert read_log(tmp_path / "dp.jsonl")[-1]["stats"]["failed"] == 0
         assert leader.status()["version"] >= 6
+
+
+def test_a_pipeline_cluster_pushes_and_pulls_compressed_and_streamed(tmp_path):
+    """``--ps-push int8 --ps-pull int8 --ps-fragments 2`` with H = 2: as in the exactness test
+    above (outer lr 1, no momentum, clipping or penalty) each round hands the cluster back the
+    parameters it pushed, now to int8's precision with the dropped part fed into the next push,
+    and the merge keeps the step taken while the push streamed, so training stays plain
+    training's; each stage's worker keeps its residual, for its own units only, under
+    ``--save``/ps. Pushes stream from steps 2, 4 and 6; the last is still streaming at the end."""
+    plan = make_plan(TWO_STAGES)
+    plan.to_json(tmp_path / "plan.json")
+    plain, _ = train_reference(plan, TrainOptions(steps=STEPS, progress=False))
+    with parameter_server(tmp_path, mode="async", outer_lr=1.0, outer_momentum=0.0, clip_norm=None) as (leader, token):
+        run = torchrun(tmp_path / "plan.json", plan.num_chips,
+                       ["--steps", str(STEPS), "--precision", "fp32", "--loss-log", "ps.jsonl", "--save", "ckpt",
+                        "--ps", leader.address, "--inner-steps", "2", "--ps-token-file", str(tmp_path / "job.key"),
+                        "--ps-name", "pipeline", "--ps-push", "int8", "--ps-pull", "int8", "--ps-fragments", "2"],
+                       tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert leader.status()["version"] == STEPS // 2 - 1
+    for step, (a, b) in enumerate(zip(losses(tmp_path / "ps.jsonl"), plain), 1):
+        assert a == pytest.approx(b, rel=1e-2), f"step {step}: through the PS {a}, plain {b}"
+    from dips.layout import ModelLayout
+
+    layout = ModelLayout.of(build_model(dict(MODEL), 0))
+    stage_units = []
+    for w in range(len(TWO_STAGES)):
+        residual = torch.load(tmp_path / "ckpt" / "ps" / f"residual-w{w}.pt", weights_only=True)
+        assert residual["fingerprint"] == layout.fingerprint
+        stage_units.append(sorted(residual["units"]))
+        assert all(bool(r.abs().sum() > 0) for r in residual["units"].values())
+    assert sorted(u for units in stage_units for u in units) == list(range(len(layout.units)))
+
+
+def test_a_bad_codec_flag_is_one_clear_error(tmp_path):
+    plan = make_plan(TWO_STAGES)
+    plan.to_json(tmp_path / "plan.json")
+    run = torchrun(tmp_path / "plan.json", 1, ["--steps", "1", "--ps", "127.0.0.1:1", "--ps-token-file", "k",
+                                                "--ps-push", "int3"], tmp_path)
+    assert run.returncode != 0 and "codec 'int3'" in run.stderr
+    run = torchrun(tmp_path / "plan.json", 1, ["--steps", "1", "--ps", "127.0.0.1:1", "--ps-token-file", "k",
+                                                "--inner-steps", "4", "--ps-fragments", "5"], tmp_path)
+    assert run.returncode != 0 and "--ps-fragments 5" in run.stderr

@@ -1,0 +1,189 @@
+"""How a unit's values are compressed on the wire: BF16, int8 or 4-bit codes with a scale per
+block of 64 values, or the top-k values by magnitude (their indices and int8 codes).
+
+A payload's size follows from the codec and the unit's element count alone, so a receiver
+checks the length before it reads anything; every index, scale and code is then checked (range,
+order, finite) and a payload that does not fit is refused whole with a ``ValueError`` naming
+what is wrong. The sender learns what the receiver will decode by decoding its own payload
+(:meth:`Codec.round_trip`), so error feedback keeps exactly what the wire dropped.
+
+PyTorch has per-channel and per-tensor quantization but no block-scaled 4-bit or sparse
+top-k format with a fixed byte layout, so the codes are packed here by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+BLOCK = 64                       # values sharing one FP32 scale
+KINDS = ("bf16", "int8", "int4", "topk")
+DEFAULT_DENSITY = 0.02           # top-k without a density keeps this fraction of the values
+MAX_DENSITY = 0.25               # beyond ~0.21 top-k's indices make it larger than dense int8
+MAX_SPEC_CHARS = 32
+_QMAX = {"int8": 127, "int4": 7}  # symmetric codes: -128 (int8) and -8 (int4) are never sent
+MAX_ELEMENTS = 2 ** 31 - 1       # top-k indices are int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One wire format; ``density`` is top-k's fraction of values kept (0 for the others)."""
+
+    kind: str
+    density: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: object) -> "Codec":
+        """``bf16``, ``int8``, ``int4``, ``topk`` or ``topk:D`` (0 < D <= 0.25), as a peer or a flag
+        gives it; ``ValueError`` naming the spec otherwise."""
+        if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
+            raise ValueError(f"codec {str(spec)[:40]!r}: expected one of bf16, int8, int4, topk[:DENSITY]")
+        kind, _, arg = spec.partition(":")
+        if kind not in KINDS or (arg and kind != "topk"):
+            raise ValueError(f"codec {spec!r}: expected one of bf16, int8, int4, topk[:DENSITY]")
+        if kind != "topk":
+            return cls(kind)
+        try:
+            density = float(arg) if arg else DEFAULT_DENSITY
+        except ValueError:
+            density = math.nan
+        if not 0.0 < density <= MAX_DENSITY:  # NaN fails too
+            raise ValueError(f"codec {spec!r}: top-k density {arg!r}; expected a number in (0, {MAX_DENSITY}]")
+        return cls(kind, density)
+
+    def __str__(self) -> str:
+        return f"topk:{self.density:g}" if self.kind == "topk" else self.kind
+
+    @property
+    def lossy(self) -> bool:
+        """Whether values cross as a compressed difference (every codec but BF16 parameters)."""
+        return self.kind != "bf16"
+
+    def kept(self, n: int) -> int:
+        """How many of ``n`` values top-k sends (``n`` for the dense codecs)."""
+        return min(n, max(1, math.ceil(self.density * n))) if self.kind == "topk" else n
+
+    def payload_bytes(self, n: int) -> int:
+        """The exact payload size of ``n`` values."""
+        if self.kind == "bf16":
+            return 2 * n
+        if self.kind == "int8":
+            return 4 * _blocks(n) + n
+        if self.kind == "int4":
+            return 4 * _blocks(n) + (n + 1) // 2
+        k = self.kept(n)
+        return 4 * k + 4 * _blocks(k) + k
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        """The payload of the flat values ``x`` (FP32, finite)."""
+        return self.round_trip(x)[0]
+
+    def round_trip(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """The payload of the flat values ``x`` and what a receiver decodes from it (FP32)."""
+        x = x.detach().reshape(-1).to(torch.float32)
+        if not torch.isfinite(x).all():
+            raise ValueError(f"{self}: cannot encode non-finite values")
+        if not 0 < x.numel() <= MAX_ELEMENTS:
+            raise ValueError(f"{self}: {x.numel()} values; expected 1..{MAX_ELEMENTS} per unit")
+        if self.kind == "bf16":
+            payload = x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        elif self.kind in _QMAX:
+            scales, codes = _quantize(x, _QMAX[self.kind])
+            payload = _bytes(scales) + (_bytes(codes) if self.kind == "int8" else _pack4(codes))
+        else:
+            k = self.kept(x.numel())
+            idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values.to(torch.int32)
+            scales, codes = _quantize(x[idx.long()], _QMAX["int8"])
+            payload = _bytes(idx) + _bytes(scales) + _bytes(codes)
+        return payload, self.decode(payload, x.numel())
+
+    def decode(self, payload: bytes | memoryview, n: int, what: str = "payload") -> torch.Tensor:
+        """The ``n`` flat FP32 values of ``payload``; ``ValueError`` naming ``what`` and the part
+        that does not fit (size, index, scale, code, value), with nothing decoded."""
+        if not 0 < n <= MAX_ELEMENTS:
+            raise ValueError(f"{what}: {n} values; expected 1..{MAX_ELEMENTS}")
+        want = self.payload_bytes(n)
+        if len(payload) != want:
+            raise ValueError(f"{what}: {len(payload)} bytes of {self} for {n} values; expected {want}")
+        buf = bytearray(payload)
+        if self.kind == "bf16":
+            out = torch.frombuffer(buf, dtype=torch.bfloat16).float()
+        elif self.kind in _QMAX:
+            nb = _blocks(n)
+            scales = _scales(buf, 0, nb, what)
+            codes = (torch.frombuffer(buf, dtype=torch.int8, offset=4 * nb, count=n) if self.kind == "int8"
+                     else _unpack4(buf, 4 * nb, n, what))
+            out = _dequantize(scales, _checked_codes(codes, _QMAX[self.kind], what), n)
+        else:
+            k = self.kept(n)
+            idx = torch.frombuffer(buf, dtype=torch.int32, count=k).long()
+            if int(idx.min()) < 0 or int(idx.max()) >= n:
+                bad = idx[(idx < 0) | (idx >= n)][0]
+                raise ValueError(f"{what}: top-k index {int(bad)} out of range 0..{n - 1}")
+            if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise ValueError(f"{what}: top-k indices are not strictly increasing")
+            nb = _blocks(k)
+            scales = _scales(buf, 4 * k, nb, what)
+            codes = torch.frombuffer(buf, dtype=torch.int8, offset=4 * k + 4 * nb, count=k)
+            out = torch.zeros(n)
+            out[idx] = _dequantize(scales, _checked_codes(codes, _QMAX["int8"], what), k)
+        if not torch.isfinite(out).all():
+            raise ValueError(f"{what}: decodes to non-finite values")
+        return out
+
+
+def _blocks(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+def _quantize(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 scales (block absmax / qmax) and int8 codes in -qmax..qmax, rounded to nearest."""
+    n = x.numel()
+    padded = torch.zeros(_blocks(n) * BLOCK)
+    padded[:n] = x
+    blocks = padded.view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return scales, codes.reshape(-1)[:n]
+
+
+def _dequantize(scales: torch.Tensor, codes: torch.Tensor, n: int) -> torch.Tensor:
+    return codes.float() * scales.repeat_interleave(BLOCK)[:n]
+
+
+def _scales(buf: bytearray, offset: int, count: int, what: str) -> torch.Tensor:
+    scales = torch.frombuffer(buf, dtype=torch.float32, offset=offset, count=count)
+    bad = ~torch.isfinite(scales) | (scales < 0)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: scale {float(scales[i])} of block {i}; expected a finite number >= 0")
+    return scales
+
+
+def _checked_codes(codes: torch.Tensor, qmax: int, what: str) -> torch.Tensor:
+    if int(codes.min()) < -qmax:
+        raise ValueError(f"{what}: code {int(codes.min())}; expected codes in -{qmax}..{qmax}")
+    return codes
+
+
+def _pack4(codes: torch.Tensor) -> bytes:
+    """Two 4-bit codes a byte, stored as code + 8 (1..15), the first in the low nibble; an odd
+    count's last high nibble is 0."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, torch.zeros(1, dtype=torch.uint8)])
+    return _bytes(u[0::2] | (u[1::2] << 4))
+
+
+def _unpack4(buf: bytearray, offset: int, n: int, what: str) -> torch.Tensor:
+    packed = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=(n + 1) // 2)
+    u = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)
+    if n % 2 and int(u[-1]) != 0:
+        raise ValueError(f"{what}: the padding nibble after {n} 4-bit codes is {int(u[-1])}; expected 0")
+    return (u[:n].to(torch.int16) - 8).to(torch.int8)

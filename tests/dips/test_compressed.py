@@ -1,0 +1,250 @@
+"""Compressed pushes and pulls end to end in one process: the PS applies exactly the decoded
+pseudo-gradients (a reference run of torch.optim.SGD on them), the residual carries what the
+wire dropped into the next push and survives a restart, a pull adds the decoded difference
+between the new version and what the cluster holds (so what one pull drops comes with the next),
+and payloads that do not fit their unit are refused with nothing applied."""
+import json
+import struct
+import time
+
+import pytest
+import torch
+
+from dips.client import OuterClient
+from dips.codec import Codec
+from dips.follower_disk import FollowerDisk
+from dips.model import build_model
+
+from pscluster import MODEL, global_params, in_process_ps, perturb
+
+
+def _flat(values: dict, unit) -> torch.Tensor:
+    return torch.cat([values[t.name].reshape(-1) for t in unit.tensors])
+
+
+def _unflat(flat: torch.Tensor, unit) -> dict:
+    sizes = [t.numel for t in unit.tensors]
+    return {t.name: part.view(t.shape) for t, part in zip(unit.tensors, flat.split(sizes))}
+
+
+@pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4")])
+def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
+    """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
+    the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
+    part as the next residual, and the held values move by codec(new - held) at each pull."""
+    pc, qc = Codec.parse(push), Codec.parse(pull)
+    theta = {n: p.detach().clone() for n, p in build_model(MODEL, 0).named_parameters()}
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in theta.items()}
+    sgd = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.8, nesterov=True)
+    with in_process_ps(tmp_path) as (leader, _, token):
+        model = build_model(MODEL, 99)
+        c = OuterClient(model, leader.address, inner_steps=1, token=token, name="c", push_codec=push,
+                        pull_codec=pull, state_dir=tmp_path / "state")
+        units = c.layout.units
+        held = {n: t.bfloat16().float() for n, t in theta.items()}  # joined: a whole BF16 pull
+        residual = {u: torch.zeros(sum(t.numel for t in unit.tensors)) for u, unit in enumerate(units)}
+        for rnd in range(3):
+            perturb(model, rnd)
+            local = {n: p.detach().clone() for n, p in model.named_parameters()}
+            # the filter's norm: the sum over followers of the pseudo-gradient's norm on their units
+            sent_norm = sum(sum(float(((held[t.name] - local[t.name]).double() ** 2).sum())
+                                for u in range(a, b) for t in units[u].tensors) ** 0.5 for a, b in c.plan["units"])
+            decoded = {}
+            for u, unit in enumerate(units):
+                x = _flat(held, unit) - _flat(local, unit) + residual[u]
+                dec = pc.round_trip(x)[1]
+                residual[u] = x - dec
+                decoded.update(_unflat(dec, unit))
+            norm = torch.sqrt(sum((d.double() ** 2).sum() for d in decoded.values())).item()
+            for n, r in ref.items():
+                r.grad = decoded[n] * min(1.0, 1.0 / norm)
+            sgd.step()
+            new = {n: r.detach().bfloat16().float() for n, r in ref.items()}
+            for unit in units:  # what the cluster holds after its pull
+                change = _flat(new, unit) - _flat(held, unit)
+                got = _flat(held, unit) + qc.round_trip(change)[1] if qc.lossy else _flat(new, unit)
+                held.update(_unflat(got, unit))
+            assert c.step(tokens=100)
+            # the outlier filter scored the uncompressed pseudo-gradient's norm, as the cluster reported it
+            scored = [p.norm for p in leader.state.pushes.values() if p.cluster == "c"][-1]
+            assert scored == pytest.approx(sent_norm, rel=1e-9)
+            for u in range(len(units)):
+                torch.testing.assert_close(c.residual[u], residual[u], rtol=0, atol=1e-6)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.detach(), held[n], rtol=0, atol=1e-5)
+        for n, p in global_params(leader, token).items():
+            torch.testing.assert_close(p, ref[n].detach().bfloat16().float(), rtol=0, atol=1e-6)
+        assert c.stats["push_bytes"] == 3 * sum(pc.payload_bytes(sum(t.numel for t in u.tensors)) for u in units)
+        c.close()
+        # the residual is the cluster's state: a restarted worker resumes it
+        again = OuterClient(build_model(MODEL, 5), leader.address, inner_steps=1, token=token, name="c2",
+                            push_codec=push, pull_codec=pull, state_dir=tmp_path / "state", join=False)
+        assert set(again.residual) == set(residual)
+        for u, r in residual.items():
+            torch.testing.assert_close(again.residual[u], r, rtol=0, atol=1e-6)
+        again.close()
+
+
+def test_a_residual_of_another_model_is_not_resumed(tmp_path):
+    with in_process_ps(tmp_path) as (leader, _, token):
+        c = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="c",
+                        push_codec="int8", state_dir=tmp_path / "state", join=False)
+        torch.save({"fingerprint": "0" * 16, "units": {0: torch.ones(3)}}, tmp_path / "state-other.pt")
+        (tmp_path / "state").mkdir()
+        (tmp_path / "state-other.pt").rename(tmp_path / "state" / "residual-w0.pt")
+        c.close()
+        again = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="c",
+                            push_codec="int8", state_dir=tmp_path / "state", join=False)
+        assert again.residual == {}
+        again.close()
+
+
+def test_a_pull_since_a_version_no_longer_held_falls_back_to_whole_values(tmp_path):
+    with in_process_ps(tmp_path) as (leader, _, token):
+        a = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="a",
+                        push_codec="int8", pull_codec="int8")
+        units = range(len(a.layout.units))
+        assert a.transfer.pull(0, units, Codec.parse("int8"), since=7) is None and a.transfer.refused
+        for rnd in range(2):
+            perturb(a.model, rnd)
+            assert a.step(tokens=10)
+        a.base = 0  # as if it had missed versions the followers no longer keep
+        a._held = {n: torch.zeros_like(t) for n, t in a._held.items()}
+        perturb(a.model, 5)
+        assert a.step(tokens=10)
+        latest = global_params(leader, token)
+        for n, p in a.model.named_parameters():
+            assert torch.equal(p.detach(), latest[n])  # a whole BF16 pull: the global values exactly
+        a.close()
+
+
+def test_a_seeded_ps_takes_the_seed_as_parameters_from_a_compressing_cluster(tmp_path):
+    with in_process_ps(tmp_path, model=None, seed_from_cluster=True) as (leader, followers, token):
+        model = build_model(MODEL, 4)
+        want = {n: p.detach().bfloat16().float() for n, p in model.named_parameters()}
+        c = OuterClient(model, leader.address, inner_steps=1, token=token, name="s", push_codec="topk:0.05",
+                        pull_codec="int8", join=False)
+        assert c.join(30)
+        for n, p in global_params(leader, token).items():
+            assert torch.equal(p, want[n])
+        perturb(model, 1)
+        assert c.step(tokens=10) and c.stats["push_bytes"] > 0
+        c.close()
+
+
+def test_sealed_delta_pushes_read_back_from_disk(tmp_path):
+    disk = FollowerDisk(tmp_path)
+    delta = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    disk.save_push("p1", 3, delta, "delta", 2.5)
+    disk.save_push("p2", 4, {"a": torch.randn(2).bfloat16()})
+    got = disk.load_pushes()
+    assert set(got["p1"]) == {"base", "delta", "sqnorm"} and got["p1"]["base"] == 3 and got["p1"]["sqnorm"] == 2.5
+    assert all(torch.equal(got["p1"]["delta"][n], delta[n]) for n in delta)
+    assert set(got["p2"]) == {"base", "params", "sqnorm"} and got["p2"]["sqnorm"] is None
+
+
+# ------------------------------------------------------------------ hostile payloads
+def _mutations(codec: Codec, n: int):
+    """Each way a compressed payload can fail to fit a unit of ``n`` values, and the words the
+    refusal must hold."""
+    def scale(p: bytes, value: float) -> bytes:
+        at = 4 * codec.kept(n) if codec.kind == "topk" else 0
+        return p[:at] + struct.pack("<f", value) + p[at + 4:]
+
+    def index(p: bytes, value: int) -> bytes:
+        return p[:4] + struct.pack("<i", value) + p[8:]
+
+    cases = {"short": (lambda p: p[:-1], "bytes of"), "long": (lambda p: p + b"\0", "bytes of"),
+             "nan scale": (lambda p: scale(p, float("nan")), "scale nan"),
+             "inf scale": (lambda p: scale(p, float("inf")), "scale inf")}
+    if codec.kind == "topk":
+        cases["index out of range"] = (lambda p: index(p, n), f"index {n} out of range")
+        cases["index repeated"] = (lambda p: p[:4] + p[:4] + p[8:], "strictly increasing")
+    return cases
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05"])
+def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tmp_path, spec):
+    codec = Codec.parse(spec)
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        c = OuterClient(build_model(MODEL, 3), leader.address, inner_steps=1, token=token, name="c")
+        before = global_params(leader, token)
+        unit = 0
+        spec_u = c.layout.units[unit]
+        n = sum(t.numel for t in spec_u.tensors)
+        good = codec.encode(torch.randn(n) * 1e-3)
+        addr = c.plan["followers"][0]
+        for what, (mutate, words) in _mutations(codec, n).items():
+            reply = c.speaker.leader.call("PushRequest", **c.speaker._me(), tokens=1, base=c.base,
+                                          workers={"0": list(range(len(c.layout.units)))})
+            task = {"push": reply["push"], "cluster": c.speaker.cluster_id, "base": c.base}
+            req = c.transfer.send_payload(task, unit, addr, mutate(good), spec, sqnorm=1.0)
+            acks = [h for h, _ in c.transfer.replies(addr, {req})]
+            assert acks and not acks[0]["ok"] and words in acks[0]["err"], (what, acks)
+            assert not any(f.state.staged for f in followers), what
+        # a codec the follower does not know, and a compressed push to a PS awaiting its seed
+        reply = c.speaker.leader.call("PushRequest", **c.speaker._me(), tokens=1, base=c.base,
+                                      workers={"0": list(range(len(c.layout.units)))})
+        task = {"push": reply["push"], "cluster": c.speaker.cluster_id, "base": c.base}
+        req = c.transfer.send_payload(task, unit, addr, good, "int3", sqnorm=1.0)
+        acks = [h for h, _ in c.transfer.replies(addr, {req})]
+        assert not acks[0]["ok"] and "codec 'int3'" in acks[0]["err"]
+        for sqnorm in (None, -1.0, 1e301, "1"):  # the reported norm: present, a finite number >= 0
+            req = c.transfer.send_payload(task, unit, addr, good, spec, sqnorm=sqnorm)
+            acks = [h for h, _ in c.transfer.replies(addr, {req})]
+            assert not acks[0]["ok"] and "sqnorm" in acks[0]["err"], (sqnorm, acks)
+        assert c.speaker.leader.call("PushDone", **c.speaker._me(), push=reply["push"])["status"] == "failed"
+        time.sleep(0.1)
+        assert leader.status()["version"] == 0
+        after = global_params(leader, token)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert all(not f.state.sealed and not f.state.staged for f in followers)
+        c.close()
+
+
+def test_hostile_compressed_pull_headers_are_refused(tmp_path):
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        c = OuterClient(build_model(MODEL, 3), leader.address, inner_steps=1, token=token, name="c",
+                        pull_codec="int8")
+        addr, units = c.plan["followers"][0], list(range(*c.plan["units"][0]))
+        sock = c.transfer.sock(addr)
+        for extra, words in [({"codec": "int8", "cluster": "c"}, "since"),
+                             ({"codec": "int8", "since": 0}, "names its cluster"),
+                             ({"codec": "int8", "since": 5, "cluster": "c"}, "what cluster 'c' holds"),
+                             ({"codec": "int8", "since": 0, "cluster": "x" * 200}, "cluster"),
+                             ({"codec": "int8", "since": -1, "cluster": "c"}, "since"),
+                             ({"codec": "topk:2"}, "top-k density"), ({"codec": ["int8"]}, "codec")]:
+            sock.send_multipart([json.dumps({"op": "pull", "req": "r", "version": 0, "units": units,
+                                             **extra}).encode()])
+            assert sock.poll(3000)
+            header = json.loads(sock.recv_multipart()[0])
+            assert not header["ok"] and words in header["err"], (extra, header)
+        assert c.transfer.pull(0, range(len(c.layout.units)), Codec.parse("int8"), since=0, cluster="c") is not None
+        c.close()
+
+
+def test_what_a_pull_drops_comes_with_the_next(tmp_path):
+    """Pulls of one version in top-k 5%: each sends the largest part of what the cluster still
+    lacks, so the values it holds close in on the global ones (without the followers' record of
+    what it holds, a second pull of the same version would carry nothing)."""
+    codec = Codec.parse("topk:0.05")
+    with in_process_ps(tmp_path) as (leader, _, token):
+        a = OuterClient(build_model(MODEL, 1), leader.address, inner_steps=1, token=token, name="a",
+                        push_codec="int8", pull_codec=str(codec))
+        perturb(a.model, 0, scale=0.05)
+        assert a.step(tokens=10)
+        target = global_params(leader, token)
+        held = dict(a._held)
+        units = range(len(a.layout.units))
+
+        def gap() -> float:
+            return sum(float((held[n] - target[n]).norm() ** 2) for n in target) ** 0.5
+
+        gaps = [gap()]
+        assert gaps[0] > 0  # one top-k pull did not bring it all
+        for _ in range(30):
+            change = a.transfer.pull(1, units, codec, since=1, cluster="a")
+            held = {n: held[n] + change[n] for n in held}
+            gaps.append(gap())
+        assert all(b <= g for g, b in zip(gaps, gaps[1:])) and gaps[-1] < 0.05 * gaps[0], gaps
+        a.close()
