@@ -52,12 +52,27 @@ def transfers(rank: int, world: int, _port: int) -> dict:
     return out
 
 
+def _on_hosts(count: int):
+    """``count`` emulated hosts (0: the ranks share this one)."""
+    import contextlib
+
+    if count == 0:
+        return contextlib.nullcontext(None)
+    from emulated_hosts import can_make_hosts, emulated_hosts
+
+    if can_make_hosts() is not None:
+        pytest.skip(str(can_make_hosts()))
+    return emulated_hosts(count)
+
+
 @pytest.mark.timeout(180)
-def test_a_message_takes_the_fleets_link_time_and_a_cross_dc_link_is_shared(tmp_path):
+@pytest.mark.parametrize("hosts", [0, 2], ids=["one host (shm)", "a host per DC (tcp)"])
+def test_a_message_takes_the_fleets_link_time_and_a_cross_dc_link_is_shared(tmp_path, hosts):
     links = FleetLinks({"inter_node": NODE, "inter_cluster": CROSS}, dcs=frozenset({"dc0", "dc1"}))
-    state = str(tmp_path / "links")
-    out = run_ranks(transfers, 4, rank_env={r: links.env(p, SCALE, state) for r, p in enumerate(PLACES)},
-                    op_timeout_s=60)
+    state = str(tmp_path / "links")  # one file every rank maps, whichever network namespace it is in
+    with _on_hosts(hosts) as machines:
+        out = run_ranks(transfers, 4, rank_env={r: links.env(p, SCALE, state) for r, p in enumerate(PLACES)},
+                        op_timeout_s=60, hosts=machines)
     assert out[0]["link_to"][1].startswith("inter_node dc0/n0>dc0/n1") and out[0]["link_to"][2].startswith(
         "inter_cluster dc0/n0>dc1/n2"), out[0]["link_to"]
     alone = out[1]["received"] - out[0]["sent"]
