@@ -127,10 +127,10 @@ def _emulate_links(plan) -> None:
         return  # the trainer refuses the run, naming why
     job = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
     state = f"/dev/shm/ditorch-links-{os.getuid()}-{job}"
-    rank = int(os.environ["RANK"])
-    os.environ.update(link_env(plan, rank, scale, state))
-    if rank == 0:  # the job's links go with it (a rank still running keeps its mapping)
-        atexit.register(lambda: Path(state).unlink(missing_ok=True))
+    os.environ.update(link_env(plan, int(os.environ["RANK"]), scale, state))
+    # The job's links go with it: each rank removes the file as it leaves (the ranks still
+    # running keep their mappings; groups are made at the start, so none opens it again).
+    atexit.register(lambda: Path(state).unlink(missing_ok=True))
 
 
 def _reference(plan, options) -> int:
