@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .cluster import END_TIME_KEYS, ChipSpec
+from .cluster import END_TIME_KEYS, ChipSpec, LinkSpec
 from .model_spec import BF16, FP32, ModelSpec
 
 # Adam step per fp32 parameter: read master, grad, m, v; write master, m, v; write the bf16 copy
@@ -44,9 +44,12 @@ class LayerTimes:
 class ChipProfile:
     """Layer timings of one chip type running one model."""
 
-    def __init__(self, chip: ChipSpec, model: ModelSpec):
+    def __init__(self, chip: ChipSpec, model: ModelSpec, dp_link: LinkSpec | None = None):
+        """``dp_link``: the link a DP ring crosses between nodes (the cluster's ``inter_node``,
+        diutil/datasheets/links.py), which bounds the chip's NIC; None: the NIC alone."""
         self.chip = chip
         self.model = model
+        self.dp_link = dp_link
         self.effective_flops: float | None = None  # FLOP/s per chip for the analytic sources
         if chip.effective_tflops is not None:
             self.effective_flops = chip.effective_tflops * 1e12
@@ -95,11 +98,11 @@ class ChipProfile:
     def _datasheet_layer_times(self, tp: int) -> LayerTimes:
         """The layer's kernels on the datasheet (forward and backward), plus the TP all-reduces
         over the chip's scale-up links; the backward split evenly as a measured one is."""
-        from ditorch_ext.profiles import resolve
+        from diutil.datasheets.chips import resolve
 
-        from .roofline import layer_kernel_times
+        from .roofline import datasheet_kernel_times
 
-        k = layer_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet)
+        k = datasheet_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet)
         comm = 2.0 * self.tp_allreduce_time(tp)  # attention block + MLP block
         return LayerTimes(fwd=k.fwd + comm, bwd_input=k.bwd / 2 + comm, bwd_weight=k.bwd / 2, recompute=k.fwd + comm)
 
@@ -111,11 +114,11 @@ class ChipProfile:
         if measured is not None:
             return measured.get(tp, {}).get("stage_fwd", 0.0) * self._ms
         if self.chip.datasheet is not None:
-            from ditorch_ext.profiles import resolve
+            from diutil.datasheets.chips import resolve
 
-            from .roofline import layer_kernel_times
+            from .roofline import datasheet_kernel_times
 
-            return layer_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet).stage_fwd
+            return datasheet_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet).stage_fwd
         return 0.0
 
     def stage_update_time(self, tp: int, dp: int, layers: int) -> float:
@@ -150,8 +153,14 @@ class ChipProfile:
 
     def _dp_sync_time(self, params: float, dp: int, nbytes: int) -> float:
         """A ring reduce-scatter and all-gather (or all-reduce) of ``params`` gradients of
-        ``nbytes`` each over DP, through the chip's NIC."""
-        return 0.0 if dp == 1 else 2.0 * (dp - 1) / dp * params * nbytes / self.chip.nic_bandwidth
+        ``nbytes`` each over DP: 2 (dp - 1) steps over the link between nodes, bounded by the
+        chip's NIC; at the profile's time scale, as an emulated run's links are."""
+        if dp == 1:
+            return 0.0
+        link = LinkSpec(self.chip.nic_bandwidth, 0.0) if self.dp_link is None else \
+            self.dp_link.bounded(self.chip.nic_bandwidth)
+        seconds = 2.0 * (dp - 1) * link.latency + 2.0 * (dp - 1) / dp * params * nbytes / link.bandwidth
+        return seconds * (self.chip.emulated_time_scale or 1.0)
 
 
 def _calibrate(chip: ChipSpec, model: ModelSpec) -> float:

@@ -17,8 +17,11 @@ the same forward, so it is the forward's time) and the update of the layer's sha
 runtime's local step: norm, clip, AdamW and zeroing on a flat gradient buffer); the
 median of ``repeats`` runs after warm-ups. It
 also measures the activation memory one micro-batch leaves per layer and, with t >= 2, the
-point-to-point bandwidth of one activation between two ranks, written as the chip's NIC and
-intra-node bandwidth.
+point-to-point time of one activation between two ranks (``p2p_bytes_per_s``, printed: the
+host's loopback, not a chip's link). The chip's links (``intra_node_gbps``, ``nic_gbps``) and
+memory bandwidth are its datasheet's (``heteropp.cluster.datasheet_defaults``): an emulated
+run's links are the fleet's, emulated by dicomm at the time scale (docs/dicomm.md, "Emulated
+links"), not this host's.
 """
 from __future__ import annotations
 
@@ -392,7 +395,7 @@ def host_ratio(chip: str, spec: ModelSpec, precision: str = "bf16", memory_scale
     """How many times longer this host takes for one layer of ``spec`` (forward and backward,
     one thread, in CPU time: neighbours on the cores do not count) than ``chip`` does by its
     datasheet: the time scale at which one rank of that chip alone just keeps up
-    (``ditorch_ext.profiles.time_scale_for`` combines the ranks' ratios, with headroom)."""
+    (``diutil.datasheets.chips.time_scale_for`` combines the ranks' ratios, with headroom)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,11 +409,11 @@ def cluster_time_scale(clusters: Sequence[Mapping[str, int]], spec: ModelSpec, p
                        memory_scale: float = 1.0) -> tuple[float, dict[str, float]]:
     """The time scale at which this host keeps up with each of ``clusters`` (chip name -> ranks
     of it on this host), run one at a time: each chip's ``host_ratio``, combined per cluster by
-    ``ditorch_ext.profiles.time_scale_for`` (the largest ratio and the ratios' sum per core, with
+    ``diutil.datasheets.chips.time_scale_for`` (the largest ratio and the ratios' sum per core, with
     headroom), the largest over the clusters. Returns the scale and each chip's ratio. A chip
     named by a profile file needs ``$DITORCH_PROFILE_FILE`` in this process's environment (the
     measuring worker inherits it)."""
-    from ditorch_ext.profiles import time_scale_for
+    from diutil.datasheets.chips import time_scale_for
 
     if not clusters or not all(clusters):
         raise ValueError(f"cluster_time_scale: clusters={list(clusters)!r}; expected chip counts like [{{'A': 2}}]")
@@ -440,25 +443,25 @@ def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", mem
         return json.loads(Path(out).read_text())
 
 
-def chip_description(chip: str, results: dict[int, dict], memory_scale: float, default_gbps: float = 1.0,
-                     time_scale: float = 1.0) -> dict:
-    """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results."""
-    from ditorch_ext.profiles import resolve
-
-    profile = resolve(chip)
+def chip_description(chip: str, results: dict[int, dict], memory_scale: float, time_scale: float = 1.0) -> dict:
+    """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results; links and memory
+    bandwidth from the chip's datasheet."""
     import platform
 
-    gbps = [r["p2p_bytes_per_s"] / 1e9 for r in results.values() if r.get("p2p_bytes_per_s")]
-    bandwidth = round(min(gbps), 3) if gbps else default_gbps
+    from diutil.datasheets.chips import resolve
+    from heteropp.cluster import datasheet_defaults
+
+    profile = resolve(chip)
+    sheet = datasheet_defaults(chip, f"ditorch profile --chip {chip}")
     late = max((r.get("host_late_percent") or 0.0) for r in results.values())
     return {
         "count": profile.chips_per_node,
         "memory_gb": round(profile.capacity_bytes(memory_scale) / 1e9, 6),
         "chips_per_node": profile.chips_per_node,
         "tp_max": max(results),
-        "intra_node_gbps": bandwidth,
-        "hbm_gbps": bandwidth,  # unused: the update time is measured
-        "nic_gbps": bandwidth,
+        "intra_node_gbps": sheet["intra_node_gbps"],
+        "hbm_gbps": sheet["hbm_gbps"],
+        "nic_gbps": sheet["nic_gbps"],
         "layer_times_ms": {tp: {k: round(r[k], 4) for k in MEASURED_TIME_KEYS if k in r}
                            for tp, r in sorted(results.items())},
         "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},
@@ -537,14 +540,14 @@ def profile_command(args) -> int:
             raise ValueError(f"--tp {args.tp}: expected powers of two like 1,2,4")
         spec = ModelSpec.load(args.model, seq=args.seq)
         scale = args.memory_scale or float(os.environ.get("DITORCH_MEMORY_SCALE", "0.001"))
-        from ditorch_ext.profiles import resolve, time_scale_from_env, time_scale_or_default
+        from diutil.datasheets.chips import resolve, time_scale_from_env, time_scale_or_default
 
         resolve(args.chip)
         if not _speed_emulated():
             # a real device runs at its own speed: its times are its own, no scale to divide by
             stretch = 1.0
         elif args.time_scale is None and time_scale_from_env() is None:
-            from ditorch_ext.profiles import time_scale_for
+            from diutil.datasheets.chips import time_scale_for
 
             ratio = host_ratio(args.chip, spec, args.precision, scale, args.sequence_parallel)
             stretch = time_scale_for([ratio] * (getattr(args, "ranks", None) or max(tps)))
