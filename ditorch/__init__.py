@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import os
 
-# The device layer. A build without it (a laptop that only plans, a failed compile) still gives
-# what needs no device: the planner, the simulator, the MRE check, the parameter server. The
-# device names then raise, saying why the layer did not load.
+# The device layer. A build without it (a laptop that only plans, a failed compile), or a
+# machine without torch, still gives what needs no device: the planner, the simulator, the MRE
+# check (and with torch, the parameter server). The device names then raise, saying why the
+# layer did not load.
 _DEVICE_NAMES = ("ChipProfile", "cpu_fallback_counts", "current_chip", "set_chip", "time_scale", "vendor_name")
 device_unavailable: ImportError | None = None
 try:
     import ditorch_ext
     from ditorch_ext import ChipProfile, cpu_fallback_counts, current as current_chip, set_chip, time_scale, vendor_name
 except ImportError as exc:
-    if exc.name not in ("ditorch_ext", "ditorch_ext._C"):
+    if exc.name not in ("torch", "ditorch_ext", "ditorch_ext._C"):
         raise
     device_unavailable = exc
 
@@ -27,12 +28,12 @@ except ImportError as exc:
                               f"{device_unavailable}. Build it with `make build`.")
         raise AttributeError(f"module 'ditorch' has no attribute {name!r}")
 
-# DiComm registers the backend on import. Only its compiled module may be missing (a build
-# without it): then ditorch still gives the dipu device, and `ditorch info` says why not dicomm.
+# DiComm registers the backend on import. Only its compiled module (a build without it) or torch
+# may be missing: then ditorch still gives the dipu device, and `ditorch info` says why not dicomm.
 try:
     import dicomm  # noqa: F401
 except ModuleNotFoundError as exc:
-    if exc.name != "dicomm._C":
+    if exc.name not in ("torch", "dicomm._C"):
         raise
 
 # Precision tools selected by environment variables apply to unmodified training scripts.

@@ -227,7 +227,7 @@ class ChipSpec:
 def _datasheet_defaults(part: Any, where: str) -> dict:
     """A chip entry's figures from the chip profile ``part`` names (the catalog, H2's A-D or
     $DITORCH_PROFILE_FILE): what the entry does not state itself."""
-    from ditorch_ext.profiles import known_profiles
+    from diutil.datasheets.chips import known_profiles
 
     profiles = known_profiles()
     if not isinstance(part, str) or part not in profiles:

@@ -95,11 +95,11 @@ class ChipProfile:
     def _datasheet_layer_times(self, tp: int) -> LayerTimes:
         """The layer's kernels on the datasheet (forward and backward), plus the TP all-reduces
         over the chip's scale-up links; the backward split evenly as a measured one is."""
-        from ditorch_ext.profiles import resolve
+        from diutil.datasheets.chips import resolve
 
-        from .roofline import layer_kernel_times
+        from .roofline import datasheet_kernel_times
 
-        k = layer_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet)
+        k = datasheet_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet)
         comm = 2.0 * self.tp_allreduce_time(tp)  # attention block + MLP block
         return LayerTimes(fwd=k.fwd + comm, bwd_input=k.bwd / 2 + comm, bwd_weight=k.bwd / 2, recompute=k.fwd + comm)
 
@@ -111,11 +111,11 @@ class ChipProfile:
         if measured is not None:
             return measured.get(tp, {}).get("stage_fwd", 0.0) * self._ms
         if self.chip.datasheet is not None:
-            from ditorch_ext.profiles import resolve
+            from diutil.datasheets.chips import resolve
 
-            from .roofline import layer_kernel_times
+            from .roofline import datasheet_kernel_times
 
-            return layer_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet).stage_fwd
+            return datasheet_kernel_times(self.model, tp, resolve(self.chip.datasheet).datasheet).stage_fwd
         return 0.0
 
     def stage_update_time(self, tp: int, dp: int, layers: int) -> float:

@@ -10,6 +10,15 @@ emulated chip at time scale 1 and this estimate charge the same kernels the same
 the copies a run makes between host and device.
 TP collectives are not kernels here; the cost model adds them from the chip's links
 (heteropp/profile.py).
+
+Tracing needs torch and the compiled device layer. Without either (a machine that only plans)
+``datasheet_kernel_times`` prices the layer's kernels analytically instead
+(``analytic_kernel_times``): the same roofline per kernel, over the matmuls, the attention and
+the elementwise passes a LLaMA layer makes, their shapes from the model spec. It agrees with the
+traced pricing within a factor of two where the matmuls rule (a 100B layer: it leaves out the
+kernels autograd and the framework add; tests/heteropp/test_datasheet_plans.py), and counts
+fewer kernels than the trace on small, launch-bound layers: a plan of a fleet is the same kind
+of search over somewhat faster layers.
 """
 from __future__ import annotations
 
@@ -33,8 +42,64 @@ class KernelTimes:
     stage_fwd: float
 
 
+BF16_BYTES = 2
+
+
+def datasheet_kernel_times(spec: ModelSpec, tp: int, datasheet) -> KernelTimes:
+    """A layer's kernel times on ``datasheet``: traced (``layer_kernel_times``) where torch and
+    the device layer load, else analytic (``analytic_kernel_times``)."""
+    try:
+        import torch  # noqa: F401
+
+        import ditorch_ext  # noqa: F401
+    except ImportError:
+        return analytic_kernel_times(spec, tp, datasheet)
+    return layer_kernel_times(spec, tp, datasheet)
+
+
+def _roofline_seconds(flops: float, nbytes: float, datasheet, precision: str = "bf16") -> float:
+    """One kernel's time on ``datasheet``: its launch plus the longer of compute and memory."""
+    compute = flops / datasheet.peak(precision) if flops > 0 else 0.0
+    return datasheet.launch_s + max(compute, nbytes / datasheet.memory_bytes_per_s)
+
+
+def analytic_kernel_times(spec: ModelSpec, tp: int, datasheet) -> KernelTimes:
+    """One micro-batch (one sequence) through one layer of ``spec`` on one rank of a TP group of
+    ``tp``, in bf16, kernel by kernel with no torch: the seven projections (and their fp32
+    weights' casts), the attention's two
+    products and softmax, and the elementwise passes (two norms, rotary embedding of q and k,
+    SwiGLU's activation and product, two residual adds), each at the roofline of its FLOPs and
+    the bytes it reads and writes. The backward runs each projection twice (input and weight
+    gradients) and each other kernel once, with half again its forward's traffic (the gradient beside the saved input)."""
+    s, h = spec.seq, spec.hidden
+    q, kv, f = spec.q_dim // tp, spec.kv_dim // tp, spec.ffn // tp
+    b = BF16_BYTES
+
+    def matmul(m: int, k: int, n: int) -> tuple[float, float]:
+        return 2.0 * m * k * n, b * (m * k + k * n + m * n)
+
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+    projections = [matmul(s, k, n) for k, n in shapes]
+    # the runtime keeps fp32 weights: autocast casts each to bf16 in the forward (4 bytes read, 2 written)
+    casts = [(0.0, 6.0 * k * n) for k, n in shapes]
+    heads = max(1, spec.heads // tp)
+    d = spec.head_dim
+    attention = [(2.0 * heads * s * s * d, b * heads * (2 * s * d + s * s)),  # q k^T
+                 (0.0, 2 * b * heads * s * s),  # softmax
+                 (2.0 * heads * s * s * d, b * heads * (s * s + 2 * s * d))]  # scores v
+    # (elements read + written) per elementwise pass: norms (x in, y out), rotary (q and k),
+    # silu(gate), silu(gate) * up, the two residual adds
+    elementwise = [(0.0, b * n) for n in (2 * s * h, 2 * s * h, 2 * s * q, 2 * s * kv, 2 * s * f, 3 * s * f,
+                                          3 * s * h, 3 * s * h)]
+    fwd = sum(_roofline_seconds(fl, nb, datasheet) for fl, nb in projections + casts + attention + elementwise)
+    bwd = sum(2 * _roofline_seconds(fl, nb, datasheet) for fl, nb in projections + attention) + \
+        sum(_roofline_seconds(fl, 1.5 * nb, datasheet) for fl, nb in elementwise)
+    kernels = len(projections) + len(casts) + len(attention) + len(elementwise)
+    return KernelTimes(fwd, bwd, kernels, 2 * (len(projections) + len(attention)) + len(elementwise), 0.0)
+
+
 def kernel_seconds(op: str, tensors: list, ints: list[int], datasheet) -> float:
-    """One op's roofline time on ``datasheet`` (a ``ditorch_ext.profiles.Datasheet``)."""
+    """One op's roofline time on ``datasheet`` (a ``diutil.datasheets.chips.Datasheet``)."""
     import torch
 
     import ditorch_ext  # noqa: F401  (loads the C++ counting)

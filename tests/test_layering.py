@@ -79,3 +79,13 @@ def test_a_parameter_server_loads_neither_the_device_layer_nor_dicomm():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"
+
+
+def test_the_datasheets_and_the_planners_cluster_load_no_torch():
+    code = ("import sys, diutil.datasheets.catalog, heteropp.cluster;"
+            "heteropp.cluster.ClusterSpec.from_dict({'chips': {'H100': {'datasheet': 'H100', 'count': 8}},"
+            " 'links': {'inter_node': {'bandwidth_gbps': 50}, 'inter_cluster': {'bandwidth_gbps': 1}}});"
+            "print(sorted(m for m in ('torch', 'ditorch_ext', 'dicomm') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"

@@ -392,7 +392,7 @@ def host_ratio(chip: str, spec: ModelSpec, precision: str = "bf16", memory_scale
     """How many times longer this host takes for one layer of ``spec`` (forward and backward,
     one thread, in CPU time: neighbours on the cores do not count) than ``chip`` does by its
     datasheet: the time scale at which one rank of that chip alone just keeps up
-    (``ditorch_ext.profiles.time_scale_for`` combines the ranks' ratios, with headroom)."""
+    (``diutil.datasheets.chips.time_scale_for`` combines the ranks' ratios, with headroom)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,11 +406,11 @@ def cluster_time_scale(clusters: Sequence[Mapping[str, int]], spec: ModelSpec, p
                        memory_scale: float = 1.0) -> tuple[float, dict[str, float]]:
     """The time scale at which this host keeps up with each of ``clusters`` (chip name -> ranks
     of it on this host), run one at a time: each chip's ``host_ratio``, combined per cluster by
-    ``ditorch_ext.profiles.time_scale_for`` (the largest ratio and the ratios' sum per core, with
+    ``diutil.datasheets.chips.time_scale_for`` (the largest ratio and the ratios' sum per core, with
     headroom), the largest over the clusters. Returns the scale and each chip's ratio. A chip
     named by a profile file needs ``$DITORCH_PROFILE_FILE`` in this process's environment (the
     measuring worker inherits it)."""
-    from ditorch_ext.profiles import time_scale_for
+    from diutil.datasheets.chips import time_scale_for
 
     if not clusters or not all(clusters):
         raise ValueError(f"cluster_time_scale: clusters={list(clusters)!r}; expected chip counts like [{{'A': 2}}]")
@@ -443,7 +443,7 @@ def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", mem
 def chip_description(chip: str, results: dict[int, dict], memory_scale: float, default_gbps: float = 1.0,
                      time_scale: float = 1.0) -> dict:
     """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results."""
-    from ditorch_ext.profiles import resolve
+    from diutil.datasheets.chips import resolve
 
     profile = resolve(chip)
     import platform
@@ -537,14 +537,14 @@ def profile_command(args) -> int:
             raise ValueError(f"--tp {args.tp}: expected powers of two like 1,2,4")
         spec = ModelSpec.load(args.model, seq=args.seq)
         scale = args.memory_scale or float(os.environ.get("DITORCH_MEMORY_SCALE", "0.001"))
-        from ditorch_ext.profiles import resolve, time_scale_from_env, time_scale_or_default
+        from diutil.datasheets.chips import resolve, time_scale_from_env, time_scale_or_default
 
         resolve(args.chip)
         if not _speed_emulated():
             # a real device runs at its own speed: its times are its own, no scale to divide by
             stretch = 1.0
         elif args.time_scale is None and time_scale_from_env() is None:
-            from ditorch_ext.profiles import time_scale_for
+            from diutil.datasheets.chips import time_scale_for
 
             ratio = host_ratio(args.chip, spec, args.precision, scale, args.sequence_parallel)
             stretch = time_scale_for([ratio] * (getattr(args, "ranks", None) or max(tps)))

@@ -115,7 +115,7 @@ def check_stage_memory(plan: Plan, stage: int, capacity_bytes: int, scale: float
 def run_time_scale(plan: Plan) -> float:
     """The emulation time scale of this run: the one the plan's chips were profiled under, so the
     run is as slow as the plan's layer times say ($DITORCH_TIME_SCALE may restate it, not change it)."""
-    from ditorch_ext.profiles import TIME_SCALE_ENV, time_scale_from_env
+    from diutil.datasheets.chips import TIME_SCALE_ENV, time_scale_from_env
 
     profiled, asked = plan.cluster.emulated_time_scale, time_scale_from_env()
     if profiled is not None and asked is not None and asked != profiled:
@@ -128,7 +128,7 @@ def check_plan_fits(plan: Plan, options: TrainOptions) -> None:
     """Every stage's chip can be emulated here and holds the stage, its TP size splits the model,
     and each boundary's resharding splits the sequence. Each rank checks all stages, so a bad
     plan stops every rank with the same message before any group is made."""
-    from ditorch_ext.profiles import memory_scale_from_env, resolve
+    from diutil.datasheets.chips import memory_scale_from_env, resolve
 
     from .boundary import routes
 

@@ -70,3 +70,58 @@ def test_datasheet_chips_do_not_mix_with_chips_measured_at_a_time_scale():
     measured["emulated_time_scale"] = 1.0  # measured at the chip's own speed (a real device): they compare
     assert len(ClusterSpec.from_dict({"chips": {"A": measured, "H100": {"datasheet": "H100", "count": 1}},
                                       "links": links}).chips) == 2
+
+
+# A meta-path finder that makes torch and every compiled module of the project unimportable, as
+# on a machine that only plans; it records what was asked for so the test sees it was in the way.
+_NO_TORCH = """
+import sys
+class Refuse:
+    asked = []
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'torch' or name in ('ditorch_ext._C', 'dicomm._C'):
+            Refuse.asked.append(name)
+            raise ModuleNotFoundError(f'No module named {name!r} (refused by the test)', name=name)
+        return None
+sys.meta_path.insert(0, Refuse())
+from ditorch.cli import main
+code = main(sys.argv[1:])
+assert 'torch' not in sys.modules and 'ditorch_ext._C' not in sys.modules, sorted(sys.modules)
+print('refused:', sorted(set(Refuse.asked)))
+sys.exit(code)
+"""
+
+
+def test_a_fleet_of_parts_plans_without_torch_or_the_compiled_layers(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("name: mixed\nparts: {H100: 16, MI300X: 8}\n")
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
+    env["PYTHONPATH"] = str(CONFIGS.parents[1])
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH, "plan", "--cluster", str(fleet), "--model", str(SMALL),
+                           "--gbs", "2K", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: ['torch']" in done.stdout  # `import ditorch` asked for torch and went on without it
+    plan = json.loads(out.read_text())
+    chips = plan["cluster"]["chips"]
+    assert {n: c["count"] for n, c in chips.items()} == {"H100": 16, "MI300X": 8}
+    assert chips["MI300X"]["source"].startswith("datasheet: AMD Instinct MI300X")
+    assert sum(s["tp"] * s["dp"] for s in plan["stages"]) <= 24 and plan["stages"]
+
+
+def test_without_torch_a_layer_is_priced_within_a_factor_of_two_of_its_trace():
+    from diutil.datasheets.chips import resolve
+    from heteropp.roofline import analytic_kernel_times, layer_kernel_times
+
+    spec = ModelSpec.load(CONFIGS / "model-100b.yaml")  # matmul-bound: the roofline's compute rules
+    for part in ("H100", "MI300X", "L40S"):
+        sheet = resolve(part).datasheet
+        for tp in (1, 4):
+            traced, analytic = layer_kernel_times(spec, tp, sheet), analytic_kernel_times(spec, tp, sheet)
+            assert 0.5 <= analytic.fwd / traced.fwd <= 1.0 and 0.5 <= analytic.bwd / traced.bwd <= 1.0, (part, tp)
