@@ -11,13 +11,14 @@ judged on a proportionally scaled-down copy (fewer replicas, the same per-replic
 
 The same three parts for a HeteroPP plan whose stages span two DCs (the runtime runs these):
 the DCs are the plan's clusters (each chip type is a cluster, ``ClusterSpec.link_between``), so
-the one boundary between two chip types is the cross-DC link, shared by every DP replica.
+a boundary between two chip types is a cross-DC link, shared by every DP replica (JEEVES has
+one; a plan over more DCs gets the same treatment at each).
 ``plan_pipeline`` is the simulator's view of such a plan (every replica, the shared link);
 ``comm_aware_schedules`` are the per-replica lists JEEVES's greedy scheduler runs on it (with
 ``coordinated``, the replicas take turns on the cross-DC link); ``divide_plan`` is the
-memory-aware division of the plan's layers. The activation budget of every stage is what the
-first stage of an even division holds under 1F1B (S micro-batches of L/S layers): JEEVES runs
-in the memory 1F1B would take.
+memory-aware division of the plan's layers. A stage's activation budget is what its chip's
+memory holds beside its weights and optimizer state (the paper's constraint); the greedy
+scheduler runs a forward only while the budget has room.
 """
 from __future__ import annotations
 
@@ -82,17 +83,8 @@ def memory_aware_division(setup: CrossDCSetup, stages: int, probe_replicas: int 
     """Layers per stage for the comm-aware schedule under the activation budget (see module)."""
     L = setup.model.n_layers
     base = [L // stages + (1 if i < L % stages else 0) for i in range(stages)]
-    candidates = [base]
-    for front in range(1, min(3, stages // 2) + 1):  # the first `front` stages give up `d` layers each
-        for d in range(1, min(max_shift, base[0] - 1) + 1):
-            lay = [n - d if i < front else n for i, n in enumerate(base)]
-            spare = front * d
-            back = stages - front
-            for i in range(front, stages):
-                lay[i] += spare // back + (1 if (i - front) < spare % back else 0)
-            candidates.append(lay)
     best, best_t = base, float("inf")
-    for lay in candidates:
+    for lay in division_candidates(base, max_shift=max_shift):
         t = simulate(cross_dc_pipeline(setup, lay, coordinated=coordinated, ack_wait=ack_wait,
                                        replicas=probe_replicas), "comm-aware").iteration_time
         if t < best_t - 1e-12:
@@ -101,58 +93,44 @@ def memory_aware_division(setup: CrossDCSetup, stages: int, probe_replicas: int 
 
 
 # -- a HeteroPP plan across two DCs ---------------------------------------------------------------
-def cross_dc_boundary(plan: "Plan") -> int | None:
-    """The boundary (stage i to i + 1) whose stages sit in different DCs, or None when the plan
-    stays in one. A plan that crosses DCs more than once is refused: JEEVES splits a pipeline
-    over two DCs."""
-    from .plan import PlanError
-
-    cuts = [i for i in range(plan.num_stages - 1) if plan.stages[i].chip != plan.stages[i + 1].chip]
-    if len(cuts) > 1:
-        raise PlanError(f"the plan crosses between clusters at boundaries {cuts} "
-                        f"({' -> '.join(s.chip for s in plan.stages)}); a cross-DC schedule needs two DCs, "
-                        f"one crossing")
-    return cuts[0] if cuts else None
-
-
-def budget_layers(num_stages: int, num_layers: int, num_microbatches: int) -> int:
-    """Layer-micro-batches of activations a stage may hold under the comm-aware schedule: what
-    the first stage of an even division holds under 1F1B."""
-    return min(num_stages, num_microbatches) * math.ceil(num_layers / num_stages)
+def cross_dc_boundaries(plan: "Plan") -> list[int]:
+    """The boundaries (stage i to i + 1) whose two stages sit in different DCs (clusters): one
+    for JEEVES's two DCs, none for a plan inside one DC."""
+    return [i for i in range(plan.num_stages - 1) if plan.stages[i].chip != plan.stages[i + 1].chip]
 
 
 def inflight_microbatches(plan: "Plan", stage: int) -> int:
-    """How many micro-batches' activations stage ``stage`` holds at most under the budget."""
+    """How many micro-batches' activations stage ``stage`` may hold under the comm-aware
+    schedule: as many as its chip has room for beside its weights and optimizer state (JEEVES's
+    memory constraint is the chip's memory), at most all of them and at least one."""
     s = plan.stages[stage]
-    budget = budget_layers(plan.num_stages, plan.model.n_layers, plan.num_microbatches)
-    return max(1, min(plan.num_microbatches, budget // s.layers))
+    room = plan.cluster.chip(s.chip).usable_memory - plan.stage_memory(stage, inflight=0)
+    per = plan.stage_memory(stage, inflight=1) - plan.stage_memory(stage, inflight=0)
+    fits = int(room // per) if per > 0 else plan.num_microbatches
+    return max(1, min(plan.num_microbatches, fits))
 
 
 def plan_pipeline(plan: "Plan", coordinated: bool = False, ack_wait: bool = False) -> Pipeline:
-    """The simulator's pipeline of ``plan`` with every DP replica: the cross-DC boundary (if
-    any) is one link per direction that all replicas share (``inter_cluster``'s bandwidth,
+    """The simulator's pipeline of ``plan`` with every DP replica: a cross-DC boundary is one
+    link per direction that all replicas share (``inter_cluster``'s bandwidth,
     each micro-batch's whole activation), served in turns with ``coordinated``; each stage's
-    activations are capped at the budget. ``ack_wait``: blocking sends (DAPPLE)."""
+    activations are capped by its chip's memory. ``ack_wait``: a channel's next message
+    waits for the previous one's acknowledgement."""
     base = pipeline_from_plan(plan)
-    cut = cross_dc_boundary(plan)
+    cuts = cross_dc_boundaries(plan)
     links = list(base.links)
-    if cut is not None:
+    for cut in cuts:
         lk = plan.cluster.inter_cluster
         links[cut] = LinkModel(plan.model.p2p_bytes(1) * plan.micro_batch_size, lk.bandwidth, lk.latency, shared=True)
-    stages = []
-    for i, st in enumerate(base.stages):
-        limit = inflight_microbatches(plan, i) * st.act_bytes
-        stages.append(dataclasses.replace(st, act_limit=min(st.act_limit, limit)))
-    return Pipeline(stages=stages, links=links, microbatches=[plan.num_microbatches] * plan.dp, ack_wait=ack_wait,
-                    coordinated=coordinated and cut is not None)
+    return Pipeline(stages=base.stages, links=links, microbatches=[plan.num_microbatches] * plan.dp, ack_wait=ack_wait,
+                    coordinated=coordinated and bool(cuts))
 
 
 def comm_aware_schedules(plan: "Plan", coordinated: bool) -> list[Schedule]:
     """Per DP replica, the lists JEEVES's greedy scheduler runs on ``plan_pipeline(plan)``
     (named ``jeeves`` with coordinated turns on the cross-DC link, else ``comm-aware``)."""
     res = simulate(plan_pipeline(plan, coordinated=coordinated), "comm-aware")
-    cut = cross_dc_boundary(plan)
-    turns = (cut,) if coordinated and cut is not None else ()
+    turns = tuple(cross_dc_boundaries(plan)) if coordinated else ()
     name = "jeeves" if coordinated else "comm-aware"
     return [dataclasses.replace(s, name=name, coordinated=turns) for s in res.schedules]
 
@@ -185,7 +163,7 @@ def division_candidates(layers: Sequence[int], max_front: int = 3, max_shift: in
 
 def divide_plan(plan: "Plan", coordinated: bool = True) -> "Plan":
     """The memory-aware division of ``plan``: of ``division_candidates`` that fit the chips'
-    memory under the budget, the one the comm-aware schedule finishes fastest on."""
+    memory, the one the comm-aware schedule finishes fastest on."""
     from .plan import PlanError
 
     best, best_t = plan, simulate(plan_pipeline(plan, coordinated=coordinated), "comm-aware").iteration_time

@@ -58,3 +58,35 @@ def schedule_pipeline(plan: Plan, name: str | None = None) -> Pipeline:
     if name in CROSS_DC:
         return jeeves.plan_pipeline(plan, coordinated=name == "jeeves")
     return pipeline_from_plan(plan)
+
+
+def with_schedule(plan: Plan, name: str) -> Plan:
+    """``plan`` set to run ``name``: ``jeeves`` also divides its layers (memory-aware, jeeves.py);
+    ``auto`` picks, for a plan across two DCs, whichever of DAPPLE's 1F1B and JEEVES the
+    simulator finishes first (with every replica on the shared cross-DC link), else 1F1B. A
+    cross-DC schedule's estimate is the simulator's iteration."""
+    import dataclasses
+
+    from . import jeeves
+    from .simulator import simulate
+
+    if name == "auto":
+        if not jeeves.cross_dc_boundaries(plan):
+            return dataclasses.replace(plan, schedule="1f1b")
+        candidate = with_schedule(plan, "jeeves")
+        dapple = simulate(jeeves.plan_pipeline(plan, ack_wait=True), plan_schedules(plan, "1f1b")).iteration_time
+        if candidate.estimate["iteration_time_s"] < dapple:
+            return candidate
+        return dataclasses.replace(plan, schedule="1f1b")
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)} or auto")
+    out = dataclasses.replace(plan, schedule=name)
+    if name not in CROSS_DC:
+        out.validate()
+        return out
+    out = jeeves.divide_plan(out) if name == "jeeves" else out
+    out.validate()
+    t = simulate(schedule_pipeline(out), plan_schedules(out)).iteration_time
+    keep = {k: v for k, v in plan.estimate.items() if k in ("search_seconds", "search_leaves")}
+    return dataclasses.replace(out, estimate={**keep, "iteration_time_s": t, "estimated_by": f"simulator ({name})",
+                                              "tokens_per_chip_per_s": plan.global_batch_tokens / (t * plan.num_chips)})
