@@ -6,7 +6,10 @@ all at once, each at a share of it.
 Each sending rank of the boundary (one per replica and TP index; the chain runs over the ranks
 of one TP index) hands the turn to the next in the order with a one-element message inside its
 DC as soon as its own message is out: it does not wait for the message to arrive on the other
-side (the non-blocking hand-off). The stage's compute never waits for a turn: ``put`` queues a
+side (the non-blocking hand-off). On an emulated link (dicomm's, docs/dicomm.md) a send
+completes when the message is delivered, a latency after its last byte left, so the turn passes
+once the link's serialisation time (bytes over bandwidth, times the time scale) has elapsed
+since the send was posted; on a link that is not emulated it passes when the send completes. The stage's compute never waits for a turn: ``put`` queues a
 message and returns, and a thread of this rank waits for the turn, posts the message, waits
 until it is sent and passes the turn on. Tensors reach the thread ready to send (made on the
 device and synchronised by the caller); the thread only posts point-to-point operations.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -30,15 +34,16 @@ class LinkTurns:
     """This rank's place in one direction's chain of turns over a coordinated boundary.
 
     ``chain[r]`` is the rank that sends replica r's messages (this rank is ``chain[replica]``);
-    ``post(mb, pieces)`` posts one message's sends and returns their works."""
+    ``post(mb, pieces)`` posts one message's sends and returns their works; ``serialize_s(n)``
+    is how long the link takes to put out n bytes (None: the link is not emulated)."""
 
     def __init__(self, chain: Sequence[int], replica: int, microbatches: int, direction: str,
-                 post: Callable[[int, list], list]):
+                 post: Callable[[int, list], list], serialize_s: Callable[[int], float] | None = None):
         if len(chain) < 2 or not 0 <= replica < len(chain):
             raise ValueError(f"replica {replica} in a chain of {len(chain)} replicas: turns need two or more "
                              f"replicas and a place among them")
         self.chain, self.replica, self.microbatches = list(chain), replica, microbatches
-        self.direction, self._post = direction, post
+        self.direction, self._post, self._serialize_s = direction, post, serialize_s
         order = turn_order([microbatches] * len(chain))
         self._prev: dict[int, int | None] = {}
         self._next: dict[int, int | None] = {}
@@ -50,7 +55,6 @@ class LinkTurns:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.turn_wait_s = 0.0  # this step's time spent waiting for turns, for the trace
 
     def start(self) -> None:
         """Begin a step: the thread takes this step's messages in micro-batch order."""
@@ -74,7 +78,7 @@ class LinkTurns:
 
     def _run(self) -> None:
         token = torch.zeros(1)
-        handoffs = []
+        pending = []
         try:
             for expect in range(self.microbatches):
                 mb, pieces = self._queue.get()
@@ -83,11 +87,18 @@ class LinkTurns:
                 prev, nxt = self._prev[mb], self._next[mb]
                 if prev is not None:
                     dist.irecv(token, prev, tag=self._tag_base + mb).wait()
-                for w in self._post(mb, pieces):
-                    w.wait()
+                posted = time.monotonic()
+                works = self._post(mb, pieces)
+                if self._serialize_s is None:
+                    for w in works:
+                        w.wait()
+                else:  # the last byte is out: hand the turn on, the delivery completes on its own
+                    nbytes = sum(p.numel() * p.element_size() for p, _ in pieces)
+                    time.sleep(max(0.0, posted + self._serialize_s(nbytes) - time.monotonic()))
+                    pending += works
                 if nxt is not None:
-                    handoffs.append(dist.isend(torch.zeros(1), nxt, tag=self._tag_base + self._next_mb(mb, nxt)))
-            for w in handoffs:
+                    pending.append(dist.isend(torch.zeros(1), nxt, tag=self._tag_base + self._next_mb(mb, nxt)))
+            for w in pending:
                 w.wait()
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish() on the step's thread
             self._error = exc
