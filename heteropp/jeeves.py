@@ -112,16 +112,16 @@ def inflight_microbatches(plan: "Plan", stage: int) -> int:
 
 def plan_pipeline(plan: "Plan", coordinated: bool = False, ack_wait: bool = False) -> Pipeline:
     """The simulator's pipeline of ``plan`` with every DP replica: a cross-DC boundary is one
-    link per direction that all replicas share (``inter_cluster``'s bandwidth,
-    each micro-batch's whole activation), served in turns with ``coordinated``; each stage's
+    link per direction that all replicas share (the link ``pipeline_from_plan`` prices, each
+    micro-batch's whole activation), served in turns with ``coordinated``; each stage's
     activations are capped by its chip's memory. ``ack_wait``: a channel's next message
     waits for the previous one's acknowledgement."""
     base = pipeline_from_plan(plan)
     cuts = cross_dc_boundaries(plan)
     links = list(base.links)
-    for cut in cuts:
-        lk = plan.cluster.inter_cluster
-        links[cut] = LinkModel(plan.model.p2p_bytes(1) * plan.micro_batch_size, lk.bandwidth, lk.latency, shared=True)
+    for cut in cuts:  # the pair's link as pipeline_from_plan prices it, carrying every TP rank's piece
+        tp = min(plan.stages[cut].tp, plan.stages[cut + 1].tp)
+        links[cut] = dataclasses.replace(base.links[cut], nbytes=base.links[cut].nbytes * tp, shared=True)
     return Pipeline(stages=base.stages, links=links, microbatches=[plan.num_microbatches] * plan.dp, ack_wait=ack_wait,
                     coordinated=coordinated and bool(cuts))
 
