@@ -30,7 +30,7 @@ def main(plan_path: str, cases_path: str) -> int:
     dist.init_process_group("dicomm", timeout=datetime.timedelta(seconds=180))
     for directory, fields in cases.items():
         Path(directory).mkdir(parents=True, exist_ok=True)
-        paths = {k: Path(directory) / v for k, v in fields.items() if k in ("log", "save")}
+        paths = {k: Path(directory) / v for k, v in fields.items() if k in ("log", "save", "trace")}
         options = TrainOptions(**{**fields, **paths})
         trainer = PipelineTrainer(plan, options)
         TrainingRun(trainer).run()

@@ -72,9 +72,9 @@ def torchrun(plan_path: Path, nproc: int, args: list[str], tmp: Path, timeout: f
 
 
 def torchrun_script(script: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
-                    env: dict | None = None) -> subprocess.CompletedProcess:
-    """``script *args`` on ``nproc`` ranks, with the same chips as :func:`torchrun`."""
-    return _launch([str(script), *args], nproc, tmp, timeout, env)
+                    env: dict | None = None, hosts: list | None = None) -> subprocess.CompletedProcess:
+    """``script *args`` on ``nproc`` ranks, with the same chips (and ``hosts``) as :func:`torchrun`."""
+    return _launch([str(script), *args], nproc, tmp, timeout, env, hosts)
 
 
 def _launch(target: list[str], nproc: int, tmp: Path, timeout: float, env: dict | None,

@@ -1,9 +1,10 @@
 """JEEVES's cross-DC schedules on the runtime: a plan whose two stages sit in two DCs (chip
-types X and Y, each its own cluster) with two DP replicas trains exactly what one process
-trains (fp32, losses within 1e-5 relative, the replicas' parameters equal every step), under
-JEEVES (the replicas take turns on the cross-DC link, each DC an emulated host) and under the
-communication-aware lists alone; each rank runs the very lists the simulator replays for the
-same plan (heteropp.plan_schedules), read back from the run's trace."""
+types X and Y, each its own cluster; each DC an emulated host where they can be made) with two
+DP replicas trains exactly what one process trains (fp32, losses and parameters within 1e-5
+relative, the replicas' parameters equal every step) under JEEVES (the replicas take turns on
+the cross-DC link) and under the communication-aware lists alone; each rank runs the very
+lists the simulator replays for the same plan (heteropp.plan_schedules), read back from the
+run's trace. Both cases share one launch (exactness_proc.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,44 @@ from emulated_hosts import can_make_hosts, emulated_hosts
 from heteropp.plan_schedules import plan_schedules
 from heteropp.runtime.reference import train_reference
 from heteropp.runtime.trainer import TrainOptions
-from plans import make_plan, torchrun
+from plans import make_plan, torchrun_script
+from test_exactness import PROC, _checkpoint_tensors, _relative
 
 STEPS = 3
-TWO_DCS = [("X", 1, 2, False), ("Y", 1, 2, False)]
+SCHEDULES = ("jeeves", "comm-aware")
+
+
+def _plan():
+    plan = make_plan([("X", 1, 2, False), ("Y", 1, 2, False)], dp=2, microbatches=4)
+    # chips whose memory holds three micro-batches' activations: the lists run three forwards
+    # ahead, then alternate (no generated schedule does that on two stages)
+    static, per = plan.stage_memory(0, inflight=0), plan.stage_memory(0, inflight=1) - plan.stage_memory(0, inflight=0)
+    chips = tuple(dataclasses.replace(c, memory=(static + 3.5 * per) / c.usable_memory_fraction)
+                  for c in plan.cluster.chips)
+    return dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, chips=chips))
+
+
+_launched: list = []
+
+
+def _launch(tmp_path_factory):
+    """Train both cases in one launch (once per test process); the launch's folder."""
+    if _launched:
+        return _launched[0]
+    root = tmp_path_factory.mktemp("cross-dc")
+    plan = _plan()
+    plan.to_json(root / "plan.json")
+    cases = {str(root / name): {"steps": STEPS, "precision": "fp32", "schedule": name, "clip": 0.05,
+                                "log": "run.jsonl", "save": "ckpt", "trace": "trace.json", "check_replicas": 1,
+                                "progress": False} for name in SCHEDULES}
+    (root / "cases.json").write_text(json.dumps(cases))
+    # one host per DC: ranks 0-1 (stage 0 of both replicas) on the first, 2-3 on the second
+    with emulated_hosts(2) if can_make_hosts() is None else nullcontext() as hosts:
+        run = torchrun_script(PROC, plan.num_chips, [str(root / "plan.json"), str(root / "cases.json")], root,
+                              timeout=600, hosts=hosts)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _launched.append(root)
+    return root
 
 
 def _ran_lists(trace_path, step: int) -> dict[int, list[str]]:
@@ -32,31 +67,21 @@ def _ran_lists(trace_path, step: int) -> dict[int, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("schedule, on_hosts", [
-    pytest.param("jeeves", True, marks=pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))),
-    ("comm-aware", False),
-])
-def test_cross_dc_schedules_train_like_one_process(schedule, on_hosts, tmp_path):
-    plan = make_plan(TWO_DCS, dp=2, microbatches=4, schedule=schedule)
-    # chips whose memory holds three micro-batches' activations: the lists run three forwards
-    # ahead, then alternate (no generated schedule does that on two stages)
-    static, per = plan.stage_memory(0, inflight=0), plan.stage_memory(0, inflight=1) - plan.stage_memory(0, inflight=0)
-    chips = tuple(dataclasses.replace(c, memory=(static + 3.5 * per) / c.usable_memory_fraction)
-                  for c in plan.cluster.chips)
-    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, chips=chips))
-    plan.to_json(tmp_path / "plan.json")
-    with emulated_hosts(2) if on_hosts else nullcontext() as hosts:  # one host per DC: ranks 0-1 and 2-3
-        run = torchrun(tmp_path / "plan.json", plan.num_chips,
-                       ["--steps", str(STEPS), "--precision", "fp32", "--clip", "0.05", "--loss-log", "run.jsonl",
-                        "--check-replicas", "1", "--trace", "trace.json"], tmp_path, hosts=hosts)
-    assert run.returncode == 0, run.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run.jsonl").read_text().splitlines()]
-    reference, _ = train_reference(plan, TrainOptions(steps=STEPS, clip=0.05, progress=False))
-    assert losses == pytest.approx(reference, rel=1e-5)
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.xdist_group("cross-dc")) for s in SCHEDULES])
+def test_cross_dc_schedules_train_like_one_process(schedule, tmp_path, tmp_path_factory):
+    folder = _launch(tmp_path_factory) / schedule
+    plan = dataclasses.replace(_plan(), schedule=schedule)
+    ref_losses, ref_model = train_reference(plan, TrainOptions(steps=STEPS, clip=0.05, progress=False))
+    losses = [json.loads(line)["loss"] for line in (folder / "run.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    saved = _checkpoint_tensors(folder / "ckpt", tmp_path)
+    worst = max((_relative(saved[f"model/{k}"], v.detach()), k) for k, v in ref_model.state_dict().items())
+    assert worst[0] < 1e-5, f"parameter {worst[1]} differs by {worst[0]:.2e} relative"
 
     lists = plan_schedules(plan)
     assert [str(a) for a in lists[0].actions[0] if a.kind in "FB"][:4] == ["0F0", "0F1", "0F2", "0B0"]
-    ran = _ran_lists(tmp_path / "trace.json", STEPS - 1)
+    assert all(s.coordinated == ((0,) if schedule == "jeeves" else ()) for s in lists)
+    ran = _ran_lists(folder / "trace.json", STEPS - 1)
     for stage in range(plan.num_stages):
         for replica in range(plan.dp):
             rank = plan.stages[stage].first_rank + replica
