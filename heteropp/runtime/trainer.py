@@ -95,12 +95,6 @@ def global_batch_size(plan: Plan) -> int:
     return plan.num_microbatches * plan.dp * plan.micro_batch_size
 
 
-def build_schedule(plan: Plan, schedule: str | None) -> list[Schedule]:
-    """The action lists each DP replica runs (heteropp.plan_schedules: the lists the simulator
-    replays for the same plan and name)."""
-    return plan_schedules(plan, schedule)
-
-
 def check_stage_memory(plan: Plan, stage: int, capacity_bytes: int, scale: float) -> None:
     """Refuse a stage whose planned peak does not fit this chip's memory (as emulated: the
     profile's capacity times the memory scale)."""
@@ -170,7 +164,7 @@ class PipelineTrainer:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
         torch.dipu.set_device(self.device)
-        self.schedule = build_schedule(plan, options.schedule)[self.place.dp_index]
+        self.schedule = plan_schedules(plan, options.schedule)[self.place.dp_index]
         self.groups = StageGroups.create(self.layout, self.place, tied_embeddings=self.family.tied)
         self.module = self._build_module()
         self.update = StageUpdate(self.module, self.groups, self.place, plan.dp, options.lr, options.weight_decay,
