@@ -107,6 +107,32 @@ def main(argv: list[str] | None = None) -> int:
                         compile_layers=args.compile, profile=profile)
 
 
+def _emulate_links(plan) -> None:
+    """Emulated chips talk over the fleet's links, as they compute at their datasheets' speed:
+    this rank's dicomm paces its pairs to the plan's links at the run's time scale
+    (heteropp/placement.py; docs/dicomm.md, "Emulated links"). A vendor whose chips run at their
+    own speed keeps its own links, and DITORCH_EMULATED_LINKS=0 keeps the host's."""
+    import atexit
+
+    from heteropp.placement import link_env
+    from heteropp.plan import PlanError
+    from heteropp.runtime.trainer import run_time_scale
+
+    if os.environ.get("DITORCH_VENDOR", "emu") not in ("emu", "cpu") or \
+            os.environ.get("DITORCH_EMULATED_LINKS", "1") == "0" or "RANK" not in os.environ:
+        return
+    try:
+        scale = run_time_scale(plan)
+    except PlanError:
+        return  # the trainer refuses the run, naming why
+    job = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
+    state = f"/dev/shm/ditorch-links-{os.getuid()}-{job}"
+    rank = int(os.environ["RANK"])
+    os.environ.update(link_env(plan, rank, scale, state))
+    if rank == 0:  # the job's links go with it (a rank still running keeps its mapping)
+        atexit.register(lambda: Path(state).unlink(missing_ok=True))
+
+
 def _reference(plan, options) -> int:
     import torch
 
@@ -132,6 +158,7 @@ def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None, comp
     # Ranks outnumber cores here; one intra-op thread each keeps them from fighting over cores
     # and lets the chip emulation charge each kernel its own CPU time.
     torch.set_num_threads(int(os.environ.get("DITORCH_THREADS_PER_RANK", "1")))
+    _emulate_links(plan)
     dist.init_process_group("dicomm", timeout=datetime.timedelta(seconds=timeout))
     rank = dist.get_rank()
     if ft_args is not None:

@@ -15,7 +15,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-GB = 1e9
+from diutil.datasheets.links import GB, FleetLinks, LinkSpec
+
 # Measured extras of the pipeline's ends per micro-batch (ms): the embedding on the first stage,
 # the final norm, head and loss on the last. Optional in layer_times_ms; `ditorch profile` writes them.
 END_TIME_KEYS = ("embed_fwd", "embed_bwd", "head_fwd", "head_bwd")
@@ -28,31 +29,6 @@ STAGE_TIME_KEYS = ("stage_fwd", "stage_update")
 ZERO1_UPDATE_KEYS = ("zero1_update", "zero1_stage_update")
 # What layer_times_ms[tp] may hold (fwd and bwd are required).
 MEASURED_TIME_KEYS = ("fwd", "bwd", "recompute", "update", *STAGE_TIME_KEYS, *ZERO1_UPDATE_KEYS, *END_TIME_KEYS)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkSpec:
-    """An alpha-beta link: a message of n bytes takes ``latency + n / bandwidth`` seconds."""
-
-    bandwidth: float  # bytes/s
-    latency: float  # s
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
-            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-        if not self.latency >= 0:
-            raise ValueError(f"link latency must be >= 0 s, got {self.latency!r}")
-
-    def transfer_time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str) -> "LinkSpec":
-        _check_keys(d, {"bandwidth_gbps", "latency_us"}, {"bandwidth_gbps"}, where)
-        return cls(bandwidth=float(d["bandwidth_gbps"]) * GB, latency=float(d.get("latency_us", 0.0)) * 1e-6)
-
-    def to_dict(self) -> dict:
-        return {"bandwidth_gbps": round(self.bandwidth / GB, 9), "latency_us": round(self.latency * 1e6, 9)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +161,7 @@ class ChipSpec:
             where,
         )
         if "datasheet" in d:
-            d = {**_datasheet_defaults(d["datasheet"], where), **d}
+            d = {**datasheet_defaults(d["datasheet"], where), **d}
         calibration = None
         if "calibrate" in d:
             c = d["calibrate"]
@@ -224,7 +200,7 @@ class ChipSpec:
         )
 
 
-def _datasheet_defaults(part: Any, where: str) -> dict:
+def datasheet_defaults(part: Any, where: str) -> dict:
     """A chip entry's figures from the chip profile ``part`` names (the catalog, H2's A-D or
     $DITORCH_PROFILE_FILE): what the entry does not state itself."""
     from diutil.datasheets.chips import known_profiles
@@ -300,6 +276,13 @@ class ClusterSpec:
     def link_between(self, a: str, b: str) -> LinkSpec:
         """Stages of one chip type talk over the node network, others cross clusters."""
         return self.inter_node if a == b else self.inter_cluster
+
+    @property
+    def fleet_links(self) -> FleetLinks:
+        """The links as the shared link model has them (diutil/datasheets/links.py): each chip
+        type is a DC of its own, its nodes joined by ``inter_node``, the DCs by ``inter_cluster``."""
+        return FleetLinks({"inter_node": self.inter_node, "inter_cluster": self.inter_cluster},
+                          dcs=frozenset(c.name for c in self.chips))
 
     def to_dict(self) -> dict:
         return {
@@ -379,7 +362,7 @@ def _fleet_of_parts(d: dict, path: Path) -> dict:
         chips[str(name)] = {"datasheet": str(name), "count": count, **({"tp_max": tp_max} if tp_max else {})}
     links = d.get("links")
     if links is None:
-        nic = min(_datasheet_defaults(str(n), str(path))["nic_gbps"] for n in parts)
+        nic = min(datasheet_defaults(str(n), str(path))["nic_gbps"] for n in parts)
         links = {"inter_node": {"bandwidth_gbps": nic, "latency_us": 5},
                  "inter_cluster": {"bandwidth_gbps": nic, "latency_us": 20}}
     return {"name": d.get("name", path.stem), "chips": chips, "links": links}

@@ -397,7 +397,9 @@ class Simulator:
 
 def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
     """The simulator's view of a HeteroPP plan: stage times from the chip profiles, P2P over
-    the cluster's links (the busiest TP endpoint's shard, as the cost model), memory per chip."""
+    the cluster's links (the busiest TP endpoint's shard, as the cost model; at the profiles'
+    time scale, as an emulated run's dicomm paces them), memory per chip."""
+    from .placement import boundary_link
     from .profile import ChipProfile
 
     m, cl = plan.model, plan.cluster
@@ -421,12 +423,14 @@ def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
             update=prof.stage_update_time(st.tp, st.dp, n), name=st.chip,
             act_limit=cl.chip(st.chip).usable_memory - plan.stage_memory(i, inflight=0),
         ))
+    # The links as the run has them (heteropp/placement.py, the model dicomm's emulated links
+    # follow): in the time of the plan's chips, so at the time scale their profiles ran at.
+    scale = cl.emulated_time_scale or 1.0
     links = []
     for i in range(S - 1):
-        a, c = plan.stages[i], plan.stages[i + 1]
-        lk = cl.link_between(a.chip, c.chip)
-        bw = min(lk.bandwidth, cl.chip(a.chip).nic_bandwidth, cl.chip(c.chip).nic_bandwidth)
-        links.append(LinkModel(nbytes=m.p2p_bytes(min(a.tp, c.tp)), bandwidth=bw, latency=lk.latency))
+        lk = boundary_link(plan, i, scale)
+        nbytes = m.p2p_bytes(min(plan.stages[i].tp, plan.stages[i + 1].tp))
+        links.append(LinkModel(nbytes=nbytes, bandwidth=lk.bandwidth, latency=lk.latency))
     return Pipeline(stages=stages, links=links, microbatches=[b], ack_wait=blocking_ack)
 
 

@@ -17,8 +17,11 @@ the same forward, so it is the forward's time) and the update of the layer's sha
 runtime's local step: norm, clip, AdamW and zeroing on a flat gradient buffer); the
 median of ``repeats`` runs after warm-ups. It
 also measures the activation memory one micro-batch leaves per layer and, with t >= 2, the
-point-to-point bandwidth of one activation between two ranks, written as the chip's NIC and
-intra-node bandwidth.
+point-to-point time of one activation between two ranks (``p2p_bytes_per_s``, printed: the
+host's loopback, not a chip's link). The chip's links (``intra_node_gbps``, ``nic_gbps``) and
+memory bandwidth are its datasheet's (``heteropp.cluster.datasheet_defaults``): an emulated
+run's links are the fleet's, emulated by dicomm at the time scale (docs/dicomm.md, "Emulated
+links"), not this host's.
 """
 from __future__ import annotations
 
@@ -440,25 +443,25 @@ def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", mem
         return json.loads(Path(out).read_text())
 
 
-def chip_description(chip: str, results: dict[int, dict], memory_scale: float, default_gbps: float = 1.0,
-                     time_scale: float = 1.0) -> dict:
-    """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results."""
-    from diutil.datasheets.chips import resolve
-
-    profile = resolve(chip)
+def chip_description(chip: str, results: dict[int, dict], memory_scale: float, time_scale: float = 1.0) -> dict:
+    """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results; links and memory
+    bandwidth from the chip's datasheet."""
     import platform
 
-    gbps = [r["p2p_bytes_per_s"] / 1e9 for r in results.values() if r.get("p2p_bytes_per_s")]
-    bandwidth = round(min(gbps), 3) if gbps else default_gbps
+    from diutil.datasheets.chips import resolve
+    from heteropp.cluster import datasheet_defaults
+
+    profile = resolve(chip)
+    sheet = datasheet_defaults(chip, f"ditorch profile --chip {chip}")
     late = max((r.get("host_late_percent") or 0.0) for r in results.values())
     return {
         "count": profile.chips_per_node,
         "memory_gb": round(profile.capacity_bytes(memory_scale) / 1e9, 6),
         "chips_per_node": profile.chips_per_node,
         "tp_max": max(results),
-        "intra_node_gbps": bandwidth,
-        "hbm_gbps": bandwidth,  # unused: the update time is measured
-        "nic_gbps": bandwidth,
+        "intra_node_gbps": sheet["intra_node_gbps"],
+        "hbm_gbps": sheet["hbm_gbps"],
+        "nic_gbps": sheet["nic_gbps"],
         "layer_times_ms": {tp: {k: round(r[k], 4) for k in MEASURED_TIME_KEYS if k in r}
                            for tp, r in sorted(results.items())},
         "activation_mb": {tp: round(r["activation_bytes"] / 2**20, 4) for tp, r in sorted(results.items())},

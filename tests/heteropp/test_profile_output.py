@@ -78,3 +78,15 @@ def test_a_profiler_version_that_is_no_positive_integer_is_refused():
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(ValueError, match=f"profiler_version must be a positive integer, got {bad!r}"):
             ChipSpec.from_dict("B", {**desc, "profiler_version": bad})
+
+
+def test_a_profile_states_the_chips_datasheet_links_not_the_hosts_loopback(monkeypatch, tmp_path):
+    measured = {**_measured(5 * 2**20), "p2p_bytes_per_s": 7.5e9}  # what a loopback ping measured
+    monkeypatch.setattr(profiler, "profile_tp", lambda *a, **k: measured)
+    out = tmp_path / "chip-H100.yaml"
+    args = argparse.Namespace(chip="H100", model=str(MODEL), seq=None, tp="1", precision="bf16", memory_scale=0.001,
+                              time_scale="1", ranks=None, repeats=1, sequence_parallel=True, out=str(out))
+    assert profiler.profile_command(args) == 0
+    chip = yaml.safe_load(out.read_text())["chips"]["H100"]
+    # NVIDIA's H100 SXM5: NVLink 900 GB/s both ways, 8x 400 Gb/s NICs for 8 GPUs; HBM3 3.35 TB/s
+    assert (chip["intra_node_gbps"], chip["nic_gbps"], chip["hbm_gbps"]) == (450, 50, 3350)

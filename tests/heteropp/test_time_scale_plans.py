@@ -82,3 +82,24 @@ def test_a_run_uses_its_plans_time_scale_and_refuses_another(monkeypatch):
     assert run_time_scale(unprofiled) == 3.0
     monkeypatch.delenv("DITORCH_TIME_SCALE")
     assert run_time_scale(unprofiled) == 1.0
+
+
+def test_a_plans_links_run_at_its_chips_time_scale_in_the_simulator():
+    """One micro-batch through two stages crosses the boundary twice (its activation, its
+    gradient), both on the critical path: at time scale k each crossing takes k times the
+    fleet's (latency + bytes / bandwidth), as the run's dicomm paces it."""
+    from heteropp.plan import Plan, StagePlan
+    from heteropp.placement import boundary_link, rank_places
+    from heteropp.schedule import one_f_one_b
+    from heteropp.simulator import pipeline_from_plan, simulate
+
+    def iteration(scale: float | None) -> float:
+        cluster = _cluster({"A": scale, "B": scale})
+        plan = Plan(model=MODEL, cluster=cluster, global_batch_tokens=MODEL.seq, dp=1,
+                    stages=(StagePlan("A", 1, 1, 4, 0, False, 0), StagePlan("B", 1, 1, 4, 4, False, 1)))
+        assert rank_places(plan)[0].dc == "A" and rank_places(plan)[1].dc == "B"
+        assert boundary_link(plan, 0) == LinkSpec(1 * GB, 1e-4)  # the cross-cluster link, narrower than the NICs
+        return simulate(pipeline_from_plan(plan), one_f_one_b(2, 1, [False, False])).iteration_time
+
+    crossing = 1e-4 + MODEL.p2p_bytes(1) / (1 * GB)
+    assert iteration(300.0) - iteration(None) == pytest.approx(2 * crossing * (300 - 1), rel=1e-9)

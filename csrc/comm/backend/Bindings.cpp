@@ -44,6 +44,8 @@ PYBIND11_MODULE(_C, m) {
            "Connections the pair to `peer` stripes large messages over (0 for this rank).")
       .def("congestion_of", &dicomm::ProcessGroupDicomm::congestionOf, py::arg("peer"),
            "TCP congestion control of the connections to `peer` ('' when not TCP).")
+      .def("link_of", &dicomm::ProcessGroupDicomm::linkOf, py::arg("peer"),
+           "The emulated link to `peer` (DICOMM_LINKS): class, places, GB/s, us and time scale; '' at host speed.")
       .def_property_readonly("aborted", &dicomm::ProcessGroupDicomm::aborted)
       .def_property_readonly("allreduce_algorithm", &dicomm::ProcessGroupDicomm::allreduceAlgorithm,
                              "How allreduces run: 'ring', 'hierarchical', 'shared', or by size (DICOMM_ALLREDUCE, the hosts).")

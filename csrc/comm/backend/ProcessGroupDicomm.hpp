@@ -130,6 +130,7 @@ class ProcessGroupDicomm : public c10d::Backend {
   std::string transportOf(int peer) const { return comm_->transportOf(peer); }
   int connectionsOf(int peer) const { return comm_->connectionsOf(peer); }
   std::string congestionOf(int peer) const { return comm_->congestionOf(peer); }
+  std::string linkOf(int peer) const { return comm_->linkOf(peer); }
   const DicommOptions& options() const { return options_; }
 
  private:

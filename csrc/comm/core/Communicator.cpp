@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <set>
@@ -11,6 +13,7 @@
 
 #include "comm/core/Tags.h"
 #include "comm/transport/Log.h"
+#include "comm/transport/PacedPair.h"
 #include "comm/transport/Spin.h"
 #include "comm/transport/Trace.h"
 
@@ -62,6 +65,26 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 std::string bytesToString(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
+
+// Where a job's emulated links keep their state unless DICOMM_LINK_STATE says: one file per job
+// (its store's address), so every process group of the job shares the fleet's links.
+std::string defaultLinkState() {
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  std::string name = std::string(addr ? addr : "local") + "-" + (port ? port : "0");
+  for (char& c : name) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.') c = '_';
+  }
+  return "/dev/shm/dicomm-links-" + std::to_string(getuid()) + "-" + name;
+}
+
+std::string describeLink(const std::string& cls, const LinkPlace& from, const LinkPlace& to,
+                         const LinkClassSpec& spec, double scale) {
+  std::ostringstream out;
+  out << cls << " " << from.dc << "/" << from.node << ">" << to.dc << "/" << to.node << " "
+      << spec.bytesPerSecond / 1e9 << " GB/s " << spec.latencySeconds * 1e6 << " us x" << scale;
+  return out.str();
+}
 std::vector<uint8_t> stringToBytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 }  // namespace
@@ -99,6 +122,7 @@ std::string localHostId() {
 Communicator::Communicator(CommunicatorOptions options)
     : options_(std::move(options)), mailbox_(options_.rank, options_.onFailure) {
   checkForcedTransport();
+  links_ = LinkEmulation::fromEnv(defaultLinkState());
   const std::string myHost = localHostId();
   const std::vector<std::string> myUsable =
       options_.transport == "auto" ? transportsUsable() : std::vector<std::string>{options_.transport};
@@ -106,6 +130,7 @@ Communicator::Communicator(CommunicatorOptions options)
   const int localRanks = choosePairTransports(myHost, myUsable);
   groupHosts();
   connectPairs(startTransports(authKey, localRanks, myHost));
+  paceLinks();
 }
 
 void Communicator::checkForcedTransport() const {
@@ -143,7 +168,7 @@ std::vector<uint8_t> Communicator::shareAuthKey(const std::string& myHost, const
     store->set(authKeyName, authKey);
   }
   store->set(std::string(kStorePrefix) + "info/" + std::to_string(options_.rank),
-             stringToBytes(myHost + "\n" + join(myUsable)));
+             stringToBytes(myHost + "\n" + join(myUsable) + "\n" + (links_.enabled ? links_.place.encode() : "")));
   if (options_.rank != 0) {
     waitForKey(authKeyName, 0);
     authKey = store->get(authKeyName);
@@ -156,6 +181,8 @@ int Communicator::choosePairTransports(const std::string& myHost, const std::vec
   const int rank = options_.rank, size = options_.size;
   pairTransport_.assign(size, "self");
   peerHost_.assign(size, myHost);
+  peerPlace_.assign(size, links_.place);
+  pairLink_.assign(size, "");
   int localRanks = 1;
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
@@ -164,7 +191,15 @@ int Communicator::choosePairTransports(const std::string& myHost, const std::vec
     std::string info = bytesToString(options_.store->get(key));
     size_t nl = info.find('\n');
     std::string peerHost = info.substr(0, nl);
-    std::vector<std::string> peerUsable = split(info.substr(nl + 1));
+    size_t nl2 = info.find('\n', nl + 1);
+    std::vector<std::string> peerUsable = split(info.substr(nl + 1, nl2 == std::string::npos ? nl2 : nl2 - nl - 1));
+    const std::string peerPlace = nl2 == std::string::npos ? "" : info.substr(nl2 + 1);
+    if (links_.enabled != !peerPlace.empty()) {
+      throw std::runtime_error("dicomm: rank " + std::to_string(rank) + (links_.enabled ? " emulates" : " does not emulate") +
+                               " links (DICOMM_LINKS) but rank " + std::to_string(p) +
+                               (links_.enabled ? " does not" : " does") + "; set it on every rank or on none");
+    }
+    if (links_.enabled) peerPlace_[p] = LinkPlace::parse(peerPlace, "rank " + std::to_string(p) + "'s DICOMM_LINK_PLACE");
     if (peerHost == myHost) ++localRanks;
     std::string chosen;
     for (auto& [name, factory] : byPreference()) {
@@ -187,9 +222,14 @@ int Communicator::choosePairTransports(const std::string& myHost, const std::vec
 }
 
 void Communicator::groupHosts() {
+  // Emulated nodes of one host are hosts of their own here: a collective across them takes the
+  // pairs (and their emulated links), not the host's shared memory.
+  auto sameHost = [&](int a, int b) {
+    return peerHost_[a] == peerHost_[b] &&
+           (!links_.enabled || (peerPlace_[a].dc == peerPlace_[b].dc && peerPlace_[a].node == peerPlace_[b].node));
+  };
   for (int p = 0; p < options_.size; ++p) {
-    auto known = std::find_if(hosts_.begin(), hosts_.end(),
-                              [&](const std::vector<int>& h) { return peerHost_[h[0]] == peerHost_[p]; });
+    auto known = std::find_if(hosts_.begin(), hosts_.end(), [&](const std::vector<int>& h) { return sameHost(h[0], p); });
     if (known == hosts_.end()) {
       hostIndex_.push_back(static_cast<int>(hosts_.size()));
       hosts_.push_back({p});
@@ -244,6 +284,38 @@ void Communicator::connectPairs(const std::map<std::string, Transport*>& started
     throw;
   }
 }
+
+void Communicator::paceLinks() {
+  if (!links_.enabled) return;
+  std::shared_ptr<LinkState> state = LinkState::open(links_.statePath);
+  const LinkPlace& me = links_.place;
+  // The link's name says what shares it: a DC pair's one link per direction; a rank's NIC (by
+  // its process: one chip, whatever group it sends in); a rank's scale-up port.
+  const std::string chip = std::to_string(getpid());
+  for (int p = 0; p < options_.size; ++p) {
+    if (!pairs_[p]) continue;
+    const LinkPlace& peer = peerPlace_[p];
+    const std::string cls = LinkEmulation::classBetween(me, peer);
+    auto named = links_.classes.find(cls);
+    if (named == links_.classes.end()) continue;  // a class the cluster does not name: host speed
+    LinkClassSpec spec = named->second;
+    if (cls != "intra_node") {
+      for (double nic : {me.nicBytesPerSecond, peer.nicBytesPerSecond}) {
+        if (nic > 0) spec.bytesPerSecond = std::min(spec.bytesPerSecond, nic);
+      }
+    }
+    const std::string id = cls == "inter_cluster" ? "c|" + me.dc + "|" + peer.dc
+                           : cls == "inter_node"  ? "n|" + chip
+                                                  : "i|" + chip;
+    pairLink_[p] = describeLink(cls, me, peer, spec, links_.timeScale);
+    pairs_[p] = PacedPair::wrap(pairs_[p], state, state->slot(id), spec, links_.timeScale, pairLink_[p],
+                                [](uint64_t tag) { return isControlTag(tag); });
+  }
+  logLine(LogLevel::kInfo, "rank " + std::to_string(options_.rank) + ": emulated links at " + me.encode() +
+                               " (state " + links_.statePath + ")");
+}
+
+std::string Communicator::linkOf(int peer) const { return pairLink_.at(peer); }
 
 void Communicator::checkListenReaches(const ListenAddress& listen, const std::string& myHost) const {
   if (!listen.loopback) return;

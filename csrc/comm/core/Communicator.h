@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/core/Mailbox.h"
+#include "comm/transport/EmulatedLinks.h"
 #include "comm/transport/Transport.h"
 
 namespace dicomm {
@@ -54,9 +55,13 @@ class Communicator {
   int connectionsOf(int peer) const;
   // The TCP congestion control of the pair to `peer` ("" when it is not TCP, or for self).
   std::string congestionOf(int peer) const;
+  // The emulated link to `peer` ("inter_cluster dc0>dc1 1 GB/s 20000 us x300"), "" when the
+  // pair runs at host speed (no DICOMM_LINKS, or a class it does not name).
+  std::string linkOf(int peer) const;
 
-  // The group's ranks by host (same localHostId()), hosts in the order of their lowest rank,
-  // ranks ascending within each; and the index into hosts() of `rank`'s host.
+  // The group's ranks by host (same localHostId(); with emulated links, same host and node of
+  // the fleet), hosts in the order of their lowest rank, ranks ascending within each; and the
+  // index into hosts() of `rank`'s host.
   const std::vector<std::vector<int>>& hosts() const { return hosts_; }
   int hostOf(int rank) const { return hostIndex_.at(rank); }
 
@@ -116,6 +121,8 @@ class Communicator {
   std::map<std::string, Transport*> startTransports(const std::vector<uint8_t>& authKey, int localRanks,
                                                     const std::string& myHost);
   void connectPairs(const std::map<std::string, Transport*>& started);
+  // With DICOMM_LINKS: each pair to a peer over a named link class becomes a PacedPair.
+  void paceLinks();
   // Throws when `listen` is a loopback address while a tcp peer is on another host.
   void checkListenReaches(const ListenAddress& listen, const std::string& myHost) const;
   std::string describeTransports() const;
@@ -126,6 +133,9 @@ class Communicator {
   std::vector<std::shared_ptr<Pair>> pairs_;  // indexed by rank; null for self
   std::vector<std::string> pairTransport_;
   std::vector<std::string> peerHost_;  // host id of each rank (localHostId())
+  LinkEmulation links_;                 // DICOMM_LINKS and this rank's place (EmulatedLinks.h)
+  std::vector<LinkPlace> peerPlace_;    // each rank's place in the fleet, with emulated links
+  std::vector<std::string> pairLink_;   // linkOf() of each rank
   std::vector<std::vector<int>> hosts_;
   std::vector<int> hostIndex_;
   mutable std::mutex closeMu_;
