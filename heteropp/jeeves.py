@@ -123,7 +123,21 @@ def plan_pipeline(plan: "Plan", coordinated: bool = False, ack_wait: bool = Fals
         tp = min(plan.stages[cut].tp, plan.stages[cut + 1].tp)
         links[cut] = dataclasses.replace(base.links[cut], nbytes=base.links[cut].nbytes * tp, shared=True)
     return Pipeline(stages=base.stages, links=links, microbatches=[plan.num_microbatches] * plan.dp, ack_wait=ack_wait,
-                    coordinated=coordinated and bool(cuts))
+                    coordinated=coordinated and bool(cuts), handoff=handoff_time(plan) if cuts else 0.0)
+
+
+def handoff_time(plan: "Plan") -> float:
+    """The turn's hand-off on a coordinated link: a one-element message between two replicas'
+    ranks of a stage, inside their DC (at the profiles' time scale, as the run has it)."""
+    from .placement import rank_places
+
+    if plan.dp < 2:
+        return 0.0
+    places = rank_places(plan)
+    first = plan.stages[0]
+    a, b = places[first.first_rank], places[first.first_rank + first.tp]  # replicas 0 and 1 of stage 0
+    link = plan.cluster.fleet_links.between(a, b)
+    return 0.0 if link is None else link.transfer_time(4.0, plan.cluster.emulated_time_scale or 1.0)
 
 
 def comm_aware_schedules(plan: "Plan", coordinated: bool) -> list[Schedule]:

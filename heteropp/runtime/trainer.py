@@ -215,8 +215,19 @@ class PipelineTrainer:
         for direction, boundary, side in (("F", i, next_), ("B", i - 1, prev)):
             if boundary in self.schedule.coordinated and side is not None:
                 turns[direction] = LinkTurns(chain, self.place.dp_index, self.plan.num_microbatches, direction,
-                                             lambda mb, pieces, side=side, d=direction: side.post(d, mb, pieces))
+                                             lambda mb, pieces, side=side, d=direction: side.post(d, mb, pieces),
+                                             self._serialize_s(boundary))
         return turns
+
+    def _serialize_s(self, boundary: int):
+        """How long the emulated link of ``boundary`` takes to put out n bytes (None where
+        dicomm does not emulate the links: ditorch.train sets DICOMM_LINKS when it does)."""
+        from heteropp.placement import boundary_link
+
+        if not os.environ.get("DICOMM_LINKS"):
+            return None
+        bandwidth = boundary_link(self.plan, boundary, run_time_scale(self.plan)).bandwidth
+        return lambda nbytes: nbytes / bandwidth
 
     # -- one step ----------------------------------------------------------------------------
     def _microbatches(self, batch: torch.Tensor) -> tuple[list | None, list | None]:
