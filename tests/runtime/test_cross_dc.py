@@ -4,7 +4,8 @@ DP replicas trains exactly what one process trains (fp32, losses and parameters 
 relative, the replicas' parameters equal every step) under JEEVES (the replicas take turns on
 the cross-DC link) and under the communication-aware lists alone; each rank runs the very
 lists the simulator replays for the same plan (heteropp.plan_schedules), read back from the
-run's trace. Both cases share one launch (exactness_proc.py)."""
+run's trace. Both cases share one launch (exactness_proc.py), over the plan's links as dicomm
+emulates them (so the turns pass after each message's serialisation time)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from contextlib import nullcontext
 
 import pytest
 
+from diutil.datasheets.links import LinkSpec
 from emulated_hosts import can_make_hosts, emulated_hosts
 from heteropp.plan_schedules import plan_schedules
 from heteropp.runtime.reference import train_reference
@@ -31,7 +33,8 @@ def _plan():
     static, per = plan.stage_memory(0, inflight=0), plan.stage_memory(0, inflight=1) - plan.stage_memory(0, inflight=0)
     chips = tuple(dataclasses.replace(c, memory=(static + 3.5 * per) / c.usable_memory_fraction)
                   for c in plan.cluster.chips)
-    return dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, chips=chips))
+    cross_dc = LinkSpec(bandwidth=1e8, latency=2e-3)  # 100 MB/s, 2 ms between the DCs
+    return dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, chips=chips, inter_cluster=cross_dc))
 
 
 _launched: list = []
@@ -50,8 +53,8 @@ def _launch(tmp_path_factory):
     (root / "cases.json").write_text(json.dumps(cases))
     # one host per DC: ranks 0-1 (stage 0 of both replicas) on the first, 2-3 on the second
     with emulated_hosts(2) if can_make_hosts() is None else nullcontext() as hosts:
-        run = torchrun_script(PROC, plan.num_chips, [str(root / "plan.json"), str(root / "cases.json")], root,
-                              timeout=600, hosts=hosts)
+        run = torchrun_script(PROC, plan.num_chips, [str(root / "plan.json"), str(root / "cases.json"),
+                                                     "--emulate-links"], root, timeout=600, hosts=hosts)
     assert run.returncode == 0, run.stderr[-3000:]
     _launched.append(root)
     return root
