@@ -73,6 +73,7 @@ class StageExecutor:
         losses: dict[int, float] = {}
         for turns in self.turns.values():
             turns.start()
+        ran = False
         try:
             for a in self.actions:
                 if self.blocking and a.kind not in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
@@ -80,11 +81,12 @@ class StageExecutor:
                 self._action_start = now()
                 getattr(self, "_do_" + a.kind)(a.mb, losses)
                 self.trace.record(str(a), a.kind, self._action_start, now(), step=step, mb=a.mb)
-            for w in self._sends:
-                w.wait()
+            ran = True
         finally:
             for turns in self.turns.values():
-                turns.finish()
+                turns.finish() if ran else turns.abandon()
+        for w in self._sends:
+            w.wait()
         if self.module.store.pending:
             raise RuntimeError(f"stage {self.trace.stage}: weight gradients of micro-batches {self.module.store.pending} "
                                f"were never computed (an I without its W)")

@@ -7,12 +7,13 @@ Each sending rank of the boundary (one per replica and TP index; the chain runs 
 of one TP index) hands the turn to the next in the order with a one-element message inside its
 DC as soon as its own message is out: it does not wait for the message to arrive on the other
 side (the non-blocking hand-off). On an emulated link (dicomm's, docs/dicomm.md) a send
-completes when the message is delivered, a latency after its last byte left, so the turn passes
-once the link's serialisation time (bytes over bandwidth, times the time scale) has elapsed
-since the send was posted; on a link that is not emulated it passes when the send completes. The stage's compute never waits for a turn: ``put`` queues a
-message and returns, and a thread of this rank waits for the turn, posts the message, waits
-until it is sent and passes the turn on. Tensors reach the thread ready to send (made on the
-device and synchronised by the caller); the thread only posts point-to-point operations.
+completes when the message is delivered, a latency after its last byte left, so the turn
+passes once the link's serialisation time (bytes over bandwidth, times the time scale) has
+elapsed since the send was posted; on a link that is not emulated it passes when the send
+completes. The stage's compute never waits for a turn: ``put`` queues a message and returns,
+and a thread of this rank waits for the turn, posts the message, waits until it is out and
+passes the turn on. Tensors reach the thread ready to send (made on the device and
+synchronised by the caller); the thread only posts point-to-point operations.
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ class LinkTurns:
             thread.join()
         if self._error is not None:
             raise RuntimeError(f"cross-DC turns ({self.direction}): {self._error}") from self._error
+
+    def abandon(self) -> None:
+        """End a step that failed: the thread (a daemon) may wait for messages that will never
+        be queued, so it is left behind, not joined; the run is failing anyway."""
+        self._thread = None
+        self._queue = queue.Queue()
 
     def _run(self) -> None:
         token = torch.zeros(1)
