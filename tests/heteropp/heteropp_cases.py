@@ -64,7 +64,7 @@ def two_dc_plan(latency_us: float, bandwidth_gbps: float, dp: int = 2, layers: l
     """A plan of ``llama-tiny`` (16 layers) over two DCs: ``dc_stages`` stages of chip X in DC1
     then of chip Y in DC2 (identical chips, so they differ only by where they sit), ``dp``
     replicas, the DCs joined by ``inter_cluster``; each chip's memory holds the first stage
-    and ``held`` of its micro-batches' activations. ``one_dc``: every stage on X, in one DC."""
+    and ``held`` of its micro-batches' activations (and at least what any stage needs under 1F1B). ``one_dc``: every stage on X, in one DC."""
     import dataclasses
 
     import yaml
@@ -87,7 +87,7 @@ def two_dc_plan(latency_us: float, bandwidth_gbps: float, dp: int = 2, layers: l
         first += n
     plan = Plan(model, cluster, microbatches * dp * model.seq, dp, tuple(stages), schedule=schedule)
     static, per = plan.stage_memory(0, inflight=0), plan.stage_memory(0, inflight=1) - plan.stage_memory(0, inflight=0)
-    chip["memory_gb"] = (static + held * per) / 0.9 / GB
+    chip["memory_gb"] = max(static + held * per, *(plan.stage_memory(i, inflight=min(S - i, microbatches)) for i in range(S))) / 0.9 / GB
     cluster = ClusterSpec.from_dict({**plan.cluster.to_dict(), "chips": {"X": chip, "Y": chip}})
     plan = dataclasses.replace(plan, cluster=cluster)
     plan.validate()

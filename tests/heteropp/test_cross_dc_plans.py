@@ -49,6 +49,16 @@ def test_cross_dc_lists_replay_to_the_greedy_timeline_within_the_plans_memory(se
         assert replay.stage_peak_memory[i] <= plan.stage_memory(i) * (1 + 1e-9), f"stage {i}"
 
 
+def test_turns_reorder_the_lists_and_the_turned_lists_replay():
+    # a link four times slower than the replicas' compute: taking turns changes what the greedy
+    # scheduler runs when, and the lists it ran replay to its timeline only with the turns
+    plan = two_dc_plan(10, 0.002, dp=2, microbatches=8, schedule="jeeves")
+    turned, free = plan_schedules(plan), plan_schedules(plan, "comm-aware")
+    assert [s.actions for s in turned] != [s.actions for s in free]
+    pipe = schedule_pipeline(plan)
+    assert simulate(pipe, turned).timeline == simulate(pipe, "comm-aware").timeline
+
+
 def test_coordinated_turns_serve_one_message_at_a_time_in_turn_order():
     # four replicas whose first forwards cross at once: in turns each arrives a crossing after
     # the previous (full bandwidth), where shared fairly all four arrive together at the end
