@@ -281,8 +281,10 @@ class ModelSpec:
         )
 
     def p2p_bytes(self, tp: int) -> float:
-        """Bytes one TP rank sends across a stage boundary per micro-batch (its shard)."""
-        return BF16 * self.seq * self.hidden / tp
+        """Bytes one TP rank sends across a stage boundary per micro-batch (its shard): the
+        residual stream, in the weights' dtype (fp32 weights under bf16 autocast keep an fp32
+        stream, as ditorch.train sends it; Megatron's bf16 weights a bf16 one)."""
+        return (FP32 if self.weight_dtype == "fp32" else BF16) * self.seq * self.hidden / tp
 
     def to_dict(self) -> dict:
         """The plan file's form: the LLaMA keys, and the optional ones only where they differ from

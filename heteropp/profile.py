@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .cluster import END_TIME_KEYS, ChipSpec
+from .cluster import END_TIME_KEYS, ChipSpec, LinkSpec
 from .model_spec import BF16, FP32, ModelSpec
 
 # Adam step per fp32 parameter: read master, grad, m, v; write master, m, v; write the bf16 copy
@@ -44,9 +44,12 @@ class LayerTimes:
 class ChipProfile:
     """Layer timings of one chip type running one model."""
 
-    def __init__(self, chip: ChipSpec, model: ModelSpec):
+    def __init__(self, chip: ChipSpec, model: ModelSpec, dp_link: LinkSpec | None = None):
+        """``dp_link``: the link a DP ring crosses between nodes (the cluster's ``inter_node``,
+        diutil/datasheets/links.py), which bounds the chip's NIC; None: the NIC alone."""
         self.chip = chip
         self.model = model
+        self.dp_link = dp_link
         self.effective_flops: float | None = None  # FLOP/s per chip for the analytic sources
         if chip.effective_tflops is not None:
             self.effective_flops = chip.effective_tflops * 1e12
@@ -150,8 +153,14 @@ class ChipProfile:
 
     def _dp_sync_time(self, params: float, dp: int, nbytes: int) -> float:
         """A ring reduce-scatter and all-gather (or all-reduce) of ``params`` gradients of
-        ``nbytes`` each over DP, through the chip's NIC."""
-        return 0.0 if dp == 1 else 2.0 * (dp - 1) / dp * params * nbytes / self.chip.nic_bandwidth
+        ``nbytes`` each over DP: 2 (dp - 1) steps over the link between nodes, bounded by the
+        chip's NIC; at the profile's time scale, as an emulated run's links are."""
+        if dp == 1:
+            return 0.0
+        link = LinkSpec(self.chip.nic_bandwidth, 0.0) if self.dp_link is None else \
+            self.dp_link.bounded(self.chip.nic_bandwidth)
+        seconds = 2.0 * (dp - 1) * link.latency + 2.0 * (dp - 1) / dp * params * nbytes / link.bandwidth
+        return seconds * (self.chip.emulated_time_scale or 1.0)
 
 
 def _calibrate(chip: ChipSpec, model: ModelSpec) -> float:

@@ -403,7 +403,7 @@ def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
     from .profile import ChipProfile
 
     m, cl = plan.model, plan.cluster
-    profiles = {c.name: ChipProfile(c, m) for c in cl.chips}
+    profiles = {c.name: ChipProfile(c, m, cl.inter_node) for c in cl.chips}
     S, b = plan.num_stages, plan.num_microbatches
     stages = []
     for i, st in enumerate(plan.stages):

@@ -30,7 +30,7 @@ class SearchSpace:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, batch: int, alpha: float, blocking_p2p: bool):
         self.model, self.cluster, self.batch, self.alpha, self.blocking_p2p = model, cluster, batch, alpha, blocking_p2p
-        self.profiles = {c.name: ChipProfile(c, model) for c in cluster.chips}
+        self.profiles = {c.name: ChipProfile(c, model, cluster.inter_node) for c in cluster.chips}
         # pipeline order: descending memory (ties: the order given)
         self.types = sorted(cluster.chips, key=lambda c: -c.memory)
         self.why: dict[str, object] = {}  # what ruled options out, for explain()

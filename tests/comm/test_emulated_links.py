@@ -80,12 +80,14 @@ def test_a_message_takes_the_fleets_link_time_and_a_cross_dc_link_is_shared(tmp_
     ("DICOMM_LINK_PLACE", "dc0", "DICOMM_LINK_PLACE='dc0' is invalid; expected DC/NODE"),
     ("DICOMM_LINK_PLACE", "", "DICOMM_LINK_PLACE is not"),
     ("DITORCH_TIME_SCALE", "0.5", "DITORCH_TIME_SCALE='0.5' is invalid"),
+    ("DICOMM_LINK_STATE", "/no-such-dir/links", "cannot open the emulated links' state file "
+                                               "DICOMM_LINK_STATE='/no-such-dir/links'"),
 ])
-def test_bad_link_settings_are_refused_naming_the_value(monkeypatch, variable, value, message):
+def test_bad_link_settings_are_refused_naming_the_value(monkeypatch, tmp_path, variable, value, message):
     import dicomm
 
     settings = {"DICOMM_LINKS": "inter_node=1:5", "DICOMM_LINK_PLACE": "dc0/n0", "DITORCH_TIME_SCALE": "2",
-                variable: value}
+                "DICOMM_LINK_STATE": str(tmp_path / "links"), variable: value}
     for name, setting in settings.items():
         monkeypatch.setenv(name, setting)
     with pytest.raises((ValueError, RuntimeError), match=message.replace("(", r"\(").replace("'", ".")):

@@ -97,7 +97,9 @@ def test_cost_model_and_simulator_agree_on_1f1b_plans(seed):
     model, cluster, gbs, _ = small_case(100 + seed)
     # and a small optimizer step: the paper's T adds the bottleneck stage's own update, while the
     # run ends at the pipeline's end plus the slowest update; large updates make that gap visible
-    cluster = dataclasses.replace(cluster, inter_cluster=cluster.inter_node, chips=tuple(
+    # (the DP ring crosses the link between nodes, bounded by the NICs: both fast)
+    fast = dataclasses.replace(cluster.inter_node, bandwidth=100e9)
+    cluster = dataclasses.replace(cluster, inter_node=fast, inter_cluster=fast, chips=tuple(
         dataclasses.replace(c, nic_bandwidth=100e9, hbm_bandwidth=1e13) for c in cluster.chips))
     auto = HeteroAuto(model, cluster, gbs, alpha=1.0)
     try:

@@ -103,3 +103,15 @@ def test_a_plans_links_run_at_its_chips_time_scale_in_the_simulator():
 
     crossing = 1e-4 + MODEL.p2p_bytes(1) / (1 * GB)
     assert iteration(300.0) - iteration(None) == pytest.approx(2 * crossing * (300 - 1), rel=1e-9)
+
+
+def test_the_dp_ring_crosses_the_link_between_nodes_at_the_profiles_time_scale():
+    """2 (dp - 1) ring steps, each a latency, and 2 (dp - 1) / dp of the gradients over the
+    narrower of the link and the NIC, all times the time scale (as dicomm paces the run's ring)."""
+    from heteropp.profile import ChipProfile
+
+    chip = dataclasses.replace(_chip("A", 4, 10.0), nic_bandwidth=25 * GB)
+    slow = ChipProfile(chip, MODEL, LinkSpec(1 * GB, 1e-5))
+    assert slow._dp_sync_time(1e6, 4, 4) == pytest.approx(10 * (6 * 1e-5 + 1.5 * 4e6 / 1e9), rel=1e-12)
+    nic_bound = ChipProfile(chip, MODEL, LinkSpec(100 * GB, 0))
+    assert nic_bound._dp_sync_time(1e6, 4, 4) == pytest.approx(10 * 1.5 * 4e6 / 25e9, rel=1e-12)

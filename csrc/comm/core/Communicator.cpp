@@ -130,7 +130,14 @@ Communicator::Communicator(CommunicatorOptions options)
   const int localRanks = choosePairTransports(myHost, myUsable);
   groupHosts();
   connectPairs(startTransports(authKey, localRanks, myHost));
-  paceLinks();
+  try {
+    paceLinks();
+  } catch (...) {
+    for (auto& pair : pairs_) {  // held by their own threads: stopped before mailbox_ goes
+      if (pair) pair->close();
+    }
+    throw;
+  }
 }
 
 void Communicator::checkForcedTransport() const {
