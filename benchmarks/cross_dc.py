@@ -90,7 +90,7 @@ def cluster(entry: dict, model: ModelSpec, latency_fwd: float, held: float) -> C
         "inter_node": {"bandwidth_gbps": 100, "latency_us": 5}, "inter_cluster": {"bandwidth_gbps": 100}}})
     probe = _plan(base, model, [model.n_layers // 2] * 2, cross=True)
     fwd = pipeline_from_plan(probe).stages[0].fwd / (base.emulated_time_scale or 1.0)  # chip seconds
-    bandwidth = DP * boundary_bytes(model) / (SHARE_CROSSING * fwd)
+    bandwidth = DP * model.p2p_bytes(1) / (SHARE_CROSSING * fwd)  # fp32: the stream ditorch.train sends
     static, per = probe.stage_memory(0, inflight=0), probe.stage_memory(0, inflight=1) - probe.stage_memory(0, inflight=0)
     memory_gb = (static + held * per) / 0.9 / GB
     return ClusterSpec.from_dict({"chips": {c: dict(entry, count=8, memory_gb=memory_gb) for c in CHIPS}, "links": {
@@ -115,17 +115,9 @@ class Row:
     schedule: str
 
     def simulated(self):
-        """The run's lists on the pipeline with both replicas and the shared cross-DC link, its
-        messages the bytes the run moves (the runtime's boundaries travel in fp32, where the
-        planner prices a bf16 activation)."""
-        pipe = plan_pipeline(self.plan, coordinated=self.schedule == "jeeves")
-        pipe.links = [dataclasses.replace(lk, nbytes=boundary_bytes(self.plan.model)) for lk in pipe.links]
-        return simulate(pipe, plan_schedules(self.plan, self.schedule))
-
-
-def boundary_bytes(model: ModelSpec) -> float:
-    """One micro-batch's activation (or its gradient) as the runtime sends it: fp32, TP 1."""
-    return 4.0 * model.seq * model.hidden
+        """The run's lists on the pipeline with both replicas and the shared cross-DC link."""
+        return simulate(plan_pipeline(self.plan, coordinated=self.schedule == "jeeves"),
+                        plan_schedules(self.plan, self.schedule))
 
 
 def rows(cl: ClusterSpec, model: ModelSpec) -> list[Row]:
