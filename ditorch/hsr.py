@@ -72,15 +72,11 @@ class Measurement:
 
 def simulated_iteration(plan: Plan, schedule: str | None = None) -> float:
     """The simulator's iteration time for ``plan`` under ``schedule`` (default: the plan's)."""
-    from heteropp.schedule import fine_grained, gpipe, one_f_one_b
-    from heteropp.simulator import pipeline_from_plan, simulate
+    from heteropp.plan_schedules import plan_schedules, schedule_pipeline
+    from heteropp.simulator import simulate
 
-    schedule = schedule or plan.schedule
-    S, b, rc = plan.num_stages, plan.num_microbatches, [s.recompute for s in plan.stages]
-    schedules = {"1f1b": one_f_one_b, "gpipe": gpipe, "fine-grained": fine_grained}
-    if schedule not in schedules:
-        raise ValueError(f"schedule {schedule!r}: expected one of {', '.join(schedules)}")
-    return simulate(pipeline_from_plan(plan), schedules[schedule](S, b, rc)).iteration_time
+    pipeline = schedule_pipeline(plan, schedule)
+    return simulate(pipeline, plan_schedules(plan, schedule)[:len(pipeline.microbatches)]).iteration_time
 
 
 def train_and_time(name: str, plan: Plan, out: Path, steps: int, env: dict | None = None) -> RunResult:

@@ -10,7 +10,7 @@ from .model_spec import ModelSpec
 from .plan import Plan, PlanError
 from .search import HeteroAuto, NoFeasiblePlan
 
-SCHEDULES = ("1f1b", "gpipe", "fine-grained", "comm-aware")
+from .plan_schedules import SCHEDULES
 
 
 def register(subparsers) -> None:
@@ -24,12 +24,16 @@ def register(subparsers) -> None:
     p.add_argument("--one-stage", action="store_true", help="skip the second (sub-group) search stage")
     p.add_argument("--allow-subset", action="store_true",
                    help="plan the subset of chip types that trains fastest, when that is not the whole cluster")
+    p.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="1f1b",
+                   help="the schedule the plan runs: jeeves divides the layers for it (memory-aware) and has the "
+                        "replicas take turns on the cross-DC link; auto picks jeeves over 1F1B where the plan "
+                        "crosses two DCs and the simulator finds it faster")
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.set_defaults(func=plan_command)
 
     s = subparsers.add_parser("simulate", help="simulate a plan under a pipeline schedule")
     s.add_argument("plan", help="plan.json written by `ditorch plan`")
-    s.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    s.add_argument("--schedule", choices=SCHEDULES, default=None, help="default: the plan's")
     s.add_argument("--timeline", default=None, help="write the timeline as a PNG here")
     s.add_argument("--schedule-out", default=None, help="write the per-stage action lists (JSON) here")
     s.add_argument("--schedule-csv", default=None, help="run these action lists (torch.distributed.pipelining's CSV)")
@@ -56,6 +60,7 @@ def format_plan(plan: Plan) -> str:
             f"{f'{s.first_layer}-{s.first_layer + s.layers - 1}':>9} {'yes' if s.recompute else 'no':>6} "
             f"{f'{plan.stage_memory(i) / GB:.1f}/{cap:.1f}':>15} {(t[i] or 0) * 1e3:>10.1f}"
         )
+    lines.insert(1, f"schedule {plan.schedule}")
     if "iteration_time_s" in est:
         lines.append(
             f"estimated iteration {est['iteration_time_s']:.3f} s, {est['tokens_per_chip_per_s']:.1f} tokens/chip/s; "
@@ -105,6 +110,7 @@ def emulation_note(plan: Plan, cores: int | None = None) -> str | None:
 
 def plan_command(args) -> int:
     from .hsr import expected, fastest_subset
+    from .plan_schedules import with_schedule
 
     try:
         model = ModelSpec.load(args.model, seq=args.seq)
@@ -118,6 +124,7 @@ def plan_command(args) -> int:
             if subset is not None and subset.num_chips < plan.num_chips:
                 print(f"planning the fastest subset of chip types: {', '.join(c.name for c in subset.cluster.chips)}")
                 plan = subset
+        plan = with_schedule(plan, args.schedule)
     except (NoFeasiblePlan, PlanError, ValueError, KeyError, OSError) as exc:
         print(f"ditorch plan: {exc}", file=sys.stderr)
         return 1
@@ -137,27 +144,30 @@ def simulate_command(args) -> int:
     import json
 
     from .measured import read_trace
-    from .schedule import Schedule, fine_grained, gpipe, one_f_one_b
-    from .simulator import pipeline_from_plan, simulate
+    from .plan_schedules import plan_schedules, schedule_pipeline
+    from .schedule import Schedule
+    from .simulator import simulate
 
     try:
         plan = Plan.from_json(Path(args.plan))
     except (PlanError, OSError) as exc:
         print(f"ditorch simulate: {exc}", file=sys.stderr)
         return 1
-    S, b = plan.num_stages, plan.num_microbatches
-    rc = [s.recompute for s in plan.stages]
+    S = plan.num_stages
+    args.schedule = args.schedule or plan.schedule
     try:
         if args.schedule_csv:
-            schedule = Schedule.from_csv(args.schedule_csv)
+            schedules = [Schedule.from_csv(args.schedule_csv)]
+            pipeline = schedule_pipeline(plan, "1f1b")
         else:
-            schedule = {"1f1b": lambda: one_f_one_b(S, b, rc), "gpipe": lambda: gpipe(S, b, rc),
-                        "fine-grained": lambda: fine_grained(S, b, rc), "comm-aware": lambda: "comm-aware"}[args.schedule]()
+            schedules = plan_schedules(plan, args.schedule)
+            pipeline = schedule_pipeline(plan, args.schedule)
+            schedules = schedules[:len(pipeline.microbatches)]  # the replicas the pipeline simulates
         measured = read_trace(args.measured, S) if args.measured else None
     except (ValueError, OSError) as exc:
         print(f"ditorch simulate: {exc}", file=sys.stderr)
         return 1
-    res = simulate(pipeline_from_plan(plan), schedule)
+    res = simulate(pipeline, schedules)
     print(f"schedule {args.schedule}: iteration {res.iteration_time:.3f} s "
           f"(cost model {plan.estimate.get('iteration_time_s', float('nan')):.3f} s), "
           f"bubble {100 * res.bubble_fraction:.1f}%, "
@@ -185,8 +195,8 @@ def simulate_command(args) -> int:
             plot_measured_vs_simulated(res, measured.timeline, measured.iteration_time, args.timeline, labels, title)
         print(f"wrote {args.timeline}")
     if args.schedule_out:
-        sched = res.schedules[0] if res.schedules else schedule
-        Path(args.schedule_out).write_text(json.dumps(sched.to_dict()) + "\n")
+        Path(args.schedule_out).write_text(json.dumps(schedules[0].to_dict() if len(schedules) == 1 else
+                                                      [s.to_dict() for s in schedules]) + "\n")
         print(f"wrote {args.schedule_out}")
     return 0
 

@@ -8,16 +8,32 @@ per direction. ``memory_aware_division`` picks layers per stage under a fixed pe
 activation budget: it moves layers off the early stages (which hold the most in-flight
 micro-batches) and keeps the division the comm-aware schedule finishes fastest on,
 judged on a proportionally scaled-down copy (fewer replicas, the same per-replica bandwidth).
+
+The same three parts for a HeteroPP plan whose stages span two DCs (the runtime runs these):
+the DCs are the plan's clusters (each chip type is a cluster, ``ClusterSpec.link_between``), so
+a boundary between two chip types is a cross-DC link, shared by every DP replica (JEEVES has
+one; a plan over more DCs gets the same treatment at each).
+``plan_pipeline`` is the simulator's view of such a plan (every replica, the shared link);
+``comm_aware_schedules`` are the per-replica lists JEEVES's greedy scheduler runs on it (with
+``coordinated``, the replicas take turns on the cross-DC link); ``divide_plan`` is the
+memory-aware division of the plan's layers. A stage's activation budget is what its chip's
+memory holds beside its weights and optimizer state (the paper's constraint); the greedy
+scheduler runs a forward only while the budget has room.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import TYPE_CHECKING, Sequence
 
 from .cluster import LinkSpec
 from .model_spec import ModelSpec
 from .profile import ChipProfile
-from .simulator import LinkModel, Pipeline, StageModel, simulate
+from .schedule import Schedule
+from .simulator import LinkModel, Pipeline, StageModel, pipeline_from_plan, simulate
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,19 +83,110 @@ def memory_aware_division(setup: CrossDCSetup, stages: int, probe_replicas: int 
     """Layers per stage for the comm-aware schedule under the activation budget (see module)."""
     L = setup.model.n_layers
     base = [L // stages + (1 if i < L % stages else 0) for i in range(stages)]
-    candidates = [base]
-    for front in range(1, min(3, stages // 2) + 1):  # the first `front` stages give up `d` layers each
-        for d in range(1, min(max_shift, base[0] - 1) + 1):
-            lay = [n - d if i < front else n for i, n in enumerate(base)]
-            spare = front * d
-            back = stages - front
-            for i in range(front, stages):
-                lay[i] += spare // back + (1 if (i - front) < spare % back else 0)
-            candidates.append(lay)
     best, best_t = base, float("inf")
-    for lay in candidates:
+    for lay in division_candidates(base, max_shift=max_shift):
         t = simulate(cross_dc_pipeline(setup, lay, coordinated=coordinated, ack_wait=ack_wait,
                                        replicas=probe_replicas), "comm-aware").iteration_time
         if t < best_t - 1e-12:
             best, best_t = lay, t
+    return best
+
+
+# -- a HeteroPP plan across two DCs ---------------------------------------------------------------
+def cross_dc_boundaries(plan: "Plan") -> list[int]:
+    """The boundaries (stage i to i + 1) whose two stages sit in different DCs (clusters): one
+    for JEEVES's two DCs, none for a plan inside one DC."""
+    return [i for i in range(plan.num_stages - 1) if plan.stages[i].chip != plan.stages[i + 1].chip]
+
+
+def inflight_microbatches(plan: "Plan", stage: int) -> int:
+    """How many micro-batches' activations stage ``stage`` may hold under the comm-aware
+    schedule: as many as its chip has room for beside its weights and optimizer state (JEEVES's
+    memory constraint is the chip's memory), at most all of them and at least one."""
+    s = plan.stages[stage]
+    room = plan.cluster.chip(s.chip).usable_memory - plan.stage_memory(stage, inflight=0)
+    per = plan.stage_memory(stage, inflight=1) - plan.stage_memory(stage, inflight=0)
+    fits = int(room // per) if per > 0 else plan.num_microbatches
+    return max(1, min(plan.num_microbatches, fits))
+
+
+def plan_pipeline(plan: "Plan", coordinated: bool = False, ack_wait: bool = False) -> Pipeline:
+    """The simulator's pipeline of ``plan`` with every DP replica: a cross-DC boundary is one
+    link per direction that all replicas share (the link ``pipeline_from_plan`` prices, each
+    micro-batch's whole activation), served in turns with ``coordinated``; each stage's
+    activations are capped by its chip's memory. ``ack_wait``: a channel's next message
+    waits for the previous one's acknowledgement."""
+    base = pipeline_from_plan(plan)
+    cuts = cross_dc_boundaries(plan)
+    links = list(base.links)
+    for cut in cuts:  # the pair's link as pipeline_from_plan prices it, carrying every TP rank's piece
+        tp = min(plan.stages[cut].tp, plan.stages[cut + 1].tp)
+        links[cut] = dataclasses.replace(base.links[cut], nbytes=base.links[cut].nbytes * tp, shared=True)
+    return Pipeline(stages=base.stages, links=links, microbatches=[plan.num_microbatches] * plan.dp, ack_wait=ack_wait,
+                    coordinated=coordinated and bool(cuts), handoff=handoff_time(plan) if cuts else 0.0)
+
+
+def handoff_time(plan: "Plan") -> float:
+    """The turn's hand-off on a coordinated link: a one-element message between two replicas'
+    ranks of a stage, inside their DC (at the profiles' time scale, as the run has it)."""
+    from .placement import rank_places
+
+    if plan.dp < 2:
+        return 0.0
+    places = rank_places(plan)
+    first = plan.stages[0]
+    a, b = places[first.first_rank], places[first.first_rank + first.tp]  # replicas 0 and 1 of stage 0
+    link = plan.cluster.fleet_links.between(a, b)
+    return 0.0 if link is None else link.transfer_time(4.0, plan.cluster.emulated_time_scale or 1.0)
+
+
+def comm_aware_schedules(plan: "Plan", coordinated: bool) -> list[Schedule]:
+    """Per DP replica, the lists JEEVES's greedy scheduler runs on ``plan_pipeline(plan)``
+    (named ``jeeves`` with coordinated turns on the cross-DC link, else ``comm-aware``)."""
+    res = simulate(plan_pipeline(plan, coordinated=coordinated), "comm-aware")
+    turns = tuple(cross_dc_boundaries(plan)) if coordinated else ()
+    name = "jeeves" if coordinated else "comm-aware"
+    return [dataclasses.replace(s, name=name, coordinated=turns) for s in res.schedules]
+
+
+def with_layers(plan: "Plan", layers: Sequence[int]) -> "Plan":
+    """``plan`` with its stages' layers replaced (same chips, TP, DP, recompute), validated."""
+    stages, first = [], 0
+    for s, n in zip(plan.stages, layers):
+        stages.append(dataclasses.replace(s, layers=n, first_layer=first))
+        first += n
+    out = dataclasses.replace(plan, stages=tuple(stages), estimate={})
+    out.validate()
+    return out
+
+
+def division_candidates(layers: Sequence[int], max_front: int = 3, max_shift: int = 3) -> list[list[int]]:
+    """``layers`` and the divisions that move layers off the early stages: the first ``front``
+    stages give up ``d`` layers each, spread evenly over the others (JEEVES section 3.2)."""
+    S = len(layers)
+    out = [list(layers)]
+    for front in range(1, min(max_front, S // 2) + 1):
+        for d in range(1, min(max_shift, min(layers[:front]) - 1) + 1):
+            lay = [n - d if i < front else n for i, n in enumerate(layers)]
+            spare, back = front * d, S - front
+            for i in range(front, S):
+                lay[i] += spare // back + (1 if (i - front) < spare % back else 0)
+            out.append(lay)
+    return out
+
+
+def divide_plan(plan: "Plan", coordinated: bool = True) -> "Plan":
+    """The memory-aware division of ``plan``: of ``division_candidates`` that fit the chips'
+    memory, the one the comm-aware schedule finishes fastest on."""
+    from .plan import PlanError
+
+    best, best_t = plan, simulate(plan_pipeline(plan, coordinated=coordinated), "comm-aware").iteration_time
+    for lay in division_candidates([s.layers for s in plan.stages])[1:]:
+        try:
+            cand = with_layers(plan, lay)
+        except PlanError:
+            continue  # a stage over its chip's memory
+        t = simulate(plan_pipeline(cand, coordinated=coordinated), "comm-aware").iteration_time
+        if t < best_t - 1e-12:
+            best, best_t = cand, t
     return best

@@ -79,8 +79,13 @@ class Plan:
         return [(s.chip, s.tp, s.dp, s.layers, s.recompute) for s in self.stages]
 
     def stage_memory(self, index: int, inflight: int | None = None) -> float:
-        """Peak bytes on one chip of stage ``index`` under 1F1B (or ``inflight`` micro-batches)."""
+        """Peak bytes on one chip of stage ``index`` under the plan's schedule: 1F1B's warm-up,
+        the cross-DC schedules' activation budget (jeeves.py), or ``inflight`` micro-batches."""
         s = self.stages[index]
+        if inflight is None and self.schedule in ("comm-aware", "jeeves"):
+            from .jeeves import inflight_microbatches
+
+            inflight = inflight_microbatches(self, index)
         if inflight is None:
             inflight = min(self.num_stages - index, self.num_microbatches)
         return self.model.stage_memory_bytes(

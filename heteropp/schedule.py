@@ -11,9 +11,13 @@ as torch.distributed.pipelining names them:
 - ``R``  backward-recompute: re-run the forward before the backward (our addition; torch hides
   recomputation inside the backward, where neither a simulator nor a trace can see it).
 
-Every rank of a stage (all its TP and DP ranks) runs its stage's list; all DP replicas run
-the same lists. ``blocking_p2p`` says whether a SEND/RECV blocks the stage until the message
+Every rank of a stage (all its TP ranks) runs its stage's list; a DP replica runs one
+``Schedule`` (the generated ones are the same for every replica; JEEVES's comm-aware lists
+differ by replica). ``blocking_p2p`` says whether a SEND/RECV blocks the stage until the message
 has arrived (Megatron's 1F1B) or only orders the messages (the compute waits for its input).
+``coordinated`` names the boundaries whose link every replica shares and takes turns on (the
+cross-DC link, JEEVES section 3.3): their messages cross one at a time in the global order
+:func:`turn_order` gives, each sender handing the turn to the next once its message is out.
 Schedules are read from and written to torch's CSV form (one row per stage, one action a cell).
 """
 from __future__ import annotations
@@ -60,18 +64,21 @@ class Schedule:
     num_microbatches: int
     actions: list[list[Action]]
     blocking_p2p: bool = False
+    coordinated: tuple[int, ...] = ()  # boundaries (stage i to i + 1) whose shared link replicas take turns on
 
     def to_dict(self) -> dict:
         return {
             "name": self.name, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
-            "blocking_p2p": self.blocking_p2p, "actions": [[str(a) for a in lst] for lst in self.actions],
+            "blocking_p2p": self.blocking_p2p, "coordinated": list(self.coordinated),
+            "actions": [[str(a) for a in lst] for lst in self.actions],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
         s = cls(name=str(d["name"]), num_stages=int(d["num_stages"]), num_microbatches=int(d["num_microbatches"]),
                 actions=[[Action.parse(a) for a in lst] for lst in d["actions"]],
-                blocking_p2p=bool(d.get("blocking_p2p", False)))
+                blocking_p2p=bool(d.get("blocking_p2p", False)),
+                coordinated=tuple(int(b) for b in d.get("coordinated", ())))
         s.validate()
         return s
 
@@ -81,6 +88,10 @@ class Schedule:
         Raises ScheduleError naming the stage and the action."""
         if len(self.actions) != self.num_stages:
             raise ScheduleError(f"schedule {self.name!r}: {len(self.actions)} action lists for {self.num_stages} stages")
+        bad = [b for b in self.coordinated if not 0 <= b < self.num_stages - 1]
+        if bad:
+            raise ScheduleError(f"schedule {self.name!r}: coordinated boundaries {bad} are not between two of its "
+                                f"{self.num_stages} stages (expected 0..{self.num_stages - 2})")
         for s, lst in enumerate(self.actions):
             self._validate_stage(s, lst, recompute)
         self._validate_progress()
@@ -192,6 +203,13 @@ class Schedule:
             sched.actions = [_with_transfers(s, len(actions), lst) for s, lst in enumerate(actions)]
         sched.validate()
         return sched
+
+
+def turn_order(microbatches: Sequence[int]) -> list[tuple[int, int]]:
+    """The global order in which the replicas' messages of one direction cross a coordinated
+    link: (replica, micro-batch), a micro-batch of every replica in turn (JEEVES section 3.3).
+    ``microbatches`` holds each replica's count."""
+    return [(r, m) for m in range(max(microbatches)) for r in range(len(microbatches)) if m < microbatches[r]]
 
 
 def _with_transfers(s: int, S: int, compute: list[Action]) -> list[Action]:

@@ -31,7 +31,7 @@ from typing import Sequence
 
 from typing import TYPE_CHECKING
 
-from .schedule import Action, Schedule
+from .schedule import Action, Schedule, turn_order
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -176,8 +176,7 @@ class Simulator:
         for i, lk in enumerate(p.links):
             if lk.shared and p.coordinated:
                 for d in ("F", "B"):
-                    order = [(r, m) for m in range(max(p.microbatches)) for r in range(R) if m < p.microbatches[r]]
-                    self.coord[(i, d)] = {"order": order, "pos": 0, "ready": {}, "busy": False, "free": 0.0}
+                    self.coord[(i, d)] = {"order": turn_order(p.microbatches), "pos": 0, "ready": {}, "busy": False, "free": 0.0}
         for r in range(R):
             for s in range(S):
                 self._step(r, s)

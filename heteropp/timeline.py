@@ -66,6 +66,27 @@ def plot_measured_vs_simulated(result: SimResult, measured: Sequence[Row], measu
     return _save(fig, path)
 
 
+def plot_panels(panels: Sequence[tuple[str, Sequence[Row], Sequence[Row]]], path: str | Path,
+                stage_labels: list[str] | None = None, title: str = "") -> Path:
+    """Several timelines above each other on one time axis: (title, compute rows, message rows)
+    per panel (message rows may be empty: a measured run records no transfers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(len({s for s, *_ in rows}) for _, rows, _ in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, (0.35 * n + 0.9) * len(panels) + 1), sharex=True,
+                             squeeze=False)
+    for ax, (name, rows, comm) in zip(axes[:, 0], panels):
+        _draw(ax, rows, comm, stage_labels, 64)
+        ax.set_title(name, fontsize=9)
+    axes[-1, 0].set_xlabel("time (s)")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
 def _save(fig, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 

@@ -40,10 +40,13 @@ def server_pid() -> int | None:
     return getattr(mp.forkserver._forkserver, "_forkserver_pid", None)
 
 
-def _run_as_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """In the rank: the environment, the folder and the output files, then ``python *target``."""
+def _run_as_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: str, host=None) -> None:
+    """In the rank: the environment, the folder and the output files (and the emulated host, if
+    given, before anything opens a socket), then ``python *target``."""
     os.environ.clear()
     os.environ.update(env)
+    if host is not None:
+        host.enter()
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -70,15 +73,17 @@ def _run_as_main(target: list[str], env: dict[str, str], cwd: str, out: str, err
     sys.exit(code)
 
 
-def torchrun_like(target: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float
-                  ) -> subprocess.CompletedProcess:
+def torchrun_like(target: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float,
+                  hosts: list | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node nproc *target`` on forked ranks.
 
     The ranks get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     (rank 0 hosts the store, as ``env://`` does without an agent). As torchrun does, the first
     rank to fail ends the others (SIGTERM, then SIGKILL after 5 s) and the launch fails; its
     output is each rank's stdout and stderr in rank order. Raises subprocess.TimeoutExpired after
-    ``timeout`` seconds, with every rank killed.
+    ``timeout`` seconds, with every rank killed. With ``hosts`` (tests/emulated_hosts.py), the
+    ranks are spread over them in order, as ``torchrun --nnodes`` places them (rank r on host
+    r * len(hosts) // nproc), and the store is on the first.
     """
     ctx = context()
     port = str(free_port())
@@ -86,9 +91,11 @@ def torchrun_like(target: list[str], nproc: int, env: dict[str, str], cwd: Path,
     procs = []
     for r in range(nproc):
         rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port}
-        p = ctx.Process(target=_run_as_main, args=(target, rank_env, str(cwd), str(files[r][0]), str(files[r][1])))
+                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+                    "MASTER_ADDR": hosts[0].address if hosts else "127.0.0.1", "MASTER_PORT": port}
+        host = hosts[r * len(hosts) // nproc] if hosts else None
+        p = ctx.Process(target=_run_as_main,
+                        args=(target, rank_env, str(cwd), str(files[r][0]), str(files[r][1]), host))
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout

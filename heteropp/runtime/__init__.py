@@ -10,10 +10,10 @@ from .model_family import HFFamily, LlamaFamily, model_family
 from .reference import train_reference
 from .stage_model import PipelineStage, StageModule, cut, shard_dim
 from .tensor_parallel import TPGroup, WeightGradStore
-from .trainer import PipelineTrainer, TrainOptions, build_schedule
+from .trainer import PipelineTrainer, TrainOptions
 
 __all__ = [
     "HFFamily", "LlamaFamily", "PipelineLayout", "PipelineStage", "PipelineTrainer", "RESHARD_MODES", "RankPlace",
     "StageBoundary", "StageExecutor", "StageGroups", "StageModule", "TPGroup", "TrainOptions", "WeightGradStore",
-    "build_schedule", "cut", "model_family", "routes", "shard_dim", "train_reference",
+    "cut", "model_family", "routes", "shard_dim", "train_reference",
 ]

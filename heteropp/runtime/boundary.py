@@ -99,6 +99,18 @@ class StageBoundary:
 
     def send(self, direction: str, microbatch: int, tensor: torch.Tensor) -> list:
         """Post this rank's pieces of ``tensor`` (its own layout); returns the works to wait on."""
+        return self.post(direction, microbatch, self.pieces(direction, microbatch, tensor))
+
+    def post(self, direction: str, microbatch: int, pieces: list[tuple[torch.Tensor, int]]) -> list:
+        """Post the sends of ``pieces`` (from :meth:`pieces`); returns the works to wait on."""
+        works = []
+        for piece, dst in pieces:
+            works.append(dist.isend(piece, dst, tag=self._tag(direction, microbatch)))
+            self.bytes_sent += piece.numel() * piece.element_size()
+        return works
+
+    def pieces(self, direction: str, microbatch: int, tensor: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """This rank's pieces of ``tensor`` (its own layout) and the rank each goes to."""
         sources, dests = self._sides(direction)
         expect = self.local_shape(sources)
         if tuple(tensor.shape) != expect or tensor.dtype != self.dtype:
@@ -113,13 +125,7 @@ class StageBoundary:
             pieces = {first + q: piece for q, piece in enumerate(mine)}
         else:
             pieces = tensor.chunk(k, dim=1)
-        works = []
-        for r in rts:
-            if r.src == self.me:
-                piece = pieces[r.piece].contiguous()
-                works.append(dist.isend(piece, r.dst, tag=self._tag(direction, microbatch)))
-                self.bytes_sent += piece.numel() * piece.element_size()
-        return works
+        return [(pieces[r.piece].contiguous(), r.dst) for r in rts if r.src == self.me]
 
     def post_recv(self, direction: str, microbatch: int) -> PendingRecv:
         """Post the receives of this rank's pieces; the result assembles its tensor."""

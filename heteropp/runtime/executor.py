@@ -8,7 +8,13 @@ Actions and what they do here:
   input; ``R`` re-runs it with the graph just before the backward.
 - ``B``: full backward; ``I``: input gradients now, weight gradients of every projection queued;
   ``W``: the queued weight gradients.
-- ``SEND_F``/``SEND_B``: post the send once the device has finished the tensor.
+- ``SEND_F``/``SEND_B``: post the send once the device has finished the tensor; over a
+  coordinated cross-DC boundary, queue it for this rank's turn on the link (link_turns.py).
+
+With ``blocking`` (a schedule with blocking sends: 1F1B and GPipe as Megatron and DAPPLE run
+them), the transfers posted between two computes all complete before the next compute starts,
+as Megatron's batched point-to-point does (posting them together keeps a send that waits for
+its receiver from deadlocking against that receiver's own send).
 
 On the last stage ``F`` computes the micro-batch's mean token loss; its backward is seeded
 with ``loss_scale`` (1 / micro-batches of the global batch), so the summed gradients are the
@@ -24,8 +30,19 @@ import torch
 from heteropp.schedule import Action
 
 from .boundary import BACKWARD, FORWARD, PendingRecv, StageBoundary
+from .link_turns import LinkTurns
 from .stage_model import StageModule
 from .trace import TraceRecorder, now
+
+
+class _Received:
+    """A receive a blocking schedule already completed."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self._tensor
 
 
 class StageExecutor:
@@ -33,9 +50,12 @@ class StageExecutor:
 
     def __init__(self, module: StageModule, actions: Sequence[Action], prev: StageBoundary | None,
                  next_: StageBoundary | None, recompute: bool, device: torch.device, loss_scale: float,
-                 autocast_dtype: torch.dtype | None = None, trace: TraceRecorder | None = None):
+                 autocast_dtype: torch.dtype | None = None, trace: TraceRecorder | None = None,
+                 blocking: bool = False, turns: dict[str, LinkTurns] | None = None):
         self.module, self.actions = module, list(actions)
         self.prev, self.next = prev, next_
+        self.blocking = blocking
+        self.turns = dict(turns or {})  # direction -> this rank's turns on a coordinated boundary
         self.recompute, self.device, self.loss_scale = recompute, device, loss_scale
         self.autocast_dtype = autocast_dtype
         self.trace = trace or TraceRecorder(0, 0, enabled=False)
@@ -49,11 +69,22 @@ class StageExecutor:
         self._outputs: dict[int, torch.Tensor] = {}
         self._recvs: dict[tuple[str, int], PendingRecv] = {}
         self._sends: list = []
+        self._unsettled: list = []  # blocking: sends posted since the last compute
         losses: dict[int, float] = {}
-        for a in self.actions:
-            self._action_start = now()
-            getattr(self, "_do_" + a.kind)(a.mb, losses)
-            self.trace.record(str(a), a.kind, self._action_start, now(), step=step, mb=a.mb)
+        for turns in self.turns.values():
+            turns.start()
+        ran = False
+        try:
+            for a in self.actions:
+                if self.blocking and a.kind not in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+                    self._settle()
+                self._action_start = now()
+                getattr(self, "_do_" + a.kind)(a.mb, losses)
+                self.trace.record(str(a), a.kind, self._action_start, now(), step=step, mb=a.mb)
+            ran = True
+        finally:
+            for turns in self.turns.values():
+                turns.finish() if ran else turns.abandon()
         for w in self._sends:
             w.wait()
         if self.module.store.pending:
@@ -69,13 +100,38 @@ class StageExecutor:
         self._recvs[(BACKWARD, mb)] = self.next.post_recv(BACKWARD, mb)
 
     def _do_SEND_F(self, mb: int, losses) -> None:
-        self._sync()
-        self._sends += self.next.send(FORWARD, mb, self._outputs[mb].detach())
+        self._send(self.next, FORWARD, mb, self._outputs[mb].detach())
 
     def _do_SEND_B(self, mb: int, losses) -> None:
-        self._sync()
-        grad = self._inputs.pop(mb).grad
-        self._sends += self.prev.send(BACKWARD, mb, grad)
+        self._send(self.prev, BACKWARD, mb, self._inputs.pop(mb).grad)
+
+    def _send(self, boundary: StageBoundary, direction: str, mb: int, tensor: torch.Tensor) -> None:
+        pieces = boundary.pieces(direction, mb, tensor)
+        self._sync()  # the device has finished the pieces before anything sends them
+        turns = self.turns.get(direction)
+        if turns is not None:
+            turns.put(mb, pieces)
+            return
+        works = boundary.post(direction, mb, pieces)
+        self._sends += works
+        if self.blocking:
+            self._unsettled += works
+
+    def _settle(self) -> None:
+        """Blocking schedules: complete every transfer posted since the last compute (a WAIT
+        event in the trace when it takes time)."""
+        if not self._unsettled and not self._recvs:
+            return
+        start = now()
+        for w in self._unsettled:
+            w.wait()
+        self._unsettled = []
+        for key, pending in list(self._recvs.items()):
+            if not isinstance(pending, _Received):
+                self._recvs[key] = _Received(pending.wait())
+        end = now()
+        if end - start > 0:
+            self.trace.record(f"{self.trace.stage}WAIT_P2P", "WAIT", start, end, step=self._step, mb=-1)
 
     def _received(self, direction: str, mb: int) -> torch.Tensor:
         """Wait for a posted receive; the wait is its own trace event, the compute starts after."""

@@ -17,17 +17,18 @@ import torch.distributed as dist
 
 from dimodel.datasets import step_batch, training_tokens
 from heteropp.plan import Plan, PlanError
-from heteropp.schedule import Schedule, fine_grained, forward_only, gpipe, one_f_one_b
+from heteropp.plan_schedules import SCHEDULES, plan_schedules
+from heteropp.schedule import Schedule, forward_only
 
 from .boundary import RESHARD_MODES, StageBoundary
 from .executor import StageExecutor
 from .layout import PipelineLayout, RankPlace, StageGroups
+from .link_turns import LinkTurns
 from .model_family import HFFamily, LlamaFamily, model_family
 from .stage_model import PipelineStage
 from .stage_update import StageUpdate
 from .trace import TraceRecorder, now
 
-SCHEDULES = ("1f1b", "gpipe", "fine-grained")
 PRECISIONS = ("bf16", "fp32")
 
 
@@ -92,25 +93,6 @@ def held_out_batch(held_out, plan: Plan, options: TrainOptions, index: int):
 def global_batch_size(plan: Plan) -> int:
     """Sequences per step: micro-batches of every DP replica."""
     return plan.num_microbatches * plan.dp * plan.micro_batch_size
-
-
-def build_schedule(plan: Plan, schedule: str | None) -> Schedule:
-    """The action lists every replica runs: a generated schedule or one read from a CSV."""
-    S, b = plan.num_stages, plan.num_microbatches
-    rc = [s.recompute for s in plan.stages]
-    name = schedule or plan.schedule
-    generators = {"1f1b": one_f_one_b, "gpipe": gpipe, "fine-grained": fine_grained}
-    if name in generators:
-        sched = generators[name](S, b, rc)
-    elif name.endswith(".csv") and Path(name).is_file():
-        sched = Schedule.from_csv(name)
-    else:
-        raise ValueError(f"schedule {name!r}: expected one of {SCHEDULES} or a CSV file of actions")
-    if (sched.num_stages, sched.num_microbatches) != (S, b):
-        raise PlanError(f"schedule {name!r} has {sched.num_stages} stages x {sched.num_microbatches} micro-batches, "
-                        f"the plan {S} x {b}")
-    sched.validate(rc)
-    return sched
 
 
 def check_stage_memory(plan: Plan, stage: int, capacity_bytes: int, scale: float) -> None:
@@ -182,17 +164,19 @@ class PipelineTrainer:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("dipu", local % torch.dipu.device_count())
         torch.dipu.set_device(self.device)
-        self.schedule = build_schedule(plan, options.schedule)
+        self.schedule = plan_schedules(plan, options.schedule)[self.place.dp_index]
         self.groups = StageGroups.create(self.layout, self.place, tied_embeddings=self.family.tied)
         self.module = self._build_module()
         self.update = StageUpdate(self.module, self.groups, self.place, plan.dp, options.lr, options.weight_decay,
                                   options.clip, options.zero1, self.device)
         self.trace = TraceRecorder(self.place.rank, self.place.stage, enabled=options.trace is not None)
+        self.boundaries = self._boundaries()
         self.executor = StageExecutor(
-            self.module, self.schedule.actions[self.place.stage], *self._boundaries(),
+            self.module, self.schedule.actions[self.place.stage], *self.boundaries,
             recompute=self.stage_plan.recompute, device=self.device,
             loss_scale=1.0 / global_batch_size(plan),
-            autocast_dtype=torch.bfloat16 if options.precision == "bf16" else None, trace=self.trace)
+            autocast_dtype=torch.bfloat16 if options.precision == "bf16" else None, trace=self.trace,
+            blocking=self.schedule.blocking_p2p, turns=self._link_turns())
         self.data, self.held_out = run_tokens(plan, options)
         self.evaluator = StageExecutor(
             self.module, forward_only(plan.num_stages, plan.num_microbatches).actions[self.place.stage],
@@ -219,6 +203,31 @@ class PipelineTrainer:
                                  sharded=self.options.sequence_parallel)
 
         return (boundary(i - 1) if i > 0 else None), (boundary(i) if i < S - 1 else None)
+
+    def _link_turns(self) -> dict[str, LinkTurns]:
+        """This rank's turns on the schedule's coordinated boundaries, per direction it sends
+        over one: the chain of the ranks of its stage and TP index, one per replica."""
+        i, turns = self.place.stage, {}
+        if self.plan.dp < 2:
+            return turns
+        chain = [self.layout.rank_of(i, d, self.place.tp_index) for d in range(self.plan.dp)]
+        prev, next_ = self.boundaries
+        for direction, boundary, side in (("F", i, next_), ("B", i - 1, prev)):
+            if boundary in self.schedule.coordinated and side is not None:
+                turns[direction] = LinkTurns(chain, self.place.dp_index, self.plan.num_microbatches, direction,
+                                             lambda mb, pieces, side=side, d=direction: side.post(d, mb, pieces),
+                                             self._serialize_s(boundary))
+        return turns
+
+    def _serialize_s(self, boundary: int):
+        """How long the emulated link of ``boundary`` takes to put out n bytes (None where
+        dicomm does not emulate the links: ditorch.train sets DICOMM_LINKS when it does)."""
+        from heteropp.placement import boundary_link
+
+        if not os.environ.get("DICOMM_LINKS"):
+            return None
+        bandwidth = boundary_link(self.plan, boundary, run_time_scale(self.plan)).bandwidth
+        return lambda nbytes: nbytes / bandwidth
 
     # -- one step ----------------------------------------------------------------------------
     def _microbatches(self, batch: torch.Tensor) -> tuple[list | None, list | None]:

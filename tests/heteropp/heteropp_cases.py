@@ -56,3 +56,39 @@ def broad_case(seed: int):
     gbs = rng.choice([4, 8, 12, 16, 24, 32]) * model.seq
     alpha = rng.choice([1.0, 0.5, 0.0])
     return model, cluster, gbs, alpha
+
+
+def two_dc_plan(latency_us: float, bandwidth_gbps: float, dp: int = 2, layers: list[int] | None = None,
+                microbatches: int = 8, dc_stages: tuple[int, int] = (2, 2), held: float = 6.5,
+                one_dc: bool = False, schedule: str = "1f1b"):
+    """A plan of ``llama-tiny`` (16 layers) over two DCs: ``dc_stages`` stages of chip X in DC1
+    then of chip Y in DC2 (identical chips, so they differ only by where they sit), ``dp``
+    replicas, the DCs joined by ``inter_cluster``; each chip's memory holds the first stage
+    and ``held`` of its micro-batches' activations (and at least what any stage needs under 1F1B). ``one_dc``: every stage on X, in one DC."""
+    import dataclasses
+
+    import yaml
+
+    from heteropp.plan import Plan, StagePlan
+
+    spec = dict(yaml.safe_load((CONFIGS / "llama-tiny.yaml").read_text()), n_layers=sum(layers or []) or 16)
+    model = ModelSpec.from_dict(spec, name="llama-tiny")
+    chip = {"count": 64, "memory_gb": 1000, "chips_per_node": 8, "tp_max": 1, "intra_node_gbps": 100,
+            "hbm_gbps": 1000, "nic_gbps": 100, "effective_tflops": 0.02}
+    cluster = ClusterSpec.from_dict({"chips": {"X": chip, "Y": chip}, "links": {
+        "inter_node": {"bandwidth_gbps": 100, "latency_us": 5},
+        "inter_cluster": {"bandwidth_gbps": bandwidth_gbps, "latency_us": latency_us}}})
+    S = sum(dc_stages)
+    layers = layers or [model.n_layers // S + (1 if i < model.n_layers % S else 0) for i in range(S)]
+    stages, first = [], 0
+    for i, n in enumerate(layers):
+        chip_name = "X" if one_dc or i < dc_stages[0] else "Y"
+        stages.append(StagePlan(chip_name, 1, dp, n, first, False, i * dp))
+        first += n
+    plan = Plan(model, cluster, microbatches * dp * model.seq, dp, tuple(stages), schedule=schedule)
+    static, per = plan.stage_memory(0, inflight=0), plan.stage_memory(0, inflight=1) - plan.stage_memory(0, inflight=0)
+    chip["memory_gb"] = max(static + held * per, *(plan.stage_memory(i, inflight=min(S - i, microbatches)) for i in range(S))) / 0.9 / GB
+    cluster = ClusterSpec.from_dict({**plan.cluster.to_dict(), "chips": {"X": chip, "Y": chip}})
+    plan = dataclasses.replace(plan, cluster=cluster)
+    plan.validate()
+    return plan

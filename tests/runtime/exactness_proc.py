@@ -4,8 +4,8 @@ its trainer and groups, its loss log and checkpoint). Launching is not what thos
 (every other runtime test launches through ``torchrun -m ditorch.train``); sharing the launch
 spares each case the ranks' start-up.
 
-Usage (under torchrun): ``exactness_proc.py PLAN.json CASES.json`` where CASES maps a case's
-directory to its TrainOptions fields."""
+Usage (under torchrun): ``exactness_proc.py PLAN.json CASES.json [--emulate-links]`` where CASES
+maps a case's directory to its TrainOptions fields."""
 from __future__ import annotations
 
 import datetime
@@ -23,14 +23,18 @@ from heteropp.runtime.trainer import PipelineTrainer, TrainOptions
 from heteropp.runtime.training_run import TrainingRun
 
 
-def main(plan_path: str, cases_path: str) -> int:
+def main(plan_path: str, cases_path: str, links: str = "") -> int:
     plan = Plan.from_json(plan_path)
     cases = json.loads(Path(cases_path).read_text())
     torch.set_num_threads(1)
+    if links == "--emulate-links":  # dicomm paces the plan's links, as ditorch.train has it do
+        from ditorch.train import _emulate_links
+
+        _emulate_links(plan)
     dist.init_process_group("dicomm", timeout=datetime.timedelta(seconds=180))
     for directory, fields in cases.items():
         Path(directory).mkdir(parents=True, exist_ok=True)
-        paths = {k: Path(directory) / v for k, v in fields.items() if k in ("log", "save")}
+        paths = {k: Path(directory) / v for k, v in fields.items() if k in ("log", "save", "trace")}
         options = TrainOptions(**{**fields, **paths})
         trainer = PipelineTrainer(plan, options)
         TrainingRun(trainer).run()

@@ -64,25 +64,28 @@ def chip_file(tmp: Path) -> Path:
 
 
 def torchrun(plan_path: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """``ditorch.train --plan plan_path *args`` on ``nproc`` ranks, as ``torchrun --standalone`` would run it."""
-    return _launch(["-m", "ditorch.train", "--plan", str(plan_path), "--quiet", *args], nproc, tmp, timeout, env)
+             env: dict | None = None, hosts: list | None = None) -> subprocess.CompletedProcess:
+    """``ditorch.train --plan plan_path *args`` on ``nproc`` ranks, as ``torchrun --standalone`` would run it
+    (spread over emulated ``hosts`` in rank order, as ``torchrun --nnodes`` would, if given)."""
+    return _launch(["-m", "ditorch.train", "--plan", str(plan_path), "--quiet", *args], nproc, tmp, timeout, env,
+                   hosts)
 
 
 def torchrun_script(script: Path, nproc: int, args: list[str], tmp: Path, timeout: float = 240,
-                    env: dict | None = None) -> subprocess.CompletedProcess:
-    """``script *args`` on ``nproc`` ranks, with the same chips as :func:`torchrun`."""
-    return _launch([str(script), *args], nproc, tmp, timeout, env)
+                    env: dict | None = None, hosts: list | None = None) -> subprocess.CompletedProcess:
+    """``script *args`` on ``nproc`` ranks, with the same chips (and ``hosts``) as :func:`torchrun`."""
+    return _launch([str(script), *args], nproc, tmp, timeout, env, hosts)
 
 
-def _launch(target: list[str], nproc: int, tmp: Path, timeout: float, env: dict | None) -> subprocess.CompletedProcess:
+def _launch(target: list[str], nproc: int, tmp: Path, timeout: float, env: dict | None,
+            hosts: list | None = None) -> subprocess.CompletedProcess:
     """On ranks forked with torch imported (tests/forked_ranks.py): what a test checks here is the
     training, not the launcher; tests/ft, test_multihost.py, test_vendors.py and
     tests/comm/test_across_hosts.py launch the real torchrun."""
     full_env = dict(os.environ, DITORCH_PROFILE_FILE=str(chip_file(tmp)), DITORCH_MEMORY_SCALE="0.001",
                     PYTHONPATH=str(ROOT))
     full_env.update(env or {})
-    return torchrun_like(target, nproc, full_env, tmp, timeout)
+    return torchrun_like(target, nproc, full_env, tmp, timeout, hosts)
 
 
 def kill_tree(pid: int) -> None:
