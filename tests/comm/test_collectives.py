@@ -10,7 +10,7 @@ import torch
 
 from emulated_hosts import can_make_hosts, emulated_hosts
 from launcher import run_ranks
-from test_reduce_ops import check_reduce_ops
+from test_reduce_ops import check_reduce_ops, reference
 from test_shared_segment import reduce_cases
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -25,23 +25,6 @@ def rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return (torch.randint(-4, 5, (numel,), generator=g).to(dtype)) / 2
     lo = 0 if dtype == torch.uint8 else -3
     return torch.randint(lo, 4, (numel,), generator=g).to(dtype)
-
-
-def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
-    stack = torch.stack([t.double() for t in inputs])
-    dtype = inputs[0].dtype
-    if op == "sum":
-        out = stack.sum(0)
-    elif op == "avg":
-        s = stack.sum(0)
-        out = s / len(inputs) if dtype in FLOATS else torch.div(s, len(inputs), rounding_mode="trunc")
-    elif op == "product":
-        out = stack.prod(0)
-    elif op == "min":
-        out = stack.min(0).values
-    else:
-        out = stack.max(0).values
-    return out.to(dtype)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
