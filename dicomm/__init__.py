@@ -139,6 +139,47 @@ ProcessGroupDicomm.options = property(
 )
 
 
+def _perform_nocolor_split(self, device: torch.device) -> None:
+    """What torch.distributed's new_group calls on a rank left out of the new group when the default
+    group is bound to a device (NCCL's ncclCommSplit must be entered by every rank). A dicomm group
+    is made from the store by its members alone: nothing to take part in."""
+
+
+ProcessGroupDicomm.perform_nocolor_split = _perform_nocolor_split
+
+
+def _dicomm_backends_of(group) -> list:
+    """The distinct dicomm backends serving `group`'s devices."""
+    found = []
+    for device in group._device_types:
+        backend = group._get_backend(device)
+        if isinstance(backend, ProcessGroupDicomm) and not any(b is backend for b in found):
+            found.append(backend)
+    return found
+
+
+_torch_set_pg_timeout = dist.distributed_c10d._set_pg_timeout
+
+
+def _set_pg_timeout(timeout: datetime.timedelta, group=None) -> None:
+    """torch.distributed's ``_set_pg_timeout`` (what torchtitan calls after its first step), for
+    dicomm groups too: torch's own sets only gloo's and NCCL's and warns for any other backend.
+    A group with another backend beside dicomm (``cpu:gloo,dipu:dicomm``) has that one set by
+    torch's."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if dist.distributed_c10d._rank_not_in_group(pg):
+        raise ValueError("Invalid process group specified")
+    ours = _dicomm_backends_of(pg)
+    for backend in ours:
+        backend.set_timeout(timeout)
+    others = [d for d in pg._device_types if not isinstance(pg._get_backend(d), ProcessGroupDicomm)]
+    if others or not ours:
+        _torch_set_pg_timeout(timeout, group)
+
+
+dist.distributed_c10d._set_pg_timeout = _set_pg_timeout
+
+
 def register() -> list[str]:
     """Register ``dicomm`` with torch.distributed; returns the device types it serves.
 

@@ -10,6 +10,7 @@ import torch
 
 from emulated_hosts import can_make_hosts, emulated_hosts
 from launcher import run_ranks
+from test_reduce_ops import check_reduce_ops
 from test_shared_segment import reduce_cases
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -222,6 +223,8 @@ def check_all(rank: int, world: int, _port: int) -> dict:
             assert t.item() == 1.0, t
     dist.barrier()
     checks += 2
+    # every ReduceOp (PREMUL_SUM, the bitwise ones, ...) on every reducing collective
+    checks += check_reduce_ops(rank, world)
     return {"checks": checks, "transports": transports, "allreduce": algorithm}
 
 

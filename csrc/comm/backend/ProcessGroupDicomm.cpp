@@ -1,6 +1,7 @@
 #include "comm/backend/ProcessGroupDicomm.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <algorithm>
 #include <cstdlib>
@@ -26,19 +27,74 @@ ReduceKind reduceKind(const c10d::ReduceOp& op) {
     case c10d::ReduceOp::BAND: return ReduceKind::kBand;
     case c10d::ReduceOp::BOR: return ReduceKind::kBor;
     case c10d::ReduceOp::BXOR: return ReduceKind::kBxor;
+    case c10d::ReduceOp::PREMUL_SUM: return ReduceKind::kSum;  // the factor: Reduction below
     default:
       TORCH_CHECK(false, "dicomm: reduce op ", static_cast<int>(op.op_),
-                  " is not supported; expected SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR");
+                  " is not supported; expected SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR or "
+                  "PREMUL_SUM");
   }
 }
 
-// The op for tensors of `dtype`, refused here (before anything is posted) when undefined for it.
-ReduceKind reduceKind(const c10d::ReduceOp& op, c10::ScalarType dtype) {
-  const ReduceKind kind = reduceKind(op);
-  checkReducible(dtype, kind);
-  return kind;
-}
+// A reduce op as the ranks run it: `kind` over the ranks' values, each rank's own input first
+// multiplied by its PREMUL_SUM factor (NCCL's ncclRedOpCreatePreMulSum: a rank's factor scales
+// only its own contribution, so ranks may pass different ones).
+struct Reduction {
+  ReduceKind kind = ReduceKind::kSum;
+  bool premultiplies = false;
+  double factor = 1.0;       // the factor given as a number
+  at::Tensor factorTensor;   // or as a one-element tensor (read once the caller's stream reached the call)
 
+  // Multiplies `numel` elements of `dtype` at `data` by this rank's factor (nothing without one).
+  void premultiply(void* data, size_t numel, c10::ScalarType dtype) const {
+    if (!premultiplies || numel == 0) return;
+    at::Tensor v = at::from_blob(data, {static_cast<int64_t>(numel)},
+                                 at::TensorOptions().dtype(dtype).device(at::kCPU));
+    if (factorTensor.defined()) {
+      v.mul_(factorTensor.detach().to(at::kCPU).reshape({}).item());
+    } else {
+      v.mul_(factor);
+    }
+  }
+  // A premultiplied copy of `host` (for an input the caller keeps); `host` itself without a factor.
+  at::Tensor premultiplied(const at::Tensor& host) const {
+    if (!premultiplies) return host;
+    at::Tensor copy = host.clone();
+    premultiply(copy.data_ptr(), copy.numel(), copy.scalar_type());
+    return copy;
+  }
+};
+
+// The op for tensors of `dtype`, refused here (before anything is posted) when undefined for it.
+Reduction reductionOf(const c10d::ReduceOp& op, c10::ScalarType dtype) {
+  Reduction r;
+  r.kind = reduceKind(op);
+  if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+    // The factor multiplies the values in their own dtype, as NCCL's does: defined for floating
+    // and complex dtypes only (an integer tensor times 0.5 has no integer result).
+    if (!at::isFloatingType(dtype) && !at::isComplexType(dtype)) {
+      throw std::invalid_argument(std::string("dicomm: reduce op PREMUL_SUM is not defined for ") +
+                                  c10::toString(dtype) +
+                                  " tensors (expected a floating-point or complex dtype)");
+    }
+    auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK(supplement != nullptr, "dicomm: reduce op PREMUL_SUM came without its factor; make it "
+                "with ReduceOp.PREMUL_SUM(factor) or torch.distributed._make_nccl_premul_sum(factor)");
+    r.premultiplies = true;
+    if (supplement->tensor_factor.defined()) {
+      const at::Tensor& f = supplement->tensor_factor;
+      TORCH_CHECK(f.numel() == 1, "dicomm: a PREMUL_SUM factor tensor must hold one element, got ",
+                  f.numel());
+      TORCH_CHECK(!at::isComplexType(f.scalar_type()) || at::isComplexType(dtype),
+                  "dicomm: a PREMUL_SUM factor of dtype ", f.scalar_type(), " cannot scale ",
+                  c10::toString(dtype), " tensors");
+      r.factorTensor = f;
+    } else {
+      r.factor = supplement->double_factor;
+    }
+  }
+  checkReducible(dtype, r.kind);
+  return r;
+}
 std::string shapeOf(const at::Tensor& t) {
   // Built per op (it names the op in errors): plain concatenation, no stream and locale.
   return std::to_string(t.numel()) + " x " + c10::toString(t.scalar_type()) + " on " +
@@ -439,12 +495,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::recvAnysource(std::vector<at:
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
   at::Tensor t = single(tensors, "allreduce");
-  ReduceKind op = reduceKind(opts.reduceOp, t.scalar_type());
+  Reduction op = reductionOf(opts.reduceOp, t.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::ALLREDUCE, "allreduce (" + shapeOf(t) + ")", {t}, t,
                  timeoutOf(opts.timeout), [t, op, policy, algo = allreduceAlgorithm_](CollectiveContext& ctx) {
                    HostView v(t, policy, true);
-                   dicomm::allreduce(ctx, v.data(), v.numel(), v.dtype(), op, algo);
+                   op.premultiply(v.data(), v.numel(), v.dtype());  // t is overwritten anyway
+                   dicomm::allreduce(ctx, v.data(), v.numel(), v.dtype(), op.kind, algo);
                    v.store();
                  });
 }
@@ -452,8 +509,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "dicomm allreduce_coalesced: expected at least one tensor");
-  ReduceKind op = reduceKind(opts.reduceOp);
-  for (auto& t : tensors) checkReducible(t.scalar_type(), op);
+  std::vector<Reduction> checked;
+  for (auto& t : tensors) checked.push_back(reductionOf(opts.reduceOp, t.scalar_type()));
+  const Reduction op = checked[0];  // the same op and factor; each dtype was checked above
   auto policy = options_.staging;
   std::vector<at::Tensor> ts = tensors;
   return enqueue(OpType::ALLREDUCE_COALESCED,
@@ -466,7 +524,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::allreduce_coalesced(
                      std::vector<at::Tensor> flat;
                      for (auto& t : group) flat.push_back(t.detach().to(at::kCPU).reshape({-1}));
                      at::Tensor buf = at::cat(flat);
-                     dicomm::allreduce(ctx, buf.data_ptr(), buf.numel(), dtype, op, algo);
+                     op.premultiply(buf.data_ptr(), buf.numel(), dtype);
+                     dicomm::allreduce(ctx, buf.data_ptr(), buf.numel(), dtype, op.kind, algo);
                      ctx.seq += 1u << 20;  // distinct tags for the next dtype's ring
                      int64_t off = 0;
                      for (auto& t : group) {
@@ -498,13 +557,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce(std::vector<at::Tensor
   int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK(root >= 0 && root < getSize(), "dicomm reduce: root ", root, " out of range [0, ",
               getSize(), ")");
-  ReduceKind op = reduceKind(opts.reduceOp, t.scalar_type());
+  Reduction op = reductionOf(opts.reduceOp, t.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::REDUCE, "reduce to rank " + std::to_string(root) + " (" + shapeOf(t) + ")",
                  {t}, t, timeoutOf(opts.timeout), [t, root, op, policy](CollectiveContext& ctx) {
                    HostView v(t, policy, true);
-                   dicomm::reduce(ctx, v.data(), v.numel(), v.dtype(), op, root);
-                   if (ctx.comm->rank() == root) v.store();
+                   // A non-root rank's tensor stays as it was: premultiply a copy.
+                   at::Tensor work = op.premultiplied(v.host());
+                   dicomm::reduce(ctx, work.data_ptr(), v.numel(), v.dtype(), op.kind, root);
+                   if (ctx.comm->rank() == root) {
+                     if (!work.is_same(v.host())) v.host().copy_(work);
+                     v.store();
+                   }
                  });
 }
 
@@ -677,17 +741,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::reduce_scatter(
     TORCH_CHECK(i.numel() == out.numel(), "dicomm reduce_scatter: input tensors must have ",
                 out.numel(), " elements like the output, got ", i.numel());
   }
-  ReduceKind op = reduceKind(opts.reduceOp, out.scalar_type());
+  Reduction op = reductionOf(opts.reduceOp, out.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter (" + shapeOf(out) + ")", {out}, out,
                  timeoutOf(opts.timeout), [ins, out, op, policy](CollectiveContext& ctx) {
                    std::vector<at::Tensor> flat;
                    for (auto& t : ins) flat.push_back(t.detach().to(at::kCPU).reshape({-1}));
                    at::Tensor buf = at::cat(flat);
+                   op.premultiply(buf.data_ptr(), buf.numel(), buf.scalar_type());
                    const int r = ctx.comm->rank(), n = ctx.comm->size();
                    auto segs = splitEven(buf.numel(), n);
                    at::Tensor mine = buf.narrow(0, segs[r].offset, segs[r].count);
-                   dicomm::reduceScatter(ctx, buf.data_ptr(), segs, mine.data_ptr(), buf.scalar_type(), op);
+                   dicomm::reduceScatter(ctx, buf.data_ptr(), segs, mine.data_ptr(), buf.scalar_type(), op.kind);
                    out.copy_(mine.view(out.sizes()));
                  });
 }
@@ -698,7 +763,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_reduce_scatter_base(
   checkSameKind(in, out, "reduce_scatter_tensor");
   TORCH_CHECK(in.numel() == out.numel() * getSize(), "dicomm reduce_scatter_tensor: input has ",
               in.numel(), " elements, expected ", getSize(), " x ", out.numel());
-  ReduceKind op = reduceKind(opts.reduceOp, out.scalar_type());
+  Reduction op = reductionOf(opts.reduceOp, out.scalar_type());
   auto policy = options_.staging;
   return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor (" + shapeOf(out) + ")",
                  {out}, in, timeoutOf(opts.timeout), [in, out, op, policy](CollectiveContext& ctx) {
@@ -708,7 +773,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDicomm::_reduce_scatter_base(
                    std::vector<Segment> segs(n);
                    const size_t m = out.numel();
                    for (int p = 0; p < n; ++p) segs[p] = Segment{p * m, m};
-                   dicomm::reduceScatter(ctx, i.data(), segs, o.data(), i.dtype(), op);
+                   at::Tensor input = op.premultiplied(i.host());
+                   dicomm::reduceScatter(ctx, input.data_ptr(), segs, o.data(), i.dtype(), op.kind);
                    o.store();
                  });
 }
