@@ -1,6 +1,6 @@
 """torchtitan's train entry point, run unchanged on ``dipu`` or, as the reference, on the CPU.
 
-    torchrun --nproc-per-node N tests/torchtitan/launch.py {dipu|cpu} <torchtitan arguments>
+    torchrun --nproc-per-node N tests/ecosystem/launch.py {dipu|cpu} <torchtitan arguments>
 
 ``dipu``: ``import ditorch`` and nothing else, as a user would; torchtitan finds the device with
 ``torch._utils._get_available_device_type()`` and its process group (dicomm) in

@@ -1,0 +1,145 @@
+"""torchtitan, PyTorch's own LLM trainer, trains its ``llama3`` debug model on dipu over dicomm,
+unchanged: ``import ditorch`` is the only line added (launch.py). Each case is one parallelism or
+feature of torchtitan's, on dipu, held against the same job on the CPU over gloo: fp32 losses
+within 1e-4 (relative) of it, bf16 within the MRE criterion of ``ditorch mre`` (1.5 %).
+
+Run by ``make test-torchtitan`` (scripts/test_torchtitan.sh), which installs torchtitan 0.3.0
+beside the torch release it is built for (2.14: 2.13 has no ``torch.distributed.set_timeout``,
+which torchtitan calls after its first step, and its ``fully_shard`` takes no ``dp_mesh_dims``).
+Skipped where torchtitan is not installed (``make test``).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+torchtitan = pytest.importorskip("torchtitan", reason="torchtitan is not installed here: make test-torchtitan")
+import torch  # noqa: E402
+
+if not hasattr(torch.distributed, "set_timeout"):
+    pytest.skip(f"torchtitan {torchtitan.__version__} needs torch.distributed.set_timeout, which torch "
+                f"{torch.__version__} lacks: make test-torchtitan", allow_module_level=True)
+
+import titan_job  # noqa: E402
+from assets import make_assets  # noqa: E402
+from titan_job import FP32, run  # noqa: E402
+
+from ditorch.tools import mean_relative_error  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1800)
+
+STEPS = 3
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+       "--parallelism.pipeline_parallel_microbatch_size", "1"]
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+
+
+@pytest.fixture(scope="session")
+def titan_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("torchtitan")
+    make_assets(root / "assets")
+    return root
+
+
+class References:
+    """CPU runs over gloo, each made once and shared by the cases that compare against it."""
+
+    def __init__(self, root: Path):
+        self.root, self.done = root, {}
+
+    def __call__(self, name: str, args: list[str], nproc: int) -> dict[int, float]:
+        if name not in self.done:
+            self.done[name] = run(self.root / f"cpu-{name}", "cpu", args, steps=STEPS, nproc=nproc)
+        return self.done[name]
+
+
+@pytest.fixture(scope="session")
+def cpu(titan_dir) -> References:
+    return References(titan_dir)
+
+
+def assert_fp32_close(reference: dict[int, float], got: dict[int, float]) -> None:
+    assert sorted(got) == sorted(reference), f"steps differ: reference {sorted(reference)}, dipu {sorted(got)}"
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=1e-4), (
+            f"step {step}: dipu {got[step]!r}, CPU {reference[step]!r}; all: dipu {got}, CPU {reference}")
+
+
+def test_fsdp2_fp32(titan_dir, cpu):
+    assert_fp32_close(cpu("fsdp2", FP32 + FSDP2, 2), run(titan_dir / "dipu-fsdp2", "dipu", FP32 + FSDP2, steps=STEPS,
+                                                           nproc=2))
+
+
+def test_tp2_fp32(titan_dir, cpu):
+    assert_fp32_close(cpu("tp2", FP32 + TP2, 2), run(titan_dir / "dipu-tp2", "dipu", FP32 + TP2, steps=STEPS, nproc=2))
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pp2_fp32(titan_dir, cpu, schedule):
+    args = FP32 + PP2 + ["--parallelism.pipeline_parallel_schedule", schedule]
+    assert_fp32_close(cpu(f"pp2-{schedule}", args, 2), run(titan_dir / f"dipu-pp2-{schedule}", "dipu", args,
+                                                           steps=STEPS, nproc=2))
+
+
+def test_hsdp_fp32(titan_dir, cpu):
+    assert_fp32_close(cpu("hsdp", FP32 + HSDP, 4), run(titan_dir / "dipu-hsdp", "dipu", FP32 + HSDP, steps=STEPS,
+                                                         nproc=4))
+
+
+def test_full_activation_checkpointing_equals_selective(titan_dir, cpu):
+    """Every case runs the debug config's selective activation checkpointing; full recomputation
+    changes no loss."""
+    got = run(titan_dir / "dipu-full-ac", "dipu", FP32 + FSDP2 + ["activation-checkpoint:full"], steps=STEPS, nproc=2)
+    assert_fp32_close(cpu("fsdp2", FP32 + FSDP2, 2), got)
+
+
+def test_torch_compile(titan_dir, cpu):
+    """torchtitan's compile of each transformer block and of the loss, with the inductor, against
+    the eager CPU run."""
+    got = run(titan_dir / "dipu-compile", "dipu", FP32 + FSDP2 + ["--compile.enable"], steps=STEPS, nproc=2)
+    assert_fp32_close(cpu("fsdp2", FP32 + FSDP2, 2), got)
+
+
+def test_distributed_checkpoint_saved_on_dipu_resumes_on_cpu_and_back(titan_dir, cpu):
+    """Step 1 on dipu, saved; step 2 on the CPU from that checkpoint, saved; step 3 on dipu from
+    the CPU's. Every save and load is torchtitan's (DCP, sharded by FSDP2 over 2 ranks)."""
+    work = titan_dir / "dcp"
+    shutil.rmtree(work, ignore_errors=True)
+    args = FP32 + FSDP2 + ["--checkpoint.enable", "--checkpoint.interval", "1"]
+    got = {}
+    for steps, device in enumerate(["dipu", "cpu", "dipu"], start=1):
+        trained = run(work, device, args, steps=steps, nproc=2)
+        assert sorted(trained) == [steps], f"{device} run to step {steps} trained steps {sorted(trained)}"
+        assert (work / "checkpoint" / f"step-{steps}").is_dir()
+        got.update(trained)
+    assert_fp32_close(cpu("fsdp2", FP32 + FSDP2, 2), got)
+
+
+def test_bf16_within_mre(titan_dir, cpu):
+    """torchtitan's default mixed precision (bf16 parameters, fp32 reduction) under FSDP2."""
+    got = run(titan_dir / "dipu-bf16", "dipu", FSDP2, steps=STEPS, nproc=2)
+    report = mean_relative_error(cpu("bf16", FSDP2, 2), got)
+    assert report.passed(), report.format()
+
+
+@pytest.mark.parametrize("nodes", [
+    [{"DITORCH_CHIP": "A"}, {"DITORCH_CHIP": "C"}],
+    [{"DITORCH_VENDOR": "emu"}, {"DITORCH_VENDOR": "cpu"}],
+], ids=["chips-A-C", "vendors-emu-cpu"])
+def test_mixed_ranks_train(titan_dir, cpu, nodes):
+    """The same FSDP2 job with its two ranks on two emulated chip types, or on two vendors, each
+    rank a torchrun node of its own with its own environment."""
+    name = "-".join(f"{v}" for node in nodes for v in node.values())
+    got = run(titan_dir / f"dipu-{name}", "dipu", FP32 + FSDP2, steps=STEPS, nodes=nodes)
+    assert_fp32_close(cpu("fsdp2", FP32 + FSDP2, 2), got)
+
+
+def test_a_job_that_fails_is_reported_with_its_log(titan_dir):
+    """The runner's own check: a bad torchtitan argument fails the job, and the error holds the
+    log's end (what each case shows when dipu or dicomm refuses something)."""
+    with pytest.raises(titan_job.JobFailed, match="no-such-option"):
+        run(titan_dir / "bad", "cpu", ["--no-such-option"], steps=1)
