@@ -126,15 +126,21 @@ def test_bf16_within_mre(titan_dir, cpu):
     assert report.passed(), report.format()
 
 
-@pytest.mark.parametrize("nodes", [
-    [{"DITORCH_CHIP": "A"}, {"DITORCH_CHIP": "C"}],
-    [{"DITORCH_VENDOR": "emu"}, {"DITORCH_VENDOR": "cpu"}],
-], ids=["chips-A-C", "vendors-emu-cpu"])
-def test_mixed_ranks_train(titan_dir, cpu, nodes):
-    """The same FSDP2 job with its two ranks on two emulated chip types, or on two vendors, each
-    rank a torchrun node of its own with its own environment."""
-    name = "-".join(f"{v}" for node in nodes for v in node.values())
-    got = run(titan_dir / f"dipu-{name}", "dipu", FP32 + FSDP2, steps=STEPS, nodes=nodes)
+def test_ranks_on_two_chip_types_train_within_mre(titan_dir, cpu):
+    """The FSDP2 job with rank 0 on chip A and rank 1 on chip C (``DITORCH_CHIP`` per rank: each
+    rank a torchrun node of its own). Their fp32 matmuls and special functions are each chip's own
+    (docs/device.md, "Numerics"), so the losses are held to the MRE criterion, not to 1e-4."""
+    nodes = [{"DITORCH_CHIP": "A"}, {"DITORCH_CHIP": "C"}]
+    got = run(titan_dir / "dipu-chips-A-C", "dipu", FP32 + FSDP2, steps=STEPS, nodes=nodes)
+    report = mean_relative_error(cpu("fsdp2", FP32 + FSDP2, 2), got)
+    assert report.passed(), report.format()
+
+
+def test_ranks_on_two_vendors_train_as_the_cpu(titan_dir, cpu):
+    """The FSDP2 job with rank 0's dipu on the emu vendor and rank 1's on the cpu vendor
+    (``DITORCH_VENDOR`` per rank): exact fp32 on both, so within 1e-4."""
+    nodes = [{"DITORCH_VENDOR": "emu"}, {"DITORCH_VENDOR": "cpu"}]
+    got = run(titan_dir / "dipu-vendors-emu-cpu", "dipu", FP32 + FSDP2, steps=STEPS, nodes=nodes)
     assert_fp32_close(cpu("fsdp2", FP32 + FSDP2, 2), got)
 
 
