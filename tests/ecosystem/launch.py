@@ -12,6 +12,8 @@ the few device-module calls torchtitan's memory monitor makes, and FlexAttention
 backward in this torch (eager refuses it: "FlexAttention does not support backward on CPU"; the
 inductor has no CPU lowering of it), runs torch's own dense implementation (the math every device
 falls back to) under the ``aot_eager`` backend, where torchtitan compiles it with the inductor.
+gloo has neither ``AVG`` nor ``PREMUL_SUM``, the reductions FSDP2 divides gradients with, so the
+reference's FSDP2 sums and then divides (its own ``force_sum_reduction_for_comms`` path).
 A compiled model's CPU reference is given ``--compile.backend aot_eager`` by the test for the same
 reason.
 """
@@ -54,6 +56,16 @@ def _cpu_shim() -> None:
         return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
 
     torch.compile = compile_flex_eagerly
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    divide_factors = _fsdp_collectives._get_gradient_divide_factors
+
+    def sum_then_divide(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="", factor=None,
+                        force_sum_reduction_for_comms=False):
+        return divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, factor, True)
+
+    _fsdp_collectives._get_gradient_divide_factors = sum_then_divide
 
 
 def main(argv: list[str] | None = None) -> None:

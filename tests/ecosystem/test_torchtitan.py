@@ -112,7 +112,7 @@ def test_distributed_checkpoint_saved_on_dipu_resumes_on_cpu_and_back(titan_dir,
     args = FP32 + FSDP2 + ["--checkpoint.enable", "--checkpoint.interval", "1"]
     got = {}
     for steps, device in enumerate(["dipu", "cpu", "dipu"], start=1):
-        trained = run(work, device, args, steps=steps, nproc=2)
+        trained = run(work, device, args, steps=steps, schedule_steps=STEPS, nproc=2)
         assert sorted(trained) == [steps], f"{device} run to step {steps} trained steps {sorted(trained)}"
         assert (work / "checkpoint" / f"step-{steps}").is_dir()
         got.update(trained)

@@ -2,9 +2,9 @@
 per-step losses it logged.
 
 The job is torchtitan's ``llama3`` debug model (its own config, ``llama3_debugmodel``) made small
-from the command line: 64-token sequences, 2 per rank, a fixed seed, deterministic algorithms and
-a constant learning rate after its 2 warmup steps (``--lr_scheduler.decay_ratio 0``), so a run
-cut in two by a checkpoint follows the same schedule as one run. Losses come from torchtitan's own
+from the command line: 64-token sequences, 2 per rank, a fixed seed, deterministic algorithms, and
+its learning-rate schedule laid over ``schedule_steps`` (``--lr_scheduler.total_steps``), so runs
+that together train them, one resuming the other's checkpoint, follow the schedule of one run. Losses come from torchtitan's own
 TensorBoard log (``loss_metrics/global_avg_loss``, float32), never from its console.
 
 Ranks of one job are placed by ``nodes``: one entry per ``torchrun`` node with that node's own
@@ -30,7 +30,6 @@ BASE_ARGS = [
     "--module", "llama3", "--config", "llama3_debugmodel",
     "--training.seq_len", "64", "--training.local_batch_size", "2",
     "--debug.seed", "42", "--debug.deterministic",
-    "--lr_scheduler.decay_ratio", "0.0",
     "--validator.no-enable",
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--metrics.disable_color_printing",
 ]
@@ -54,16 +53,18 @@ def losses(dump_folder: Path) -> dict[int, float]:
     return out
 
 
-def run(workdir: Path, device: str, args: list[str], *, steps: int, nodes: list[dict[str, str]] | None = None,
-        nproc: int = 1, timeout_s: float = 900) -> dict[int, float]:
-    """Train ``steps`` steps in ``workdir`` (its dump folder: checkpoints and logs land there, and
-    a checkpoint found there is resumed). ``nodes``: each node's extra environment, ``nproc``
-    ranks per node (default: one node). Returns {step: loss} of the steps this run trained."""
+def run(workdir: Path, device: str, args: list[str], *, steps: int, schedule_steps: int | None = None,
+        nodes: list[dict[str, str]] | None = None, nproc: int = 1, timeout_s: float = 900) -> dict[int, float]:
+    """Train up to step ``steps`` in ``workdir`` (its dump folder: checkpoints and logs land
+    there, and a checkpoint found there is resumed) on a schedule of ``schedule_steps`` (default
+    ``steps``). ``nodes``: each node's extra environment, ``nproc`` ranks per node (default: one
+    node). Returns {step: loss} of the steps this run trained."""
     nodes = nodes or [{}]
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     run_id = time.monotonic_ns()
     cmd_tail = [str(LAUNCH), device, *BASE_ARGS, "--training.steps", str(steps),
+                "--lr_scheduler.total_steps", str(schedule_steps or steps),
                 "--hf_assets_path", str(workdir.parent / "assets" / "tokenizer"),
                 "--dataloader.dataset_path", str(workdir.parent / "assets" / "c4_test"),
                 "--dump_folder", str(workdir), "--metrics.save_tb_folder", f"tb/{run_id}", *args]
