@@ -19,7 +19,8 @@ work, not the eager ops it replaced. What differs from eager is in docs/compile.
 
 Registration is lazy: importing Dynamo costs seconds, so ``import ditorch`` does not. The
 registration runs when ``torch._dynamo.device_interface`` and ``torch._inductor.codegen.cpp``
-are first imported (a post-import hook), or at once when they already are.
+are first imported (a post-import hook), or at once when they already are; so does
+FlexAttention's (``ditorch_ext/flex_attention.py``) when ``torch.nn.attention.flex_attention`` is.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from ditorch_ext import _C
 
 _DYNAMO = "torch._dynamo.device_interface"
 _INDUCTOR = "torch._inductor.codegen.cpp"  # imported by Inductor before it looks up any device's backend
+_FLEX = "torch.nn.attention.flex_attention"  # FlexAttention: ditorch_ext/flex_attention.py
 _registered: set[str] = set()
 
 
@@ -282,7 +284,13 @@ def _treat_dipu_as_cpu_in_scheduling() -> None:
 
 # -- lazy registration --------------------------------------------------------------------------------
 
-_REGISTRARS = {_DYNAMO: _register_dynamo, _INDUCTOR: _register_inductor}
+def _register_flex_attention() -> None:
+    from ditorch_ext import flex_attention
+
+    flex_attention.register()
+
+
+_REGISTRARS = {_DYNAMO: _register_dynamo, _INDUCTOR: _register_inductor, _FLEX: _register_flex_attention}
 
 
 def _register_now(name: str) -> None:

@@ -13,7 +13,7 @@ source "$(dirname "$0")/torch_release.sh"
 # 3. The subset: every layer once. Device tests under both the emu and the cpu vendor; dicomm's
 # list collectives against gloo and a two-rank DDP/FSDP2/pipeline step; one HeteroPP plan over
 # two vendors and two chip types; one Di-PS round; one volunteer step.
-DEVICE_TESTS="tests/device/test_device.py tests/device/test_unboxed_shim.py tests/device/test_memory_api.py tests/device/test_torch_compat.py"
+DEVICE_TESTS="tests/device/test_device.py tests/device/test_unboxed_shim.py tests/device/test_memory_api.py tests/device/test_torch_compat.py tests/device/test_random.py tests/device/test_flex_attention.py"
 SUBSET=(
   "emu|$DEVICE_TESTS tests/device/test_native_vendor.py"
   "cpu|$DEVICE_TESTS"

@@ -149,7 +149,7 @@ at::Tensor& KernelArguments::alias(c10::MaybeOwned<at::Tensor> original, bool wr
   return aliases_.emplace_back(std::move(storage), std::move(k), std::move(original), data, written).kernel_tensor;
 }
 
-void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack, bool keep_generators) {
   const auto& args = op.schema().arguments();
   const size_t base = stack.size() - args.size();
   for (size_t i = 0; i < args.size(); ++i) {
@@ -173,6 +173,8 @@ void KernelArguments::rewrite(const c10::OperatorHandle& op, torch::jit::Stack& 
       v = c10::IValue(std::move(out));
     } else if (v.isDevice() && v.toDevice().type() == kDipu) {
       v = kernelDevice(v.toDevice().has_index() ? v.toDevice().index() : device_);
+    } else if (keep_generators) {
+      continue;
     } else if (v.isGenerator() && v.toGenerator().device().type() == kDipu) {
       v = static_cast<DipuGenerator*>(v.toGenerator().unsafeGetGeneratorImpl())->kernelGenerator();
     } else if (v.isNone() && isGeneratorArgument(args[i])) {

@@ -22,8 +22,9 @@ class KernelArguments {
   KernelArguments& operator=(const KernelArguments&) = delete;
 
   // Rewrites `op`'s arguments on `stack` for the vendor's kernel: dipu tensors become kernel-device
-  // aliases, and dipu devices and generators (an absent generator included) the kernel device's.
-  void rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+  // aliases, and dipu devices and generators (an absent generator included) the kernel device's;
+  // with `keep_generators`, generators stay as given (dipu's counter-based draws read them).
+  void rewrite(const c10::OperatorHandle& op, torch::jit::Stack& stack, bool keep_generators = false);
   // Arguments up to this many keep their aliases in place: the references borrowArgument returns
   // stay valid for the whole call.
   static constexpr size_t kInlineArguments = 8;

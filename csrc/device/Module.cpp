@@ -3,6 +3,7 @@
 #include "device/Allocator.h"
 #include "device/AutogradThreads.h"
 #include "device/ChipProfile.h"
+#include "device/CompositeCharge.h"
 #include "device/Generator.h"
 #include "device/Guard.h"
 #include "device/CpuFallback.h"
@@ -111,6 +112,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("special_function_bits"), py::arg("flush_denormals"));
   m.def("occupy_device", [](double seconds) { occupyDevice(int64_t(seconds * 1e9)); },
         "put `seconds` of device time, launched now, on the emulated device's timeline (as a kernel would)");
+  m.def("set_kernels_uncharged", &setKernelsUncharged, py::arg("uncharged"),
+        "whether this thread's kernels go uncharged on the emulated chip (a composite charged whole); returns the previous");
+  m.def("charge_as", &chargeAs, py::arg("op"), py::arg("tensors"),
+        "charge, launched now, the kernel of ATen op `op` with `tensors` as its tensor arguments (CompositeCharge.h)");
   m.def("chip_slowdown", [] { return chipProfile().slowdown; }, "how many times slower than the host the active chip runs");
   m.def("memory_stats", &memoryStats, "the allocator's statistics of a device, nested as torch.cuda's");
   m.def("reset_peak_memory_stats", [](int d) {

@@ -4,7 +4,9 @@
 #include "device/AutogradThreads.h"
 #include "device/ChipNumerics.h"
 #include "device/ChipProfile.h"
+#include "device/CounterRandom.h"
 #include "device/CpuFallback.h"
+#include "device/Generator.h"
 #include "device/Guard.h"
 #include "device/KernelArguments.h"
 #include "device/SpeedEmulation.h"
@@ -119,6 +121,20 @@ KernelSignature signatureOf(const c10::OperatorHandle& op, const torch::jit::Sta
   return signature;
 }
 
+// Whether dipu draws `op` itself from its counter-based generator: a random op ditorch draws, on a
+// kernel device whose generators are not the vendor's (the CPU), given no generator or a dipu one
+// (a CPU generator handed to a dipu op keeps the vendor's kernel, as before).
+bool drawnCounterBased(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  if (kernelDeviceType() != c10::DeviceType::CPU || !drawsCounterBased(op)) return false;
+  const auto& args = op.schema().arguments();
+  const size_t base = stack.size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[base + i];
+    if (v.isGenerator() && v.toGenerator().device().type() != kDipu) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -131,8 +147,9 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
   const ChipProfile& chip = chipProfile();
   const Numerics& numerics = chip.numerics;
   const NumericsRole role = numerics.any() ? numericsRole(op) : NumericsRole::None;
+  const bool counter_random = drawnCounterBased(op, *stack);
   KernelArguments call(device);
-  call.rewrite(op, *stack);
+  call.rewrite(op, *stack, /*keep_generators=*/counter_random);
   if (numerics.matmul_input_bits < 23 && (role == NumericsRole::Matmul || role == NumericsRole::MatmulInputs))
     roundMatmulInputs(op, *stack, numerics.matmul_input_bits);
   std::vector<c10::IValue> inputs;  // kept only when the chip's result is recomputed from them
@@ -150,6 +167,8 @@ void shimKernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
     if (chip_result.defined()) {
       torch::jit::drop(*stack, op.schema().arguments().size());
       torch::jit::push(*stack, chip_result);
+    } else if (counter_random) {
+      drawCounterBased(op, stack, device);
     } else if (!runBf16MatmulViaFp32(op, stack)) {
       op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()), stack);
     }

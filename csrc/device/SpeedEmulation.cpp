@@ -1,5 +1,6 @@
 #include "device/SpeedEmulation.h"
 
+#include "device/CompositeCharge.h"
 #include "device/KernelCosts.h"
 
 #include <torch/library.h>
@@ -136,7 +137,7 @@ void KernelSignature::addInt(int64_t v) {
 }
 
 KernelClock kernelClockNow(double time_scale) {
-  if (time_scale <= 0) return {};
+  if (time_scale <= 0 || kernelsUncharged()) return {};
   return {monotonicNs(), true};
 }
 

@@ -76,6 +76,29 @@ def test_attention_costs_its_two_products():
     assert seconds == pytest.approx(want, rel=0.05), (seconds, want, kernels)
 
 
+def test_flex_attention_costs_one_attention_kernel_each_way():
+    """FlexAttention's dense ops on dipu (ditorch_ext/flex_attention.py) are charged as one fused
+    attention kernel forward and one backward, whatever its score_mod and mask add."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    ditorch.set_chip(_chip())
+    b, h, s, d = 2, 4, 256, 64
+    q, k, v = (torch.randn(b, h, s, d, device="dipu", requires_grad=True) for _ in range(3))
+    causal = create_block_mask(lambda b_, h_, q_, k_: q_ >= k_, b, h, s, s, device="dipu")
+    out = []
+    seconds, kernels = _charged(lambda: out.append(flex_attention(q, k, v, score_mod=lambda x, *_: x * 0.5,
+                                                                  block_mask=causal)))
+    flops = 2 * b * h * s * s * d + 2 * b * h * s * s * d  # q k^T, then p v, as SDPA's
+    assert kernels == 1
+    assert seconds == pytest.approx(_roofline(flops, 4 * b * h * s * d * 4, TFLOPS["fp32"]), rel=1e-6, abs=2e-9)
+    grad = torch.ones_like(out[0])
+    seconds, kernels = _charged(lambda: out[0].backward(grad))
+    # flop_counter's sdpa_backward_flop_count: the scores recomputed and four products
+    flops = 2 * b * h * 5 * s * s * d
+    assert kernels == 1
+    assert seconds == pytest.approx(_roofline(flops, 8 * b * h * s * d * 4, TFLOPS["fp32"]), rel=1e-6, abs=2e-9)
+
+
 def test_the_counted_flops_are_torchs_flop_counter_formulas():
     """mm, bmm, attention forward and backward and convolution, against FlopCounterMode (on meta
     tensors: the formulas read shapes only)."""

@@ -81,9 +81,10 @@ def test_disagreeing_ops_are_exactly_the_listed_ones(summary):
     assert not stale, f"listed as failing but agree now; remove from opinfo_expectations.py: {stale}"
 
 
-def test_random_ops_agree_under_a_shared_seed(summary):
+def test_random_ops_are_reproducible_on_dipu(summary):
     # op_db's random ops (normal, bernoulli, dropout, multinomial, ...) reseed every device's
-    # generator before each call; the dipu generator must then replay the CPU draws exactly.
+    # generator before each call; dipu's own stream must then give the CPU's shapes and dtypes,
+    # and the same values twice.
     random_ops = set(summary["random_ops"])
     assert {"bernoulli", "normal", "nn.functional.dropout", "multinomial"} <= random_ops
     assert not random_ops & set(summary["forward_failures"])
