@@ -4,7 +4,11 @@ per-step losses it logged.
 The job is torchtitan's ``llama3`` debug model (its own config, ``llama3_debugmodel``) made small
 from the command line: 64-token sequences, 2 per rank, a fixed seed, deterministic algorithms, and
 its learning-rate schedule laid over ``schedule_steps`` (``--lr_scheduler.total_steps``), so runs
-that together train them, one resuming the other's checkpoint, follow the schedule of one run. Losses come from torchtitan's own
+that together train them, one resuming the other's checkpoint, follow the schedule of one run.
+Every run starts from one seed checkpoint (torchtitan's own ``--checkpoint.create_seed_checkpoint``,
+made once on one CPU rank, loaded through ``--checkpoint.initial_load_path``), as torchtitan
+recommends for comparing parallelisms: the CPU's generator and dipu's (a counter-based one, as
+accelerators keep) draw different initial weights, and a DTensor's are drawn per placement. Losses come from torchtitan's own
 TensorBoard log (``loss_metrics/global_avg_loss``, float32), never from its console.
 
 Ranks of one job are placed by ``nodes``: one entry per ``torchrun`` node with that node's own
@@ -21,6 +25,9 @@ from pathlib import Path
 from diutil.address import free_port
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "runtime"))
+from plans import kill_tree  # noqa: E402  (a torchrun and its workers, in sessions of their own)
+
 ROOT = HERE.parents[1]
 LAUNCH = HERE / "launch.py"
 LOSS_TAG = "loss_metrics/global_avg_loss"
@@ -53,18 +60,36 @@ def losses(dump_folder: Path) -> dict[int, float]:
     return out
 
 
-def run(workdir: Path, device: str, args: list[str], *, steps: int, schedule_steps: int | None = None,
-        nodes: list[dict[str, str]] | None = None, nproc: int = 1, timeout_s: float = 900) -> dict[int, float]:
-    """Train up to step ``steps`` in ``workdir`` (its dump folder: checkpoints and logs land
-    there, and a checkpoint found there is resumed) on a schedule of ``schedule_steps`` (default
-    ``steps``). ``nodes``: each node's extra environment, ``nproc`` ranks per node (default: one
-    node). Returns {step: loss} of the steps this run trained."""
-    nodes = nodes or [{}]
+def make_seed(workdir: Path) -> Path:
+    """The seed checkpoint (initial weights) every run loads: torchtitan's, on one CPU rank."""
+    seed = workdir / "checkpoint" / "step-0"
+    if not seed.is_dir():
+        _launch(workdir, "cpu", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], steps=1,
+                schedule_steps=1, nodes=[{}], nproc=1, timeout_s=900)
+    return seed
+
+
+def run(workdir: Path, device: str, args: list[str], *, steps: int, seed: Path, schedule_steps: int | None = None,
+        save: bool = False, nodes: list[dict[str, str]] | None = None, nproc: int = 1,
+        timeout_s: float = 900) -> dict[int, float]:
+    """Train up to step ``steps`` in ``workdir`` from the weights of ``seed`` on a schedule of
+    ``schedule_steps`` (default ``steps``). With ``save``, every step is checkpointed in
+    ``workdir`` and a run finding a checkpoint there resumes it. ``nodes``: each node's extra
+    environment, ``nproc`` ranks per node (default: one node). Returns {step: loss} of the steps
+    this run trained."""
+    checkpoint = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
+    checkpoint += ["--checkpoint.interval", "1"] if save else ["--checkpoint.load_only"]
+    return _launch(workdir, device, checkpoint + args, steps=steps, schedule_steps=schedule_steps or steps,
+                   nodes=nodes or [{}], nproc=nproc, timeout_s=timeout_s)
+
+
+def _launch(workdir: Path, device: str, args: list[str], *, steps: int, schedule_steps: int,
+            nodes: list[dict[str, str]], nproc: int, timeout_s: float) -> dict[int, float]:
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     run_id = time.monotonic_ns()
     cmd_tail = [str(LAUNCH), device, *BASE_ARGS, "--training.steps", str(steps),
-                "--lr_scheduler.total_steps", str(schedule_steps or steps),
+                "--lr_scheduler.total_steps", str(schedule_steps),
                 "--hf_assets_path", str(workdir.parent / "assets" / "tokenizer"),
                 "--dataloader.dataset_path", str(workdir.parent / "assets" / "c4_test"),
                 "--dump_folder", str(workdir), "--metrics.save_tb_folder", f"tb/{run_id}", *args]
@@ -88,7 +113,7 @@ def run(workdir: Path, device: str, args: list[str], *, steps: int, schedule_ste
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, 9)
+                kill_tree(p.pid)
                 p.wait()
     for p, log in zip(procs, logs):
         if p.returncode != 0:
