@@ -44,7 +44,17 @@ torch_build=$("$VENV/bin/python" -c "import torch; print(torch.__version__, 'cud
 # 2. The copy of the tree and its build (build/cmake inside the copy).
 mkdir -p "$SRC"
 # (tar, not rsync: rsync is not on every machine; a tracked file deleted in the tree is skipped.)
-git ls-files -co --exclude-standard -z | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -xf - -C "$SRC"
+# Only files whose content differs are written, as new files: a file the tree changed (a merge,
+# a checkout) may carry an mtime older than the object built from its previous content, and a
+# copy keeping that mtime would leave the build stale.
+STAGE=$(mktemp -d)
+git ls-files -co --exclude-standard -z | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -xf - -C "$STAGE"
+(cd "$STAGE" && find . -type f -print0) | while IFS= read -r -d '' f; do
+  if ! cmp -s "$STAGE/$f" "$SRC/$f"; then
+    mkdir -p "$(dirname "$SRC/$f")" && rm -f "$SRC/$f" && cp "$STAGE/$f" "$SRC/$f"
+  fi
+done
+rm -rf "$STAGE"
 (cd "$SRC" && MAX_JOBS=${MAX_JOBS:-1} nice -n 19 "$VENV/bin/python" -m pip -q --disable-pip-version-check \
   install --no-build-isolation --no-deps -e . >"$WORK/build.log" 2>&1) || {
   echo "$WHO: the build against torch $TORCH failed; see $WORK/build.log" >&2; tail -30 "$WORK/build.log" >&2; exit 1; }
