@@ -20,7 +20,12 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-# Test ranks are torchrun workers of their own (OMP_NUM_THREADS=1 each): one pytest process.
+# Test ranks are torchrun workers of their own (OMP_NUM_THREADS=1 each): one pytest process. Its
+# runs stay in build/torch-X.Y.Z/titan-runs (logs, checkpoints, TensorBoard losses), and the
+# cases' numbers (summary.txt) end the log.
+RUNS=$WORK/titan-runs
 (cd "$SRC" && PYTHONPATH=$SITE GLOO_SOCKET_IFNAME=lo nice -n 10 "$VENV/bin/python" -m pytest -q -p no:xdist \
-   -p no:cacheprovider -rs tests/ecosystem ${TEST_ARGS:-}) 2>&1 | tee "$WORK/titan.log"
-exit "${PIPESTATUS[0]}"
+   -p no:cacheprovider -rs --basetemp "$RUNS" tests/ecosystem ${TEST_ARGS:-}) 2>&1 | tee "$WORK/titan.log"
+status=${PIPESTATUS[0]}
+[ ! -f "$RUNS/torchtitan0/summary.txt" ] || tee -a "$WORK/titan.log" <"$RUNS/torchtitan0/summary.txt"
+exit "$status"

@@ -10,6 +10,7 @@ Skipped where torchtitan is not installed (``make test``).
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,17 @@ def titan_dir(tmp_path_factory) -> Path:
     return root
 
 
+SUMMARY: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def summary(titan_dir):
+    """Each comparison's numbers, one line per case, in ``summary.txt`` beside the runs (the
+    harness prints it after the tests; docs/ecosystem.md's results column comes from it)."""
+    yield
+    (titan_dir / "summary.txt").write_text("\n".join(SUMMARY) + "\n")
+
+
 @pytest.fixture(scope="session")
 def seed(titan_dir) -> Path:
     return make_seed(titan_dir / "seed")
@@ -74,11 +86,28 @@ def cpu(titan_dir, seed) -> References:
     return References(titan_dir)
 
 
+def _record(reference: dict[int, float], got: dict[int, float], what: str) -> None:
+    case = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
+    steps = sorted(set(reference) & set(got))
+    SUMMARY.append(f"{case}: {what}; dipu {[round(got[s], 5) for s in steps]}, "
+                   f"CPU {[round(reference[s], 5) for s in steps]}")
+
+
 def assert_fp32_close(reference: dict[int, float], got: dict[int, float]) -> None:
     assert sorted(got) == sorted(reference), f"steps differ: reference {sorted(reference)}, dipu {sorted(got)}"
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+    _record(reference, got,
+            f"largest relative difference {worst:.1e}")
     for step in reference:
         assert got[step] == pytest.approx(reference[step], rel=1e-4), (
             f"step {step}: dipu {got[step]!r}, CPU {reference[step]!r}; all: dipu {got}, CPU {reference}")
+
+
+def assert_within_mre(reference: dict[int, float], got: dict[int, float]) -> None:
+    report = mean_relative_error(reference, got)
+    _record(reference, got,
+            f"MRE {report.mre_percent:.4f} %")
+    assert report.passed(), report.format()
 
 
 def test_fsdp2_fp32(titan_dir, cpu):
@@ -133,8 +162,7 @@ def test_distributed_checkpoint_saved_on_dipu_resumes_on_cpu_and_back(titan_dir,
 def test_bf16_within_mre(titan_dir, cpu):
     """torchtitan's default mixed precision (bf16 parameters, fp32 reduction) under FSDP2."""
     got = run(titan_dir / "dipu-bf16", "dipu", FSDP2, nproc=2)
-    report = mean_relative_error(cpu("bf16", FSDP2, 2), got)
-    assert report.passed(), report.format()
+    assert_within_mre(cpu("bf16", FSDP2, 2), got)
 
 
 def test_ranks_on_two_chip_types_train_within_mre(titan_dir, cpu):
@@ -143,8 +171,7 @@ def test_ranks_on_two_chip_types_train_within_mre(titan_dir, cpu):
     (docs/device.md, "Numerics"), so the losses are held to the MRE criterion, not to 1e-4."""
     nodes = [{"DITORCH_CHIP": "A"}, {"DITORCH_CHIP": "C"}]
     got = run(titan_dir / "dipu-chips-A-C", "dipu", FP32 + FSDP2, nodes=nodes)
-    report = mean_relative_error(cpu("fsdp2", FP32 + FSDP2, 2), got)
-    assert report.passed(), report.format()
+    assert_within_mre(cpu("fsdp2", FP32 + FSDP2, 2), got)
 
 
 def test_ranks_on_two_vendors_train_as_the_cpu(titan_dir, cpu):
