@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make test-torchtitan`: torchtitan 0.3.0 trains its llama3 debug model on dipu over dicomm
-# (tests/ecosystem). torchtitan 0.3.0 is built for torch 2.14 (2.13 lacks
-# torch.distributed.set_timeout and fully_shard's dp_mesh_dims), so it runs in `make test-torch`'s
-# venv for TORCH (default 2.14.1) and its build of the tree (scripts/torch_release.sh), with
+# (tests/ecosystem). torchtitan 0.3.0 is built for torch 2.14 (on 2.13 it stops at
+# torch.distributed.set_timeout, fully_shard and pipelining: docs/ecosystem.md), so it runs in
+# `make test-torch`'s venv for TORCH (default 2.14.1) and its build of the tree (scripts/torch_release.sh), with
 # torchtitan and what it imports in build/torch-X.Y.Z/titan-site (--no-deps, so pip never resolves
 # or replaces torch; scripts/torchtitan_requirements.txt). Writes build/torch-X.Y.Z/titan.log.
 set -euo pipefail

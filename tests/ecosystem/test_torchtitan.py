@@ -4,8 +4,8 @@ feature of torchtitan's, on dipu, held against the same job on the CPU over gloo
 within 1e-4 (relative) of it, bf16 within the MRE criterion of ``ditorch mre`` (1.5 %).
 
 Run by ``make test-torchtitan`` (scripts/test_torchtitan.sh), which installs torchtitan 0.3.0
-beside the torch release it is built for (2.14: 2.13 has no ``torch.distributed.set_timeout``,
-which torchtitan calls after its first step, and its ``fully_shard`` takes no ``dp_mesh_dims``).
+beside the torch release it is built for (2.14: on 2.13 it stops on the CPU as on dipu, at
+``torch.distributed.set_timeout``, at 2.13's ``fully_shard`` and in its pipelining; docs/ecosystem.md).
 Skipped where torchtitan is not installed (``make test``).
 """
 from __future__ import annotations
