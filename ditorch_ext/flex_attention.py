@@ -30,9 +30,6 @@ from typing import Any, Callable
 
 import torch
 
-MODULE = "torch.nn.attention.flex_attention"
-
-
 def _dipu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable,
                          block_mask: tuple, scale: float, kernel_options: dict[str, Any],
                          score_mod_other_buffers: tuple = (), mask_mod_other_buffers: tuple = ()) -> tuple:
@@ -103,7 +100,7 @@ class _ChargedAsAttention(torch.autograd.Function):
                 outputs.append(lse)
                 grads.append(grad_lse)
             found = torch.autograd.grad(outputs, [t for t in leaves if t.requires_grad], grads, allow_unused=True)
-        _C.charge_as(_BACKWARD, [grad_out, query, key, value, out])
+        _C.charge_as(_BACKWARD, [grads[0], query, key, value, out])
         by_leaf = iter(found)
         per_input = [next(by_leaf) if t.requires_grad else None for t in (query, key, value, *buffers)]
         return (*per_input[:3], None, None, None, None, None, *per_input[3:])
