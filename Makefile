@@ -2,7 +2,7 @@
 # Each sets itself up on a fresh machine and is safe to rerun.
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-single test test-asan test-rdma test-torch build bench bench-compare bench-programs gpu-check
+.PHONY: setup demo demo-single test test-asan test-rdma test-torch test-torchtitan build bench bench-compare bench-programs gpu-check
 setup:
 	@bash scripts/setup_env.sh
 
@@ -38,6 +38,14 @@ test-asan: setup
 # Not in .ci/run: the download and a one-job build take longer than its budget (docs/device.md).
 test-torch:
 	TORCH=$(TORCH) bash scripts/test_torch.sh
+
+# torchtitan 0.3.0 (PyTorch's LLM trainer, unchanged) trains its llama3 debug model on dipu over
+# dicomm: FSDP2, TP, PP schedules, HSDP, activation checkpointing, torch.compile, a distributed
+# checkpoint moved between dipu and the CPU, bf16, mixed chips and vendors, each against the CPU
+# over gloo (tests/ecosystem). It needs torch 2.14 (TORCH=X.Y.Z, default 2.14.1): the venv and
+# build of `make test-torch`, then torchtitan beside it: scripts/test_torchtitan.sh.
+test-torchtitan:
+	TORCH=$(or $(TORCH),2.14.1) bash scripts/test_torchtitan.sh
 
 # The rdma tests on real (soft-RoCE) verbs, inside a qemu guest: see docs/rdma.md.
 test-rdma: setup

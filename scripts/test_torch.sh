@@ -1,55 +1,14 @@
 #!/usr/bin/env bash
 # `make test-torch TORCH=X.Y.Z`: ditorch against another release of torch, beside the main tree.
 #
-#   build/torch-X.Y.Z/venv   a venv with torch X.Y.Z from the package index (its default Linux wheel:
-#                            the CUDA build, several GB) and the test dependencies;
-#   build/torch-X.Y.Z/src    a copy of the working tree (tracked and untracked, not ignored files),
-#                            built there, so the main tree's modules and build/cmake stay untouched;
-#   build/torch-X.Y.Z/*.log  the download, build and test logs, and summary.txt (one line).
-#
-# Then a named subset that reaches every layer (SUBSET below). Safe to rerun: the venv is kept,
-# the copy is refreshed and rebuilt incrementally. MAX_JOBS (default 1) and nice keep the build
-# from crowding a shared machine.
+# scripts/torch_release.sh makes build/torch-X.Y.Z/venv (torch X.Y.Z from the package index) and
+# build/torch-X.Y.Z/src (the tree built against it); then a named subset that reaches every layer
+# (SUBSET below) writes build/torch-X.Y.Z/test.log and summary.txt (one line).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$PWD
 TORCH=${TORCH:?usage: make test-torch TORCH=X.Y.Z}
-[[ $TORCH =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "test-torch: TORCH=$TORCH is not a release number X.Y.Z" >&2; exit 2; }
-WORK=$ROOT/build/torch-$TORCH
-VENV=$WORK/venv
-SRC=$WORK/src
-PY=${PYTHON:-python3}
-mkdir -p "$WORK"
-now() { date +%s; }
-
-# 1. The venv. PIP_CONFIG_FILE=/dev/null: a machine-wide pip constraint (some machines here cap
-# torch at the releases they keep on disk) must not stop the release asked for.
-t0=$(now)
-if [ ! -f "$VENV/.torch-$TORCH" ]; then
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  # A current pip first: the venv's own (23.x here) falls back to a legacy editable install that
-  # builds in isolation, without torch.
-  PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip -q --disable-pip-version-check install --upgrade \
-    pip setuptools wheel >"$WORK/download.log" 2>&1
-  PIP_CONFIG_FILE=/dev/null nice -n 19 "$VENV/bin/python" -m pip -q --disable-pip-version-check install \
-    "torch==$TORCH" >>"$WORK/download.log" 2>&1
-  # Everything else requirements.txt lists, except its torch pin and the Hugging Face extra.
-  grep -v -E '^(torch|transformers)[=<> ]' requirements.txt >"$WORK/requirements.txt"
-  PIP_CONFIG_FILE=/dev/null nice -n 19 "$VENV/bin/python" -m pip -q --disable-pip-version-check install \
-    "torch==$TORCH" -r "$WORK/requirements.txt" >>"$WORK/download.log" 2>&1
-  touch "$VENV/.torch-$TORCH"
-fi
-t1=$(now)
-torch_build=$("$VENV/bin/python" -c "import torch; print(torch.__version__, 'cuda', torch.version.cuda)")
-
-# 2. The copy of the tree and its build (build/cmake inside the copy).
-mkdir -p "$SRC"
-# (tar, not rsync: rsync is not on every machine; a tracked file deleted in the tree is skipped.)
-git ls-files -co --exclude-standard -z | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -xf - -C "$SRC"
-(cd "$SRC" && MAX_JOBS=${MAX_JOBS:-1} nice -n 19 "$VENV/bin/python" -m pip -q --disable-pip-version-check \
-  install --no-build-isolation --no-deps -e . >"$WORK/build.log" 2>&1) || {
-  echo "test-torch: the build against torch $TORCH failed; see $WORK/build.log" >&2; tail -30 "$WORK/build.log" >&2; exit 1; }
-t2=$(now)
+WHO=test-torch
+# shellcheck source=scripts/torch_release.sh
+source "$(dirname "$0")/torch_release.sh"
 
 # 3. The subset: every layer once. Device tests under both the emu and the cpu vendor; dicomm's
 # list collectives against gloo and a two-rank DDP/FSDP2/pipeline step; one HeteroPP plan over
