@@ -73,13 +73,16 @@ MODES = {
     "dips-topk-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / int4, no filter"),
     "dips-topk2-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / top-k 2%, no filter"),
     "dips-topk2-stream-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / top-k 2%, streamed, no filter"),
+    "dips-sparse": ("dips", True, True, True, "Di-PS sparse 3% / sparse 3%"),
+    "dips-sparse-push": ("dips", True, True, True, "Di-PS sparse 3% / int8"),
 }
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
         "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
         "dips-topk-stream": ("topk:0.02", "int4", 4), "dips-topk2-stream": ("topk:0.02", "topk:0.02", 4),
         "dips-topk-nofilter": ("topk:0.02", "int4", 1),
-        "dips-topk2-nofilter": ("topk:0.02", "topk:0.02", 1), "dips-topk2-stream-nofilter": ("topk:0.02", "topk:0.02", 4)}
+        "dips-topk2-nofilter": ("topk:0.02", "topk:0.02", 1), "dips-topk2-stream-nofilter": ("topk:0.02", "topk:0.02", 4),
+        "dips-sparse": ("sparse:0.03", "sparse:0.03", 1), "dips-sparse-push": ("sparse:0.03", "int8", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%

@@ -49,6 +49,7 @@ from diutil.durable import write_atomic
 
 from .auth import JobToken
 from .codec import Codec
+from .follower_state import WHOLE
 from .layout import ModelLayout
 from .leader_speaker import LeaderSpeaker, data_plan
 from .rpc import Tls
@@ -424,7 +425,8 @@ class OuterClient:
             if change is not None:
                 new = {n: self._held[n] + d for n, d in change.items()}
         if new is None:  # the whole values: nothing held yet, or the followers do not know it
-            new = self.transfer.pull(version, self.my_units, cluster=tracked)
+            whole = self.pull_codec.whole if tracked is not None else None
+            new = self.transfer.pull(version, self.my_units, whole, since=WHOLE, cluster=tracked)
             if new is None:
                 return None
         if self.push_codec.lossy or self.pull_codec.lossy:

@@ -1,5 +1,6 @@
 """How a unit's values are compressed on the wire: BF16, int8 or 4-bit codes with a scale per
-block of 64 values, or the top-k values by magnitude (their indices and int8 codes).
+block of 64 values, the top-k values by magnitude (their indices and int8 codes), or the top-k
+of each chunk of 4096 values (16-bit indices within the chunk, int8 codes, a scale per chunk).
 
 A payload's size follows from the codec and the unit's element count alone, so a receiver
 checks the length before it reads anything; every index, scale and code is then checked (range,
@@ -18,9 +19,11 @@ import math
 import torch
 
 BLOCK = 64                       # values sharing one FP32 scale
-KINDS = ("bf16", "int8", "int4", "topk")
+KINDS = ("bf16", "int8", "int4", "topk", "sparse")
+SPARSE = ("topk", "sparse")      # the kinds that send a fraction of the values
+CHUNK = 4096                     # sparse: values sharing one top-k choice, one scale and 16-bit indices
 DEFAULT_DENSITY = 0.02           # top-k without a density keeps this fraction of the values
-MAX_DENSITY = 0.25               # beyond ~0.21 top-k's indices make it larger than dense int8
+MAX_DENSITY = 0.25               # beyond ~0.21 top-k's (0.35 sparse's) indices make it larger than int8
 MAX_SPEC_CHARS = 32
 _QMAX = {"int8": 127, "int4": 7}  # symmetric codes: -128 (int8) and -8 (int4) are never sent
 MAX_ELEMENTS = 2 ** 31 - 1       # top-k indices are int32
@@ -28,21 +31,22 @@ MAX_ELEMENTS = 2 ** 31 - 1       # top-k indices are int32
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """One wire format; ``density`` is top-k's fraction of values kept (0 for the others)."""
+    """One wire format; ``density`` is top-k's (and sparse's) fraction of values kept (0 for the others)."""
 
     kind: str
     density: float = 0.0
 
     @classmethod
     def parse(cls, spec: object) -> "Codec":
-        """``bf16``, ``int8``, ``int4``, ``topk`` or ``topk:D`` (0 < D <= 0.25), as a peer or a flag
-        gives it; ``ValueError`` naming the spec otherwise."""
+        """``bf16``, ``int8``, ``int4``, ``topk[:D]`` or ``sparse[:D]`` (0 < D <= 0.25), as a peer or
+        a flag gives it; ``ValueError`` naming the spec otherwise."""
+        expected = "expected one of bf16, int8, int4, topk[:DENSITY], sparse[:DENSITY]"
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
-            raise ValueError(f"codec {str(spec)[:40]!r}: expected one of bf16, int8, int4, topk[:DENSITY]")
+            raise ValueError(f"codec {str(spec)[:40]!r}: {expected}")
         kind, _, arg = spec.partition(":")
-        if kind not in KINDS or (arg and kind != "topk"):
-            raise ValueError(f"codec {spec!r}: expected one of bf16, int8, int4, topk[:DENSITY]")
-        if kind != "topk":
+        if kind not in KINDS or (arg and kind not in SPARSE):
+            raise ValueError(f"codec {spec!r}: {expected}")
+        if kind not in SPARSE:
             return cls(kind)
         try:
             density = float(arg) if arg else DEFAULT_DENSITY
@@ -53,16 +57,32 @@ class Codec:
         return cls(kind, density)
 
     def __str__(self) -> str:
-        return f"topk:{self.density:g}" if self.kind == "topk" else self.kind
+        return f"{self.kind}:{self.density:g}" if self.kind in SPARSE else self.kind
 
     @property
     def lossy(self) -> bool:
         """Whether values cross as a compressed difference (every codec but BF16 parameters)."""
         return self.kind != "bf16"
 
+    @property
+    def whole(self) -> "Codec":
+        """How whole values travel when a pull in this codec has nothing to be a difference from
+        (a join): int8 for every compressed pull (a sparse payload could not carry a model, and
+        4-bit codes would leave an error larger than many rounds' updates), BF16 otherwise."""
+        return Codec("int8") if self.lossy else self
+
     def kept(self, n: int) -> int:
-        """How many of ``n`` values top-k sends (``n`` for the dense codecs)."""
+        """How many of ``n`` values top-k sends (``n`` for the dense codecs; for sparse, the sum
+        over its chunks)."""
+        if self.kind == "sparse":
+            return sum(self._chunk_kept(n))
         return min(n, max(1, math.ceil(self.density * n))) if self.kind == "topk" else n
+
+    def _chunk_kept(self, n: int) -> list[int]:
+        """Sparse: how many values each chunk of ``n`` values keeps (all full chunks the same)."""
+        full, rest = divmod(n, CHUNK)
+        keep = Codec("topk", self.density).kept
+        return [keep(CHUNK)] * full + ([keep(rest)] if rest else [])
 
     def payload_bytes(self, n: int) -> int:
         """The exact payload size of ``n`` values."""
@@ -72,6 +92,8 @@ class Codec:
             return 4 * _blocks(n) + n
         if self.kind == "int4":
             return 4 * _blocks(n) + (n + 1) // 2
+        if self.kind == "sparse":
+            return 4 * _chunks(n) + 3 * self.kept(n)
         k = self.kept(n)
         return 4 * k + 4 * _blocks(k) + k
 
@@ -91,6 +113,8 @@ class Codec:
         elif self.kind in _QMAX:
             scales, codes = _quantize(x, _QMAX[self.kind])
             payload = _bytes(scales) + (_bytes(codes) if self.kind == "int8" else _pack4(codes))
+        elif self.kind == "sparse":
+            payload = self._encode_sparse(x)
         else:
             k = self.kept(x.numel())
             idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values.to(torch.int32)
@@ -115,6 +139,8 @@ class Codec:
             codes = (torch.frombuffer(buf, dtype=torch.int8, offset=4 * nb, count=n) if self.kind == "int8"
                      else _unpack4(buf, 4 * nb, n, what))
             out = _dequantize(scales, _checked_codes(codes, _QMAX[self.kind], what), n)
+        elif self.kind == "sparse":
+            out = self._decode_sparse(buf, n, what)
         else:
             k = self.kept(n)
             idx = torch.frombuffer(buf, dtype=torch.int32, count=k).long()
@@ -131,6 +157,60 @@ class Codec:
         if not torch.isfinite(out).all():
             raise ValueError(f"{what}: decodes to non-finite values")
         return out
+
+
+    def _encode_sparse(self, x: torch.Tensor) -> bytes:
+        """Each chunk's k largest magnitudes: the chunks' FP32 scales (kept absmax / 127), then
+        every chunk's 16-bit indices within it (increasing), then every chunk's int8 codes."""
+        n = x.numel()
+        kept = self._chunk_kept(n)
+        full = n // CHUNK
+        parts = []
+        if full:
+            parts.append(_chunk_topk(x[:full * CHUNK].view(full, CHUNK), kept[0]))
+        if len(kept) > full:
+            parts.append(_chunk_topk(x[full * CHUNK:].view(1, -1), kept[-1]))
+        idx = torch.cat([p[0].reshape(-1) for p in parts])
+        vals = [p[1] for p in parts]
+        scales = torch.cat([v.abs().amax(dim=1) / _QMAX["int8"] for v in vals])
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes, at = [], 0
+        for v in vals:
+            codes.append(torch.round(v / safe[at:at + len(v), None]).clamp_(-127, 127).to(torch.int8).reshape(-1))
+            at += len(v)
+        return _bytes(scales) + _bytes(idx.to(torch.int16)) + _bytes(torch.cat(codes))
+
+    def _decode_sparse(self, buf: bytearray, n: int, what: str) -> torch.Tensor:
+        kept = self._chunk_kept(n)
+        m, k = len(kept), sum(kept)
+        scales = _scales(buf, 0, m, what)
+        idx = torch.frombuffer(buf, dtype=torch.int16, offset=4 * m, count=k).to(torch.int64) & 0xFFFF
+        codes = _checked_codes(torch.frombuffer(buf, dtype=torch.int8, offset=4 * m + 2 * k, count=k),
+                               _QMAX["int8"], what)
+        chunk = torch.repeat_interleave(torch.arange(m), torch.tensor(kept))
+        size = torch.tensor([min(CHUNK, n - c * CHUNK) for c in range(m)])[chunk]
+        bad = idx >= size
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"{what}: sparse index {int(idx[i])} of chunk {int(chunk[i])} out of range "
+                             f"0..{int(size[i]) - 1}")
+        same = chunk[1:] == chunk[:-1]
+        if bool((same & (idx[1:] <= idx[:-1])).any()):
+            c = int(chunk[1:][same & (idx[1:] <= idx[:-1])][0])
+            raise ValueError(f"{what}: sparse indices of chunk {c} are not strictly increasing")
+        out = torch.zeros(n)
+        out[chunk * CHUNK + idx] = codes.float() * scales[chunk]
+        return out
+
+
+def _chunk_topk(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest magnitudes: their indices in the row (increasing) and values."""
+    idx = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    return idx, torch.gather(rows, 1, idx)
+
+
+def _chunks(n: int) -> int:
+    return (n + CHUNK - 1) // CHUNK
 
 
 def _blocks(n: int) -> int:

@@ -23,7 +23,7 @@ from diutil.untrusted import BadMessage, RateLimitedLog
 from .auth import JobToken, push_id_issued
 from .codec import Codec
 from .curve import Authenticator, KeyPair, serving_socket, tcp_endpoint
-from .follower_state import FollowerState
+from .follower_state import WHOLE, FollowerState
 from .layout import pack_unit, unpack_unit
 
 log = logging.getLogger("dips.follower")
@@ -189,7 +189,7 @@ class FollowerDataServer:
                 codec = Codec.parse(header.get("codec", "bf16"))
                 cluster = untrusted.text(header, "cluster", MAX_ID_CHARS, default=None)
                 if codec.lossy:  # the difference from what the cluster holds
-                    since = untrusted.integer(header, "since", 0, MAX_VERSION)
+                    since = untrusted.integer(header, "since", WHOLE, MAX_VERSION)  # WHOLE: from nothing
                     if cluster is None:
                         raise BadMessage("a compressed pull names its cluster")
                     payload = self.state.pull_change(version, since, units, cluster, codec)

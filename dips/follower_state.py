@@ -35,6 +35,7 @@ from .outer_optimizer import NesterovOuter
 log = logging.getLogger("dips.follower")
 
 STALE_UNSEALED_S = 120.0
+WHOLE = -1  # a compressed pull's ``since`` when the cluster holds nothing: the values themselves
 MAX_VIEWS = 64  # clusters whose held values a follower tracks for compressed pulls (least recent goes)
 
 
@@ -139,23 +140,26 @@ class FollowerState:
 
     def pull_change(self, version: int, since: int, units: list[int], cluster: str, codec: Codec) -> list[bytes]:
         """``units`` at ``version`` for ``cluster``, which holds them at ``since``: the encoded
-        difference from what it holds, one payload per unit; its view moves to what it decodes."""
+        difference from what it holds, one payload per unit; its view moves to what it decodes.
+        ``since`` = ``WHOLE``: the cluster holds nothing, the values themselves are encoded (a
+        compressed join) and its view starts there."""
         with self.lock:
             params = self._held(version, units)
-            held = self.views.get(cluster, {}).get(since, {})
+            new = {u: torch.cat([params[t.name].reshape(-1).float() for t in self.layout.units[u].tensors])
+                   for u in units}
+            held = ({u: torch.zeros_like(new[u]) for u in units} if since == WHOLE
+                    else self.views.get(cluster, {}).get(since, {}))
             missing = [u for u in units if u not in held]
             if missing:
                 raise ValueError(f"{self.name} does not know what cluster {cluster[:40]!r} holds of units "
-                                 f"{missing[:8]} at version {since}: pull them whole (bf16)")
+                                 f"{missing[:8]} at version {since}: pull them whole")
             old = {u: held[u] for u in units}
-            new = {u: torch.cat([params[t.name].reshape(-1).float() for t in self.layout.units[u].tensors])
-                   for u in units}
         # encoded outside the lock: versions and views are replaced, never changed in place
         coded = {u: codec.round_trip(new[u] - old[u]) for u in units}
         with self.lock:
             view = self._view(cluster)
             view.setdefault(version, {}).update({u: old[u] + coded[u][1] for u in units})
-            self._forget_older(view, since)
+            self._forget_older(view, version if since == WHOLE else since)
         return [coded[u][0] for u in units]
 
     def _view(self, cluster: str) -> dict[int, dict[int, torch.Tensor]]:

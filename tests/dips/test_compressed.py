@@ -27,7 +27,7 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
     return {t.name: part.view(t.shape) for t, part in zip(unit.tensors, flat.split(sizes))}
 
 
-@pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4")])
+@pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"), ("sparse:0.05", "sparse:0.05")])
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
     """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
     the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
@@ -41,7 +41,10 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
         c = OuterClient(model, leader.address, inner_steps=1, token=token, name="c", push_codec=push,
                         pull_codec=pull, state_dir=tmp_path / "state")
         units = c.layout.units
-        held = {n: t.bfloat16().float() for n, t in theta.items()}  # joined: a whole BF16 pull
+        held = {n: t.bfloat16().float() for n, t in theta.items()}  # joined: a whole pull, BF16 ...
+        if qc.lossy:  # ... or int8 codes of the values themselves for a compressed pull
+            for unit in units:
+                held.update(_unflat(Codec.parse("int8").round_trip(_flat(held, unit))[1], unit))
         residual = {u: torch.zeros(sum(t.numel for t in unit.tensors)) for u, unit in enumerate(units)}
         for rnd in range(3):
             perturb(model, rnd)
@@ -113,8 +116,11 @@ def test_a_pull_since_a_version_no_longer_held_falls_back_to_whole_values(tmp_pa
         perturb(a.model, 5)
         assert a.step(tokens=10)
         latest = global_params(leader, token)
+        whole = {}  # a whole int8 pull: the global values' int8 codes, decoded
+        for unit in a.layout.units:
+            whole.update(_unflat(Codec.parse("int8").round_trip(_flat(latest, unit))[1], unit))
         for n, p in a.model.named_parameters():
-            assert torch.equal(p.detach(), latest[n])  # a whole BF16 pull: the global values exactly
+            assert torch.equal(p.detach(), whole[n])
         a.close()
 
 
@@ -212,7 +218,7 @@ def test_hostile_compressed_pull_headers_are_refused(tmp_path):
                              ({"codec": "int8", "since": 0}, "names its cluster"),
                              ({"codec": "int8", "since": 5, "cluster": "c"}, "what cluster 'c' holds"),
                              ({"codec": "int8", "since": 0, "cluster": "x" * 200}, "cluster"),
-                             ({"codec": "int8", "since": -1, "cluster": "c"}, "since"),
+                             ({"codec": "int8", "since": -2, "cluster": "c"}, "since"),
                              ({"codec": "topk:2"}, "top-k density"), ({"codec": ["int8"]}, "codec")]:
             sock.send_multipart([json.dumps({"op": "pull", "req": "r", "version": 0, "units": units,
                                              **extra}).encode()])
