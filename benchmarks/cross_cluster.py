@@ -75,6 +75,8 @@ MODES = {
     "dips-topk2-stream-nofilter": ("dips", True, False, True, "Di-PS top-k 2% / top-k 2%, streamed, no filter"),
     "dips-sparse": ("dips", True, True, True, "Di-PS sparse 3% / sparse 3%"),
     "dips-sparse-push": ("dips", True, True, True, "Di-PS sparse 3% / int8"),
+    "dips-sign": ("dips", True, True, True, "Di-PS sign / sign"),
+    "dips-sign-sparse": ("dips", True, True, True, "Di-PS sign / sparse 3%"),
 }
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
@@ -82,7 +84,8 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-topk-stream": ("topk:0.02", "int4", 4), "dips-topk2-stream": ("topk:0.02", "topk:0.02", 4),
         "dips-topk-nofilter": ("topk:0.02", "int4", 1),
         "dips-topk2-nofilter": ("topk:0.02", "topk:0.02", 1), "dips-topk2-stream-nofilter": ("topk:0.02", "topk:0.02", 4),
-        "dips-sparse": ("sparse:0.03", "sparse:0.03", 1), "dips-sparse-push": ("sparse:0.03", "int8", 1)}
+        "dips-sparse": ("sparse:0.03", "sparse:0.03", 1), "dips-sparse-push": ("sparse:0.03", "int8", 1),
+        "dips-sign": ("sign", "sign", 1), "dips-sign-sparse": ("sign", "sparse:0.03", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%
@@ -221,10 +224,14 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
     scales = [r["scale"] for r in rounds]
     stale_scales = [r["stale_scale"] for r in rounds]
     stale = [s for r in rounds for s in r["staleness"]]
-    ends = [rs[-1].get("stats", {}) for rs in read.values() if rs and "stats" in rs[-1]]
-    # a push and a pull each (the join's whole BF16 pull counts as one of the pulls)
-    per_round = [e["push_bytes"] / e["pushed"] + e["pull_bytes"] / e["pulls"] for e in ends if e.get("pushed")]
-    return {"bytes_per_round": sum(per_round) / max(len(per_round), 1), "peak_bytes_s": peak_bytes(read),"mode": mode, "label": label, "momentum": momentum, "tokens": tokens, "wall": t_end - t_start,
+    joins = [(rs[0].get("join_bytes", 0), rs[0].get("join_pulls", 0), rs[-1]["stats"]) for rs in read.values()
+             if rs and "stats" in rs[-1] and rs[-1]["stats"].get("pushed")]
+    # a push and a pull each; the join's whole pull is not an outer round's and is counted apart
+    per_round = [e["push_bytes"] / e["pushed"] + (e["pull_bytes"] - jb) / max(e["pulls"] - jp, 1)
+                 for jb, jp, e in joins]
+    return {"bytes_per_round": sum(per_round) / max(len(per_round), 1), "peak_bytes_s": peak_bytes(read),
+            "join_bytes": sum(jb for jb, _, _ in joins) / max(len(joins), 1),
+            "mode": mode, "label": label, "momentum": momentum, "tokens": tokens, "wall": t_end - t_start,
             "throughput": tokens / (t_end - t_start), "final_loss": final, "version": version,
             "rounds": len(rounds), "rejected": sum(r["rejected"] for r in rounds),
             "mean_scale": sum(scales) / max(len(scales), 1), "min_scale": min(scales, default=1.0),
@@ -315,13 +322,14 @@ def report(results: list[dict], args, links: list[float] | None, step_s: float, 
         rows = [r for r in results if r["momentum"] == momentum]
         print(f"\nouter momentum {momentum:g}")
         print(f"{'mode':33s} {'tokens':>8s} {'wall s':>7s} {'tokens/s':>9s} {'rounds':>6s} {'rejected':>8s} "
-              f"{'clip mean/min':>13s} {'stale':>9s} {'x stale':>7s} {'late':>5s} {'KB/round':>9s} {'peak KB/s':>9s} "
-              f"{'final loss':>10s}")
+              f"{'clip mean/min':>13s} {'stale':>9s} {'x stale':>7s} {'late':>5s} {'KB/round':>9s} {'join KB':>8s} "
+              f"{'peak KB/s':>9s} {'final loss':>10s}")
         for r in rows:
             print(f"{r['label']:33s} {r['tokens']:8d} {r['wall']:7.1f} {r['throughput']:9.0f} {r['rounds']:6d} "
                   f"{r['rejected']:8d} {r['mean_scale']:6.2f}/{r['min_scale']:<6.2f} "
                   f"{r['staleness']:5.1f}/{r['max_staleness']:<3d} {r['mean_stale_scale']:7.2f} {r['late']:5.0%} "
-                  f"{r['bytes_per_round'] / 1e3:9.0f} {r['peak_bytes_s'] / 1e3:9.0f} {r['final_loss']:10.4f}")
+                  f"{r['bytes_per_round'] / 1e3:9.0f} {r['join_bytes'] / 1e3:8.0f} {r['peak_bytes_s'] / 1e3:9.0f} "
+                  f"{r['final_loss']:10.4f}")
         for r in rows:
             if "vs_dips" in r:
                 print(f"{r['label']} / Di-PS: {r['vs_dips']['bytes']:.1f}x fewer bytes per round, throughput "
@@ -376,6 +384,7 @@ def measurements(results: list[dict], tag: str) -> list[Measurement]:
                          "final_loss": round(r["final_loss"], 4),
                          "loss_vs_sync": f"{r['vs_sync']['loss'] * 100:+.1f}%" if "vs_sync" in r else "",
                          "KB_per_round": round(r["bytes_per_round"] / 1e3),
+                         "join_KB": round(r["join_bytes"] / 1e3),
                          "peak_KB/s": round(r["peak_bytes_s"] / 1e3),
                          **({"vs_Di-PS": f"{r['vs_dips']['bytes']:.1f}x fewer bytes, "
                                          f"{r['vs_dips']['throughput']:.2f}x tokens/s, "

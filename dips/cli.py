@@ -93,8 +93,8 @@ def _add_commands(sub) -> None:
     src = cost.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model config (as the leader's --model)")
     src.add_argument("--init", help="initial parameters file (as the leader's --init)")
-    cost.add_argument("--push", default="bf16,int8,int4,topk", help="push codecs, comma-separated")
-    cost.add_argument("--pull", default="bf16,int8,int4,topk", help="pull codecs, comma-separated")
+    cost.add_argument("--push", default="bf16,int8,int4,topk,sparse", help="push codecs, comma-separated")
+    cost.add_argument("--pull", default="bf16,int8,int4,topk,sparse", help="pull codecs, comma-separated")
     cost.set_defaults(func=_checked(run_bytes))
 
     tok = sub.add_parser("token", help="write a fresh random job token file (mode 0600)")
@@ -178,6 +178,8 @@ def run_bytes(args: argparse.Namespace) -> int:
         for b in pull:
             n = total(a) + total(b)
             print(f"{str(a):>10} {str(b):>10} {n:>12} {bf16 / n:>7.1f}x")
+    print(f"a join's whole pull (once per cluster): {total(Codec('bf16'))} bytes in BF16, "
+          f"{total(Codec('int8'))} in int8 (any compressed pull)")
     return 0
 
 

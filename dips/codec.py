@@ -1,6 +1,7 @@
 """How a unit's values are compressed on the wire: BF16, int8 or 4-bit codes with a scale per
 block of 64 values, the top-k values by magnitude (their indices and int8 codes), or the top-k
-of each chunk of 4096 values (16-bit indices within the chunk, int8 codes, a scale per chunk).
+of each chunk of 4096 values (16-bit indices within the chunk, int8 codes, a scale per chunk), or
+every value's sign with a scale per block of 256 (1 bit a value).
 
 A payload's size follows from the codec and the unit's element count alone, so a receiver
 checks the length before it reads anything; every index, scale and code is then checked (range,
@@ -16,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 BLOCK = 64                       # values sharing one FP32 scale
-KINDS = ("bf16", "int8", "int4", "topk", "sparse")
+KINDS = ("bf16", "int8", "int4", "sign", "topk", "sparse")
 SPARSE = ("topk", "sparse")      # the kinds that send a fraction of the values
 CHUNK = 4096                     # sparse: values sharing one top-k choice, one scale and 16-bit indices
+SIGN_BLOCK = 256                 # sign: values sharing one FP32 scale (their mean magnitude)
 DEFAULT_DENSITY = 0.02           # top-k without a density keeps this fraction of the values
 MAX_DENSITY = 0.25               # beyond ~0.21 top-k's (0.35 sparse's) indices make it larger than int8
 MAX_SPEC_CHARS = 32
@@ -38,9 +41,9 @@ class Codec:
 
     @classmethod
     def parse(cls, spec: object) -> "Codec":
-        """``bf16``, ``int8``, ``int4``, ``topk[:D]`` or ``sparse[:D]`` (0 < D <= 0.25), as a peer or
-        a flag gives it; ``ValueError`` naming the spec otherwise."""
-        expected = "expected one of bf16, int8, int4, topk[:DENSITY], sparse[:DENSITY]"
+        """``bf16``, ``int8``, ``int4``, ``sign``, ``topk[:D]`` or ``sparse[:D]`` (0 < D <= 0.25), as
+        a peer or a flag gives it; ``ValueError`` naming the spec otherwise."""
+        expected = "expected one of bf16, int8, int4, sign, topk[:DENSITY], sparse[:DENSITY]"
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
             raise ValueError(f"codec {str(spec)[:40]!r}: {expected}")
         kind, _, arg = spec.partition(":")
@@ -92,6 +95,8 @@ class Codec:
             return 4 * _blocks(n) + n
         if self.kind == "int4":
             return 4 * _blocks(n) + (n + 1) // 2
+        if self.kind == "sign":
+            return 4 * _sign_blocks(n) + (n + 7) // 8
         if self.kind == "sparse":
             return 4 * _chunks(n) + 3 * self.kept(n)
         k = self.kept(n)
@@ -115,6 +120,8 @@ class Codec:
             payload = _bytes(scales) + (_bytes(codes) if self.kind == "int8" else _pack4(codes))
         elif self.kind == "sparse":
             payload = self._encode_sparse(x)
+        elif self.kind == "sign":
+            payload = _encode_sign(x)
         else:
             k = self.kept(x.numel())
             idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values.to(torch.int32)
@@ -141,6 +148,8 @@ class Codec:
             out = _dequantize(scales, _checked_codes(codes, _QMAX[self.kind], what), n)
         elif self.kind == "sparse":
             out = self._decode_sparse(buf, n, what)
+        elif self.kind == "sign":
+            out = _decode_sign(buf, n, what)
         else:
             k = self.kept(n)
             idx = torch.frombuffer(buf, dtype=torch.int32, count=k).long()
@@ -201,6 +210,35 @@ class Codec:
         out = torch.zeros(n)
         out[chunk * CHUNK + idx] = codes.float() * scales[chunk]
         return out
+
+
+def _sign_blocks(n: int) -> int:
+    return (n + SIGN_BLOCK - 1) // SIGN_BLOCK
+
+
+def _encode_sign(x: torch.Tensor) -> bytes:
+    """Each block's mean magnitude (FP32; the scale that makes sign x scale closest to the block
+    in L2), then one bit a value, 1 for >= 0, eight a byte, the first in the lowest bit; the last
+    byte's unused bits are 0."""
+    n = x.numel()
+    nb = _sign_blocks(n)
+    padded = torch.zeros(nb * SIGN_BLOCK)
+    padded[:n] = x.abs()
+    scales = padded.view(nb, SIGN_BLOCK).sum(dim=1) / torch.tensor([min(SIGN_BLOCK, n - b * SIGN_BLOCK)
+                                                                  for b in range(nb)], dtype=torch.float32)
+    bits = np.packbits((x >= 0).numpy(), bitorder="little")
+    return _bytes(scales) + bits.tobytes()
+
+
+def _decode_sign(buf: bytearray, n: int, what: str) -> torch.Tensor:
+    nb = _sign_blocks(n)
+    scales = _scales(buf, 0, nb, what)
+    packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * nb, count=(n + 7) // 8)
+    bits = np.unpackbits(packed, bitorder="little")
+    if bits[n:].any():
+        raise ValueError(f"{what}: the padding bits after {n} signs are {bits[n:].tolist()}; expected 0")
+    signs = torch.from_numpy(bits[:n].astype(np.float32)) * 2 - 1
+    return signs * scales.repeat_interleave(SIGN_BLOCK)[:n]
 
 
 def _chunk_topk(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

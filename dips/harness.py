@@ -95,7 +95,8 @@ def run_cluster(spec: ClusterSpec, rank: int = 0) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=spec.inner_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
     with open(spec.log if rank == 0 else f"{spec.log}.rank{rank}", "w", buffering=1) as log:
-        log.write(json.dumps({"event": "ready", "t": time.time(), "base": client.base}) + "\n")
+        log.write(json.dumps({"event": "ready", "t": time.time(), "base": client.base,  # the join's pull
+                              "join_bytes": client.stats["pull_bytes"], "join_pulls": client.stats["pulls"]}) + "\n")
         while spec.go_file and not os.path.exists(spec.go_file):
             time.sleep(0.05)
         log.write(json.dumps({"event": "start", "t": time.time(), "base": client.base}) + "\n")

@@ -64,11 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-name", default=None, help="this cluster's stable id at the PS (with --ps)")
     p.add_argument("--ps-tls-ca", default=None, help="CA of the leader's TLS certificate (with --ps)")
     p.add_argument("--ps-push", default="bf16", metavar="CODEC",
-                   help="how pushes travel: bf16 (parameters), int8, int4 or topk[:DENSITY] (a compressed "
+                   help="how pushes travel: bf16 (parameters), int8, int4, topk[:DENSITY] or sparse[:DENSITY] (a compressed "
                         "pseudo-gradient with error feedback; docs/dips.md) (with --ps)")
     p.add_argument("--ps-pull", default="bf16", metavar="CODEC",
-                   help="how pulls travel: bf16 (parameters), int8, int4 or topk[:DENSITY] (the change since the "
-                        "version held) (with --ps)")
+                   help="how pulls travel: bf16 (parameters), int8, int4, topk[:DENSITY] or sparse[:DENSITY] (the "
+                        "change since the version held; a join's whole pull in int8) (with --ps)")
     p.add_argument("--ps-fragments", type=int, default=1,
                    help="stream each push: send its units in this many parts over the inner steps (with --ps; "
                         "1: all at the outer step)")
