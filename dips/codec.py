@@ -222,10 +222,11 @@ def _encode_sign(x: torch.Tensor) -> bytes:
     byte's unused bits are 0."""
     n = x.numel()
     nb = _sign_blocks(n)
-    padded = torch.zeros(nb * SIGN_BLOCK)
+    padded = torch.zeros(nb * SIGN_BLOCK, dtype=torch.float64)
     padded[:n] = x.abs()
-    scales = padded.view(nb, SIGN_BLOCK).sum(dim=1) / torch.tensor([min(SIGN_BLOCK, n - b * SIGN_BLOCK)
-                                                                  for b in range(nb)], dtype=torch.float32)
+    counts = torch.full((nb,), float(SIGN_BLOCK), dtype=torch.float64)
+    counts[-1] = n - (nb - 1) * SIGN_BLOCK
+    scales = (padded.view(nb, SIGN_BLOCK).sum(dim=1) / counts).to(torch.float32)
     bits = np.packbits((x >= 0).numpy(), bitorder="little")
     return _bytes(scales) + bits.tobytes()
 

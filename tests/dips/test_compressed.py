@@ -4,6 +4,7 @@ wire dropped into the next push and survives a restart, a pull adds the decoded 
 between the new version and what the cluster holds (so what one pull drops comes with the next),
 and payloads that do not fit their unit are refused with nothing applied."""
 import json
+import math
 import struct
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from dips.client import OuterClient
-from dips.codec import Codec
+from dips.codec import CHUNK, Codec
 from dips.follower_disk import FollowerDisk
 from dips.model import build_model
 
@@ -27,7 +28,8 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
     return {t.name: part.view(t.shape) for t, part in zip(unit.tensors, flat.split(sizes))}
 
 
-@pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"), ("sparse:0.05", "sparse:0.05")])
+@pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"), ("sparse:0.05", "sparse:0.05"),
+                                      ("sign", "sign")])
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
     """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
     the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
@@ -166,10 +168,17 @@ def _mutations(codec: Codec, n: int):
     if codec.kind == "topk":
         cases["index out of range"] = (lambda p: index(p, n), f"index {n} out of range")
         cases["index repeated"] = (lambda p: p[:4] + p[:4] + p[8:], "strictly increasing")
+    if codec.kind == "sparse":  # the first chunk's second index (chunks of 4096 values)
+        at = 4 * math.ceil(n / CHUNK) + 2
+        cases["index out of range"] = (lambda p: p[:at] + struct.pack("<H", min(n, CHUNK)) + p[at + 2:],
+                                       "out of range")
+        cases["index repeated"] = (lambda p: p[:at] + p[at - 2:at] + p[at + 2:], "strictly increasing")
+    if codec.kind == "sign" and n % 8:
+        cases["padding bit"] = (lambda p: p[:-1] + bytes([p[-1] | 0x80]), "padding bits")
     return cases
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sparse:0.05", "sign"])
 def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tmp_path, spec):
     codec = Codec.parse(spec)
     with in_process_ps(tmp_path) as (leader, followers, token):
