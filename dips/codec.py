@@ -1,7 +1,8 @@
 """How a unit's values are compressed on the wire: BF16, int8 or 4-bit codes with a scale per
 block of 64 values, the top-k values by magnitude (their indices and int8 codes), or the top-k
 of each chunk of 4096 values (16-bit indices within the chunk, int8 codes, a scale per chunk), or
-every value's sign with a scale per block of 256 (1 bit a value).
+every value's sign with a scale per block of 256 (1 bit a value; ``sign:F`` sends only the
+fraction F of the blocks whose signs remove the most error, with their indices).
 
 A payload's size follows from the codec and the unit's element count alone, so a receiver
 checks the length before it reads anything; every index, scale and code is then checked (range,
@@ -41,14 +42,22 @@ class Codec:
 
     @classmethod
     def parse(cls, spec: object) -> "Codec":
-        """``bf16``, ``int8``, ``int4``, ``sign``, ``topk[:D]`` or ``sparse[:D]`` (0 < D <= 0.25), as
-        a peer or a flag gives it; ``ValueError`` naming the spec otherwise."""
-        expected = "expected one of bf16, int8, int4, sign, topk[:DENSITY], sparse[:DENSITY]"
+        """``bf16``, ``int8``, ``int4``, ``sign[:F]`` (0 < F < 1), ``topk[:D]`` or ``sparse[:D]``
+        (0 < D <= 0.25), as a peer or a flag gives it; ``ValueError`` naming the spec otherwise."""
+        expected = "expected one of bf16, int8, int4, sign[:BLOCKS], topk[:DENSITY], sparse[:DENSITY]"
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
             raise ValueError(f"codec {str(spec)[:40]!r}: {expected}")
         kind, _, arg = spec.partition(":")
-        if kind not in KINDS or (arg and kind not in SPARSE):
+        if kind not in KINDS or (arg and kind not in SPARSE + ("sign",)):
             raise ValueError(f"codec {spec!r}: {expected}")
+        if kind == "sign" and arg:
+            try:
+                fraction = float(arg)
+            except ValueError:
+                fraction = math.nan
+            if not 0.0 < fraction < 1.0:  # NaN fails too
+                raise ValueError(f"codec {spec!r}: fraction of sign blocks {arg!r}; expected a number in (0, 1)")
+            return cls(kind, fraction)
         if kind not in SPARSE:
             return cls(kind)
         try:
@@ -60,7 +69,7 @@ class Codec:
         return cls(kind, density)
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.density:g}" if self.kind in SPARSE else self.kind
+        return f"{self.kind}:{self.density:g}" if self.kind in SPARSE or self.density else self.kind
 
     @property
     def lossy(self) -> bool:
@@ -96,6 +105,8 @@ class Codec:
         if self.kind == "int4":
             return 4 * _blocks(n) + (n + 1) // 2
         if self.kind == "sign":
+            if self.density:
+                return self._sign_kept(n) * (8 + SIGN_BLOCK // 8)
             return 4 * _sign_blocks(n) + (n + 7) // 8
         if self.kind == "sparse":
             return 4 * _chunks(n) + 3 * self.kept(n)
@@ -121,7 +132,7 @@ class Codec:
         elif self.kind == "sparse":
             payload = self._encode_sparse(x)
         elif self.kind == "sign":
-            payload = _encode_sign(x)
+            payload = self._encode_sign(x)
         else:
             k = self.kept(x.numel())
             idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values.to(torch.int32)
@@ -149,7 +160,7 @@ class Codec:
         elif self.kind == "sparse":
             out = self._decode_sparse(buf, n, what)
         elif self.kind == "sign":
-            out = _decode_sign(buf, n, what)
+            out = self._decode_sign(buf, n, what)
         else:
             k = self.kept(n)
             idx = torch.frombuffer(buf, dtype=torch.int32, count=k).long()
@@ -211,35 +222,62 @@ class Codec:
         out[chunk * CHUNK + idx] = codes.float() * scales[chunk]
         return out
 
+    def _sign_kept(self, n: int) -> int:
+        """sign:F: how many of the blocks of ``n`` values it sends."""
+        nb = _sign_blocks(n)
+        return min(nb, max(1, math.ceil(self.density * nb)))
+
+    def _encode_sign(self, x: torch.Tensor) -> bytes:
+        """Each block's mean magnitude (FP32; the scale that makes sign x scale closest to the
+        block in L2), then one bit a value, 1 for >= 0, eight a byte, the first in the lowest bit,
+        unused bits 0. sign:F: first the sent blocks' int32 indices (increasing), each sent
+        block's bits padded to 256; the blocks sent are those whose signs remove the most squared
+        error, (sum |x|)^2 / size."""
+        n = x.numel()
+        nb = _sign_blocks(n)
+        padded = torch.zeros(nb * SIGN_BLOCK, dtype=torch.float64)
+        padded[:n] = x.abs()
+        counts = torch.full((nb,), float(SIGN_BLOCK), dtype=torch.float64)
+        counts[-1] = n - (nb - 1) * SIGN_BLOCK
+        sums = padded.view(nb, SIGN_BLOCK).sum(dim=1)
+        scales = (sums / counts).to(torch.float32)
+        if not self.density:
+            return _bytes(scales) + np.packbits((x >= 0).numpy(), bitorder="little").tobytes()
+        idx = torch.topk(sums * sums / counts, self._sign_kept(n), sorted=False).indices.sort().values
+        signs = torch.zeros(nb * SIGN_BLOCK, dtype=torch.bool)
+        signs[:n] = x >= 0
+        bits = np.packbits(signs.view(nb, SIGN_BLOCK)[idx].numpy(), axis=1, bitorder="little")
+        return _bytes(idx.to(torch.int32)) + _bytes(scales[idx]) + bits.tobytes()
+
+    def _decode_sign(self, buf: bytearray, n: int, what: str) -> torch.Tensor:
+        nb = _sign_blocks(n)
+        if not self.density:
+            scales = _scales(buf, 0, nb, what)
+            bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, offset=4 * nb, count=(n + 7) // 8),
+                                 bitorder="little")
+            if bits[n:].any():
+                raise ValueError(f"{what}: the padding bits after {n} signs are {bits[n:].tolist()}; expected 0")
+            return (torch.from_numpy(bits[:n].astype(np.float32)) * 2 - 1) * scales.repeat_interleave(SIGN_BLOCK)[:n]
+        kb = self._sign_kept(n)
+        idx = torch.frombuffer(buf, dtype=torch.int32, count=kb).long()
+        if int(idx.min()) < 0 or int(idx.max()) >= nb:
+            bad = idx[(idx < 0) | (idx >= nb)][0]
+            raise ValueError(f"{what}: sign block {int(bad)} out of range 0..{nb - 1}")
+        if kb > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise ValueError(f"{what}: sign block indices are not strictly increasing")
+        scales = _scales(buf, 4 * kb, kb, what)
+        bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, offset=8 * kb, count=kb * SIGN_BLOCK // 8),
+                             bitorder="little").reshape(kb, SIGN_BLOCK)
+        tail = n - (nb - 1) * SIGN_BLOCK
+        if int(idx[-1]) == nb - 1 and bits[-1, tail:].any():
+            raise ValueError(f"{what}: the padding bits after {n} signs are not 0")
+        rows = (torch.from_numpy(bits.astype(np.float32)) * 2 - 1) * scales[:, None]
+        out = torch.zeros(nb, SIGN_BLOCK)
+        out[idx] = rows
+        return out.reshape(-1)[:n].contiguous()
 
 def _sign_blocks(n: int) -> int:
     return (n + SIGN_BLOCK - 1) // SIGN_BLOCK
-
-
-def _encode_sign(x: torch.Tensor) -> bytes:
-    """Each block's mean magnitude (FP32; the scale that makes sign x scale closest to the block
-    in L2), then one bit a value, 1 for >= 0, eight a byte, the first in the lowest bit; the last
-    byte's unused bits are 0."""
-    n = x.numel()
-    nb = _sign_blocks(n)
-    padded = torch.zeros(nb * SIGN_BLOCK, dtype=torch.float64)
-    padded[:n] = x.abs()
-    counts = torch.full((nb,), float(SIGN_BLOCK), dtype=torch.float64)
-    counts[-1] = n - (nb - 1) * SIGN_BLOCK
-    scales = (padded.view(nb, SIGN_BLOCK).sum(dim=1) / counts).to(torch.float32)
-    bits = np.packbits((x >= 0).numpy(), bitorder="little")
-    return _bytes(scales) + bits.tobytes()
-
-
-def _decode_sign(buf: bytearray, n: int, what: str) -> torch.Tensor:
-    nb = _sign_blocks(n)
-    scales = _scales(buf, 0, nb, what)
-    packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * nb, count=(n + 7) // 8)
-    bits = np.unpackbits(packed, bitorder="little")
-    if bits[n:].any():
-        raise ValueError(f"{what}: the padding bits after {n} signs are {bits[n:].tolist()}; expected 0")
-    signs = torch.from_numpy(bits[:n].astype(np.float32)) * 2 - 1
-    return signs * scales.repeat_interleave(SIGN_BLOCK)[:n]
 
 
 def _chunk_topk(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

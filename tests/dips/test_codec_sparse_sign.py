@@ -1,5 +1,5 @@
-"""The sub-byte codecs, ``sparse:D`` (top-k per chunk of 4096 values) and ``sign`` (1 bit a
-value), against references written here from their definitions (NumPy FP32 and float64 sums,
+"""The sub-byte codecs, ``sparse:D`` (top-k per chunk of 4096 values), ``sign`` (1 bit a value)
+and ``sign:F`` (the fraction F of the sign blocks), against references written here from their definitions (NumPy FP32 and float64 sums,
 bytes packed with ``struct``), over lengths around every chunk and block boundary and broad value
 generators, and every way a payload can fail to fit its unit."""
 from __future__ import annotations
@@ -179,15 +179,92 @@ def test_sign_padding_bits_must_be_zero():
     _bad("sign", bytes(payload), n, "padding bits after 10 signs")
 
 
-@pytest.mark.parametrize("spec", ["sparse:0", "sparse:0.3", "sparse:nan", "sparse:-1", "sign:1", "sign:0.1"])
+@pytest.mark.parametrize("spec", ["sparse:0", "sparse:0.3", "sparse:nan", "sparse:-1", "sign:1", "sign:0", "sign:1.5",
+                                  "sign:nan", "sign:x"])
 def test_bad_specs_are_refused_by_name(spec):
     with pytest.raises(ValueError, match="codec"):
         Codec.parse(spec)
 
 
 def test_specs_and_sizes():
-    assert [str(Codec.parse(s)) for s in ("sign", "sparse", "sparse:0.05")] == ["sign", "sparse:0.02", "sparse:0.05"]
+    assert [str(Codec.parse(s)) for s in ("sign", "sign:0.5", "sparse", "sparse:0.05")] == \
+        ["sign", "sign:0.5", "sparse:0.02", "sparse:0.05"]
     n = 10 * CHUNK + 100
     k = 10 * math.ceil(0.05 * CHUNK) + math.ceil(0.05 * 100)
     assert Codec.parse("sparse:0.05").payload_bytes(n) == 11 * 4 + 3 * k
     assert Codec.parse("sign").payload_bytes(n) == 4 * math.ceil(n / SIGN_BLOCK) + math.ceil(n / 8)
+    assert Codec.parse("sign:0.5").payload_bytes(n) == math.ceil(0.5 * math.ceil(n / SIGN_BLOCK)) * (4 + 4 + 32)
+
+
+def ref_sign_blocks(x: np.ndarray, fraction: float) -> tuple[list[int], np.ndarray, bytes]:
+    """sign:F by its definition: the ceil(F * blocks) blocks (at least 1) with the largest
+    (sum |x|)^2 / size, increasing; their mean magnitudes; their signs, each block padded to 256 bits."""
+    blocks = [x[b: b + SIGN_BLOCK] for b in range(0, len(x), SIGN_BLOCK)]
+    sums = [math.fsum(abs(float(v)) for v in blk) for blk in blocks]
+    kb = min(len(blocks), max(1, math.ceil(fraction * len(blocks))))
+    idx = sorted(sorted(range(len(blocks)), key=lambda b: -sums[b] ** 2 / len(blocks[b]))[:kb])
+    scales = np.array([sums[b] / len(blocks[b]) for b in idx], dtype=np.float32)
+    bits = b"".join(ref_sign_bits(np.concatenate([blocks[b], np.zeros(SIGN_BLOCK - len(blocks[b]), np.float32) - 1]))
+                    for b in idx)
+    return idx, scales, bits
+
+
+@pytest.mark.parametrize("spec", ["sign:0.1", "sign:0.5", "sign:0.9"])
+def test_sign_blocks_round_trip_matches_the_reference(spec):
+    codec = Codec.parse(spec)
+    rng = np.random.default_rng(17)
+    for n in [1, 2, 255, 256, 257, 511, 512, 513, 1000, 2 * 4096 + 7]:
+        for name in ("normal", "cauchy", "magnitudes"):  # no equal block scores: which one wins a tie is not defined
+            x = generators(n, rng)[name]
+            payload, dec = codec.round_trip(torch.from_numpy(x))
+            idx, scales, bits = ref_sign_blocks(x, codec.density)
+            kb = len(idx)
+            assert len(payload) == codec.payload_bytes(n) == kb * 40, (spec, n, name)
+            assert list(struct.unpack(f"<{kb}i", payload[: 4 * kb])) == idx, (spec, n, name)
+            got_scales = np.frombuffer(payload[4 * kb: 8 * kb], dtype="<f4")
+            np.testing.assert_allclose(got_scales, scales, rtol=1e-6)
+            assert payload[8 * kb:] == bits, (spec, n, name)
+            want = np.zeros(n, dtype=np.float32)
+            for b, s in zip(idx, got_scales):
+                blk = x[b * SIGN_BLOCK: (b + 1) * SIGN_BLOCK]
+                want[b * SIGN_BLOCK: b * SIGN_BLOCK + len(blk)] = np.where(blk >= 0, s, -s)
+            np.testing.assert_array_equal(dec.numpy(), want, err_msg=f"{spec} n={n} {name}")
+            np.testing.assert_array_equal(codec.decode(payload, n).numpy(), want)
+
+
+def _sign_blocks_payload(n: int = 2000, spec: str = "sign:0.5"):
+    codec = Codec.parse(spec)
+    payload = bytearray(codec.encode(torch.from_numpy(generators(n, np.random.default_rng(3))["normal"])))
+    kb = len(payload) // 40
+    return payload, kb, list(struct.unpack(f"<{kb}i", payload[: 4 * kb]))
+
+
+@pytest.mark.parametrize("value,match", [(8, "sign block 8 out of range 0..7"), (-1, "sign block -1 out of range"),
+                                         ("dup", "not strictly increasing"), ("swap", "not strictly increasing")])
+def test_a_bad_sign_block_index_is_refused(value, match):
+    payload, kb, idx = _sign_blocks_payload()
+    if value == "dup":
+        idx[1] = idx[0]
+    elif value == "swap":
+        idx[0], idx[1] = idx[1], idx[0]
+    else:
+        idx[-1] = value
+    payload[: 4 * kb] = struct.pack(f"<{kb}i", *idx)
+    _bad("sign:0.5", bytes(payload), 2000, match)
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -1.0])
+def test_a_bad_sign_block_scale_is_refused(scale):
+    payload, kb, _ = _sign_blocks_payload()
+    payload[4 * kb: 4 * kb + 4] = struct.pack("<f", scale)
+    _bad("sign:0.5", bytes(payload), 2000, "scale .* of block 0")
+
+
+def test_sign_block_padding_bits_must_be_zero():
+    """The last block (2000 = 7 * 256 + 208) is sent with 48 padding bits, which must be 0."""
+    x = torch.ones(2000) * 1e-3
+    x[7 * 256:] = 5.0  # the last block has the largest score: it is sent
+    payload = bytearray(Codec.parse("sign:0.1").encode(x))
+    assert struct.unpack("<i", payload[:4]) == (7,)
+    payload[-1] |= 0x01
+    _bad("sign:0.1", bytes(payload), 2000, "padding bits")

@@ -29,7 +29,7 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
 
 
 @pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"), ("sparse:0.05", "sparse:0.05"),
-                                      ("sign", "sign")])
+                                      ("sign", "sign"), ("sign:0.5", "sign")])
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
     """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
     the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
@@ -156,7 +156,7 @@ def _mutations(codec: Codec, n: int):
     """Each way a compressed payload can fail to fit a unit of ``n`` values, and the words the
     refusal must hold."""
     def scale(p: bytes, value: float) -> bytes:
-        at = 4 * codec.kept(n) if codec.kind == "topk" else 0
+        at = 4 * codec.kept(n) if codec.kind == "topk" else len(p) // 10 if codec.kind == "sign" and codec.density else 0
         return p[:at] + struct.pack("<f", value) + p[at + 4:]
 
     def index(p: bytes, value: int) -> bytes:
@@ -173,12 +173,15 @@ def _mutations(codec: Codec, n: int):
         cases["index out of range"] = (lambda p: p[:at] + struct.pack("<H", min(n, CHUNK)) + p[at + 2:],
                                        "out of range")
         cases["index repeated"] = (lambda p: p[:at] + p[at - 2:at] + p[at + 2:], "strictly increasing")
-    if codec.kind == "sign" and n % 8:
+    if codec.kind == "sign" and codec.density:  # the sent blocks' indices come first
+        cases["block out of range"] = (lambda p: index(p, math.ceil(n / 256)), "out of range")
+        cases["block repeated"] = (lambda p: p[:4] + p[:4] + p[8:], "strictly increasing")
+    elif codec.kind == "sign" and n % 8:
         cases["padding bit"] = (lambda p: p[:-1] + bytes([p[-1] | 0x80]), "padding bits")
     return cases
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sparse:0.05", "sign"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sparse:0.05", "sign", "sign:0.5"])
 def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tmp_path, spec):
     codec = Codec.parse(spec)
     with in_process_ps(tmp_path) as (leader, followers, token):
