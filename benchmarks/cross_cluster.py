@@ -95,6 +95,10 @@ DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # of 989 TFLOPS). The emulated links keep that 5% share for the fast links.
 PAPER_COMM_SHARE = 0.05
 FAST_GBPS, SLOW_GBPS = 10.0, 1.0
+# --links presets, (fast, slow) Gbps: the paper's links; the issue's slow-link setting, its slowest
+# link 10x slower than the paper's; and every link 10x slower than the paper's
+LINK_PRESETS = {"paper": (FAST_GBPS, SLOW_GBPS), "slowest": (FAST_GBPS, SLOW_GBPS / 10),
+                "slow": (FAST_GBPS / 10, SLOW_GBPS / 10)}
 MIN_STEP_S = 0.3
 
 
@@ -120,8 +124,11 @@ def link_rates(args, model_cfg: dict, step_s: float) -> list[float]:
     mbit_per_paper_gbps = wire_bits / (PAPER_COMM_SHARE * args.inner_steps * step_s) / 1e6 / FAST_GBPS
     # the paper does not say which cluster has the slow link; the middle one is neither the case
     # most favourable to Di-PS (the slowest cluster) nor the least (the fastest: the link evens it out)
-    gbps = [float(x) for x in args.links.split(",")] if args.links else \
-        [SLOW_GBPS if i == args.clusters // 2 else FAST_GBPS for i in range(args.clusters)]
+    if args.links in LINK_PRESETS:
+        fast, slow = LINK_PRESETS[args.links]
+        gbps = [slow if i == args.clusters // 2 else fast for i in range(args.clusters)]
+    else:
+        gbps = [float(x) for x in args.links.split(",")]
     if len(gbps) != args.clusters:
         raise SystemExit(f"--links has {len(gbps)} values for {args.clusters} clusters; give one per cluster")
     return [round(g * mbit_per_paper_gbps, 3) for g in gbps]
@@ -241,6 +248,9 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
             "mean_stale_scale": sum(stale_scales) / max(len(stale_scales), 1),
             "staleness": sum(stale) / max(len(stale), 1), "max_staleness": max(stale, default=0),
             "curve": curve(read, t_start), "late": overran, "events": done_events,
+            # the middle cluster's own tokens/s: the one behind the slow link
+            "slow_cluster_throughput": max((r["tokens"] for r in read.get(f"c{n // 2}", []) if "tokens" in r),
+                                           default=0) / (t_end - t_start),
             "stats": {name: rs[-1].get("stats", {}) for name, rs in read.items()}}
 
 
@@ -336,7 +346,8 @@ def report(results: list[dict], args, links: list[float] | None, step_s: float, 
         for r in rows:
             if "vs_dips" in r:
                 print(f"{r['label']} / Di-PS: {r['vs_dips']['bytes']:.1f}x fewer bytes per round, throughput "
-                      f"{r['vs_dips']['throughput']:.2f}x, final loss {r['vs_dips']['loss'] * 100:+.2f}% "
+                      f"{r['vs_dips']['throughput']:.2f}x (the slow-linked c{args.clusters // 2}'s "
+                      f"{r['vs_dips']['slow_cluster']:.2f}x), final loss {r['vs_dips']['loss'] * 100:+.2f}% "
                       f"(goal: >= 16x fewer bytes, loss within 2%)")
         for r in rows:
             if "vs_sync" in r:
@@ -362,6 +373,7 @@ def compare_with_sync(results: list[dict]) -> None:
         if base is not None and r["mode"] in WIRE:
             r["vs_dips"] = {"bytes": base["bytes_per_round"] / max(r["bytes_per_round"], 1.0),
                             "throughput": r["throughput"] / base["throughput"],
+                            "slow_cluster": r["slow_cluster_throughput"] / max(base["slow_cluster_throughput"], 1e-9),
                             "loss": (r["final_loss"] - base["final_loss"]) / base["final_loss"]}
 
 
@@ -370,7 +382,7 @@ def run_tag(args) -> str:
     whether compressed modes ran, and the links when not the default."""
     momentum = "" if args.outer_momentum == [0.0] else "-momentum-" + "-".join(f"{m:g}" for m in args.outer_momentum)
     wire = "-compressed" if any(m in WIRE for m in args.modes.split(",")) else ""
-    links = "-links-" + args.links.replace(",", "-") if args.links else ""
+    links = "" if args.links == "paper" else "-links-" + args.links.replace(",", "-")
     return (f"{args.clusters}c{'-churn' if args.churn else ''}{'-faulty' if args.faulty is not None else ''}"
             f"{momentum}{wire}{links}{'-' + args.tag if args.tag else ''}")
 
@@ -388,6 +400,7 @@ def measurements(results: list[dict], tag: str) -> list[Measurement]:
                          "loss_vs_sync": f"{r['vs_sync']['loss'] * 100:+.1f}%" if "vs_sync" in r else "",
                          "KB_per_round": round(r["bytes_per_round"] / 1e3),
                          "join_KB": round(r["join_bytes"] / 1e3),
+                         "slow_cluster_tokens/s": round(r["slow_cluster_throughput"]),
                          "peak_KB/s": round(r["peak_bytes_s"] / 1e3),
                          **({"vs_Di-PS": f"{r['vs_dips']['bytes']:.1f}x fewer bytes, "
                                          f"{r['vs_dips']['throughput']:.2f}x tokens/s, "
@@ -402,6 +415,9 @@ def drive(args, model_cfg: dict, step_s: float, measured: float, links: list[flo
     """Run every mode (on host 0 when there are emulated hosts) and report."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if links:  # a whole BF16 pull (a join) must fit in the timeout on the slowest link
+        wire_bits = 16 * sum(p.numel() for p in build_model(model_cfg, 0).parameters())
+        args.transfer_timeout = max(args.transfer_timeout, 3 * wire_bits / (min(links) * 1e6))
     results = []
     with tempfile.TemporaryDirectory(prefix="dips-bench-") as tmp:
         work = Path(args.workdir or tmp)
@@ -457,11 +473,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--step-s", type=float, default=0.0, help="paced inner step at delay 0 (0: pace x measured)")
     ap.add_argument("--pace", type=float, default=0.0,
                     help="paced step / measured single-process step (0: enough for the clusters to share 2 cores)")
-    ap.add_argument("--links", default="",
-                    help="each cluster's link in the paper's Gbps, comma-separated (default: 1 for the middle "
-                         "cluster, 10 for the rest)")
+    ap.add_argument("--links", default="paper",
+                    help="each cluster's link in the paper's Gbps, comma-separated, or a preset: paper (1 for the "
+                         "middle cluster, 10 for the rest), slowest (0.1 for the middle one), slow (0.1 and 1)")
     ap.add_argument("--transfer-timeout", type=float, default=30.0,
-                    help="seconds a cluster waits for a push or pull (a slow link moving the whole model needs more)")
+                    help="seconds a cluster waits for a push or pull, at least 3 BF16 models' time on its link")
     ap.add_argument("--tag", default="", help="a suffix for the run's saved name (runs of other modes side by side)")
     ap.add_argument("--loopback", action="store_true", help="no emulated hosts: every link is loopback, unshaped")
     ap.add_argument("--heartbeat", type=float, default=2.0,
@@ -472,6 +488,11 @@ def parse(argv=None) -> argparse.Namespace:
                     help="keep each mode's logs, metadata and checkpoints here (default: a temporary directory)")
     ap.add_argument("--on-host", default=None, help=argparse.SUPPRESS)  # internal: the driver on host 0
     args = ap.parse_args(argv)
+    if args.links not in LINK_PRESETS:
+        try:
+            [float(x) for x in args.links.split(",")]
+        except ValueError:
+            ap.error(f"--links {args.links!r}: expected {', '.join(LINK_PRESETS)} or comma-separated Gbps")
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         ap.error(f"--modes {unknown}: expected some of {', '.join(MODES)}")

@@ -53,14 +53,17 @@ def test_bytes_prints_each_codec_pair_per_round(tmp_path, capsys):
     import torch
 
     torch.save({"a.weight": torch.zeros(100, 30), "b.weight": torch.zeros(7)}, tmp_path / "m.pt")
-    assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "topk:0.02,int8", "--pull", "bf16"]) == 0
+    assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "topk:0.02,int8,sign", "--pull", "bf16"]) == 0
     out = capsys.readouterr().out
     k = [math.ceil(0.02 * 3000), 1]
     topk = sum(4 * n + 4 * math.ceil(n / 64) + n for n in k)
     int8 = 3000 + 4 * math.ceil(3000 / 64) + 7 + 4
+    sign = 4 * math.ceil(3000 / 256) + 3000 // 8 + 4 + 1  # a scale per 256 values, a bit a value
     bf16 = 2 * 3007
     assert f"BF16 both ways: {2 * bf16} bytes" in out
-    rows = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()[2:]}
-    assert rows == {("topk:0.02", "bf16"): topk + bf16, ("int8", "bf16"): int8 + bf16}
+    rows = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()[2:-1]}
+    assert rows == {("topk:0.02", "bf16"): topk + bf16, ("int8", "bf16"): int8 + bf16, ("sign", "bf16"): sign + bf16}
+    assert out.splitlines()[-1] == f"a join's whole pull (once per cluster): {bf16} bytes in BF16, {int8} in int8 " \
+                                   "(any compressed pull)"
     assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "int9"]) == 2
     assert "codec 'int9'" in capsys.readouterr().err
