@@ -77,6 +77,7 @@ MODES = {
     "dips-sparse-push": ("dips", True, True, True, "Di-PS sparse 3% / int8"),
     "dips-sign": ("dips", True, True, True, "Di-PS sign / sign"),
     "dips-sign-sparse": ("dips", True, True, True, "Di-PS sign / sparse 3%"),
+    "dips-sign-int8": ("dips", True, True, True, "Di-PS sign / int8"),
     "dips-sign-half": ("dips", True, True, True, "Di-PS sign, half the blocks / sign"),
     "dips-sign-half2": ("dips", True, True, True, "Di-PS sign, half the blocks, both ways"),
 }
@@ -88,7 +89,7 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-topk2-nofilter": ("topk:0.02", "topk:0.02", 1), "dips-topk2-stream-nofilter": ("topk:0.02", "topk:0.02", 4),
         "dips-sparse": ("sparse:0.03", "sparse:0.03", 1), "dips-sparse-push": ("sparse:0.03", "int8", 1),
         "dips-sign": ("sign", "sign", 1), "dips-sign-sparse": ("sign", "sparse:0.03", 1),
-        "dips-sign-half": ("sign:0.5", "sign", 1), "dips-sign-half2": ("sign:0.5", "sign:0.5", 1)}
+        "dips-sign-int8": ("sign", "int8", 1), "dips-sign-half": ("sign:0.5", "sign", 1), "dips-sign-half2": ("sign:0.5", "sign:0.5", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%
