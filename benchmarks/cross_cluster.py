@@ -89,7 +89,8 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-topk2-nofilter": ("topk:0.02", "topk:0.02", 1), "dips-topk2-stream-nofilter": ("topk:0.02", "topk:0.02", 4),
         "dips-sparse": ("sparse:0.03", "sparse:0.03", 1), "dips-sparse-push": ("sparse:0.03", "int8", 1),
         "dips-sign": ("sign", "sign", 1), "dips-sign-sparse": ("sign", "sparse:0.03", 1),
-        "dips-sign-int8": ("sign", "int8", 1), "dips-sign-half": ("sign:0.5", "sign", 1), "dips-sign-half2": ("sign:0.5", "sign:0.5", 1)}
+        "dips-sign-int8": ("sign", "int8", 1), "dips-sign-half": ("sign:0.5", "sign", 1),
+        "dips-sign-half2": ("sign:0.5", "sign:0.5", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%

@@ -1,7 +1,8 @@
 """The sub-byte codecs, ``sparse:D`` (top-k per chunk of 4096 values), ``sign`` (1 bit a value)
-and ``sign:F`` (the fraction F of the sign blocks), against references written here from their definitions (NumPy FP32 and float64 sums,
-bytes packed with ``struct``), over lengths around every chunk and block boundary and broad value
-generators, and every way a payload can fail to fit its unit."""
+and ``sign:F`` (the fraction F of the sign blocks), against references written here from their
+definitions (NumPy FP32 and exact float sums, bytes packed with ``struct``), over lengths around
+every chunk and block boundary and broad value generators, and every way a payload can fail to
+fit its unit."""
 from __future__ import annotations
 
 import math

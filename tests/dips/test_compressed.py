@@ -28,8 +28,8 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
     return {t.name: part.view(t.shape) for t, part in zip(unit.tensors, flat.split(sizes))}
 
 
-@pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"), ("sparse:0.05", "sparse:0.05"),
-                                      ("sign", "sign"), ("sign:0.5", "sign")])
+@pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"),
+                                      ("sparse:0.05", "sparse:0.05"), ("sign", "sign"), ("sign:0.5", "sign")])
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
     """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
     the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
@@ -156,7 +156,8 @@ def _mutations(codec: Codec, n: int):
     """Each way a compressed payload can fail to fit a unit of ``n`` values, and the words the
     refusal must hold."""
     def scale(p: bytes, value: float) -> bytes:
-        at = 4 * codec.kept(n) if codec.kind == "topk" else len(p) // 10 if codec.kind == "sign" and codec.density else 0
+        at = (4 * codec.kept(n) if codec.kind == "topk"
+              else len(p) // 10 if codec.kind == "sign" and codec.density else 0)  # sign:F: 40 bytes a block
         return p[:at] + struct.pack("<f", value) + p[at + 4:]
 
     def index(p: bytes, value: int) -> bytes:
