@@ -236,13 +236,8 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
     scales = [r["scale"] for r in rounds]
     stale_scales = [r["stale_scale"] for r in rounds]
     stale = [s for r in rounds for s in r["staleness"]]
-    joins = [(rs[0].get("join_bytes", 0), rs[0].get("join_pulls", 0), rs[-1]["stats"]) for rs in read.values()
-             if rs and "stats" in rs[-1] and rs[-1]["stats"].get("pushed")]
-    # a push and a pull each; the join's whole pull is not an outer round's and is counted apart
-    per_round = [e["push_bytes"] / e["pushed"] + (e["pull_bytes"] - jb) / max(e["pulls"] - jp, 1)
-                 for jb, jp, e in joins]
-    return {"bytes_per_round": sum(per_round) / max(len(per_round), 1), "peak_bytes_s": peak_bytes(read),
-            "join_bytes": sum(jb for jb, _, _ in joins) / max(len(joins), 1),
+    per_round, join = round_bytes(read)
+    return {"bytes_per_round": per_round, "peak_bytes_s": peak_bytes(read), "join_bytes": join,
             "mode": mode, "label": label, "momentum": momentum, "tokens": tokens, "wall": t_end - t_start,
             "throughput": tokens / (t_end - t_start), "final_loss": final, "version": version,
             "rounds": len(rounds), "rejected": sum(r["rejected"] for r in rounds),
@@ -268,6 +263,17 @@ def apply_event(e: Event, specs: list[ClusterSpec], procs: dict, logs: list[str]
         again = dataclasses.replace(spec, log=spec.log.replace(".jsonl", "-again.jsonl"), seed=spec.seed + 100)
         procs[e.cluster] = start_cluster(again, places.wrap(e.cluster))
         logs.append(again.log)
+
+
+def round_bytes(logs: dict) -> tuple[float, float]:
+    """A cluster's payload bytes per outer round (its pushes' bytes per push plus its pulls'
+    bytes per pull, the join's pull left out) and its join's pull, each the mean over the
+    clusters that pushed."""
+    joins = [(rs[0].get("join_bytes", 0), rs[0].get("join_pulls", 0), rs[-1]["stats"]) for rs in logs.values()
+             if rs and "stats" in rs[-1] and rs[-1]["stats"].get("pushed")]
+    per_round = [e["push_bytes"] / e["pushed"] + (e["pull_bytes"] - jb) / max(e["pulls"] - jp, 1)
+                 for jb, jp, e in joins]
+    return (sum(per_round) / max(len(per_round), 1), sum(jb for jb, _, _ in joins) / max(len(joins), 1))
 
 
 def peak_bytes(logs: dict, window_s: float = 1.0) -> float:

@@ -13,7 +13,8 @@ def _result(mode: str, momentum: float, throughput: float, loss: float) -> dict:
     return {"mode": mode, "label": cross_cluster.MODES[mode][-1], "momentum": momentum, "tokens": 1000,
             "throughput": throughput, "final_loss": loss, "rounds": 3, "rejected": 0, "mean_scale": 0.5,
             "min_scale": 0.25, "mean_stale_scale": 0.7, "staleness": 1.5, "max_staleness": 3,
-            "bytes_per_round": 3.2e6 if mode in ("dips", "sync") else 1e5, "peak_bytes_s": 1e6}
+            "bytes_per_round": 3.2e6 if mode in ("dips", "sync") else 1e5, "peak_bytes_s": 1e6,
+            "join_bytes": 1.6e6 if mode in ("dips", "sync") else 8e5, "slow_cluster_throughput": throughput / 8}
 
 
 def test_a_sweep_compares_each_mode_with_sync_at_its_own_momentum():
@@ -76,3 +77,33 @@ def test_peak_bytes_counts_the_largest_one_second_burst_after_the_join():
                    {"t": 1.4, "bytes": 5600}, {"t": 3.0, "bytes": 5700}],
             "c1": [{"event": "start"}, {"t": 0.0, "bytes": 100}, {"t": 2.0, "bytes": 550}]}
     assert cross_cluster.peak_bytes(logs) == 600.0  # c0's 300 + 300 within one second; not its 5000 at join
+
+
+def test_round_bytes_leaves_the_join_apart():
+    """c0 joined with one 800-byte pull, then pushed 3 times (300 bytes) and pulled 3 more times
+    (90 bytes): 100 + 30 bytes a round; c1 never pushed and is not counted."""
+    logs = {"c0": [{"event": "ready", "join_bytes": 800, "join_pulls": 1}, {"t": 1.0, "bytes": 900},
+                   {"event": "end", "stats": {"pushed": 3, "push_bytes": 300, "pulls": 4, "pull_bytes": 890}}],
+            "c1": [{"event": "ready", "join_bytes": 800, "join_pulls": 1},
+                   {"event": "end", "stats": {"pushed": 0, "push_bytes": 0, "pulls": 1, "pull_bytes": 800}}]}
+    assert cross_cluster.round_bytes(logs) == (130.0, 800.0)
+
+
+@pytest.mark.parametrize("preset,gbps", [("paper", [10, 10, 1, 10]), ("slowest", [10, 10, 0.1, 10]),
+                                         ("slow", [1, 1, 0.1, 1]), ("10,5,1,0.5", [10, 5, 1, 0.5])])
+def test_link_presets_give_each_cluster_its_gbps(preset, gbps):
+    args = cross_cluster.parse(["--links", preset])
+    rates = cross_cluster.link_rates(args, cross_cluster.load_config(args.model), 0.3)
+    assert [r / rates[0] for r in rates] == pytest.approx([g / gbps[0] for g in gbps], rel=1e-3)
+
+
+def test_a_bad_links_value_is_refused_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        cross_cluster.parse(["--links", "fast"])
+    assert "--links 'fast'" in capsys.readouterr().err
+
+
+def test_the_slow_cluster_ratio_is_against_uncompressed_dips():
+    results = [_result("dips", 0.0, 100.0, 2.0), _result("dips-sign", 0.0, 150.0, 2.1)]
+    cross_cluster.compare_with_sync(results)
+    assert results[1]["vs_dips"]["slow_cluster"] == pytest.approx(1.5)
