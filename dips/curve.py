@@ -112,4 +112,7 @@ def _common(s: zmq.Socket, max_message_bytes: int) -> None:
     s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
     s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
     s.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-    s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+    # a peer answers a PING only once it has read what was queued before it: behind a whole
+    # model's pull on a slow link (1.6 MB at 0.3 Mbit/s is ~45 s) a shorter wait closes a
+    # healthy connection and loses the reply in flight
+    s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 120_000)
