@@ -35,7 +35,8 @@ MAX_ELEMENTS = 2 ** 31 - 1       # top-k indices are int32
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """One wire format; ``density`` is top-k's (and sparse's) fraction of values kept (0 for the others)."""
+    """One wire format; ``density`` is the fraction top-k and sparse keep of the values, or sign:F
+    of the sign blocks (0 for the others and plain sign)."""
 
     kind: str
     density: float = 0.0
@@ -44,7 +45,7 @@ class Codec:
     def parse(cls, spec: object) -> "Codec":
         """``bf16``, ``int8``, ``int4``, ``sign[:F]`` (0 < F < 1), ``topk[:D]`` or ``sparse[:D]``
         (0 < D <= 0.25), as a peer or a flag gives it; ``ValueError`` naming the spec otherwise."""
-        expected = "expected one of bf16, int8, int4, sign[:BLOCKS], topk[:DENSITY], sparse[:DENSITY]"
+        expected = "expected one of bf16, int8, int4, sign[:FRACTION], topk[:DENSITY], sparse[:DENSITY]"
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
             raise ValueError(f"codec {str(spec)[:40]!r}: {expected}")
         kind, _, arg = spec.partition(":")
@@ -178,7 +179,6 @@ class Codec:
             raise ValueError(f"{what}: decodes to non-finite values")
         return out
 
-
     def _encode_sparse(self, x: torch.Tensor) -> bytes:
         """Each chunk's k largest magnitudes: the chunks' FP32 scales (kept absmax / 127), then
         every chunk's 16-bit indices within it (increasing), then every chunk's int8 codes."""
@@ -275,6 +275,7 @@ class Codec:
         out = torch.zeros(nb, SIGN_BLOCK)
         out[idx] = rows
         return out.reshape(-1)[:n].contiguous()
+
 
 def _sign_blocks(n: int) -> int:
     return (n + SIGN_BLOCK - 1) // SIGN_BLOCK
