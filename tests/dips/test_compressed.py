@@ -267,3 +267,36 @@ def test_what_a_pull_drops_comes_with_the_next(tmp_path):
             gaps.append(gap())
         assert all(b <= g for g, b in zip(gaps, gaps[1:])) and gaps[-1] < 0.05 * gaps[0], gaps
         a.close()
+
+
+@pytest.mark.parametrize("pull", ["sign", "sign:0.5", "sparse:0.05"])
+def test_followers_record_exactly_what_the_cluster_holds(tmp_path, pull):
+    """After a compressed join and two rounds of compressed pulls, each follower's record of what
+    the cluster holds (its view) equals the cluster's held values bit for bit: both add the same
+    decoded FP32 values, so the next difference is taken from exactly what the cluster has."""
+    with in_process_ps(tmp_path) as (leader, followers, token):
+        c = OuterClient(build_model(MODEL, 2), leader.address, inner_steps=1, token=token, name="c",
+                        push_codec="sign", pull_codec=pull)
+        for rnd in range(3):
+            if rnd:
+                perturb(c.model, rnd)
+                assert c.step(tokens=10)
+            for f, (start, stop) in zip(followers, c.plan["units"]):
+                view = f.state.views[c.speaker.cluster_id][c.base]
+                for u in range(start, stop):
+                    assert torch.equal(view[u], _flat(c._held, c.layout.units[u])), (rnd, u)
+        c.close()
+
+
+def test_sign_error_feedback_by_hand():
+    """Two pushes of one block in signs with error feedback, worked by hand: x = [3, -1, 0.5, -0.5]
+    sends its mean magnitude 1.25 with the signs and keeps [1.75, 0.25, -0.75, 0.75]; the next
+    push of [0, 0, 0, 0] sends that residual: mean 0.875, signs +, +, -, +."""
+    codec = Codec.parse("sign")
+    x = torch.tensor([3.0, -1.0, 0.5, -0.5])
+    dec = codec.round_trip(x)[1]
+    assert dec.tolist() == [1.25, -1.25, 1.25, -1.25]
+    residual = x - dec
+    assert residual.tolist() == [1.75, 0.25, -0.75, 0.75]
+    dec2 = codec.round_trip(torch.zeros(4) + residual)[1]
+    assert dec2.tolist() == [0.875, 0.875, -0.875, 0.875]
