@@ -81,6 +81,7 @@ MODES = {
     "dips-sign-half": ("dips", True, True, True, "Di-PS sign, half the blocks / sign"),
     "dips-sign-half2": ("dips", True, True, True, "Di-PS sign, half the blocks, both ways"),
     "dips-sign-noclip": ("dips", False, True, True, "Di-PS sign / sign without clipping"),
+    "dips-sign-pullhalf": ("dips", True, True, True, "Di-PS sign / sign, half the blocks"),
 }
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
@@ -91,7 +92,8 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-sparse": ("sparse:0.03", "sparse:0.03", 1), "dips-sparse-push": ("sparse:0.03", "int8", 1),
         "dips-sign": ("sign", "sign", 1), "dips-sign-sparse": ("sign", "sparse:0.03", 1),
         "dips-sign-int8": ("sign", "int8", 1), "dips-sign-half": ("sign:0.5", "sign", 1),
-        "dips-sign-half2": ("sign:0.5", "sign:0.5", 1), "dips-sign-noclip": ("sign", "sign", 1)}
+        "dips-sign-half2": ("sign:0.5", "sign:0.5", 1), "dips-sign-noclip": ("sign", "sign", 1),
+        "dips-sign-pullhalf": ("sign", "sign:0.5", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%
