@@ -1,6 +1,7 @@
 """The demo's time budget (examples/demo_budget.py): a phase's predicted seconds and the sizing of
-every phase's work to a budget, against hand-computed cases; and the time-scale calibration's
-next scale (heteropp/runtime/keep_up.py) against hand-computed raises."""
+every phase's work to a budget, against hand-computed cases; the time-scale calibration's next
+scale (heteropp/runtime/keep_up.py) against hand-computed raises; and each rank's lateness as the
+demo reads it from what an emulated process prints at exit."""
 from __future__ import annotations
 
 import sys
@@ -89,3 +90,30 @@ def test_the_calibration_raises_the_scale_by_the_latest_ranks_lateness():
     assert next_scale(100.0, [0.021]) >= 105.0
     with pytest.raises(ValueError, match="expected fractions >= 0"):
         next_scale(70.0, [-0.5])
+
+
+def test_every_emulated_rank_states_its_lateness_at_exit_and_the_demo_reads_it(tmp_path):
+    import os
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        from hetero_demo import rank_lateness
+    finally:
+        sys.path.pop(0)
+    script = ("import torch, ditorch\n"
+              "x = torch.ones(64, 64, device='dipu')\n"
+              "for _ in range(3):\n"
+              "    x = x @ x / 64\n"
+              "torch.dipu.synchronize()\n")
+    env = dict(os.environ, DITORCH_CHIP="A", DITORCH_TIME_SCALE="1000", DITORCH_LATE_REPORT="all", RANK="3")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    late = rank_lateness(done.stderr.splitlines())
+    # at a time scale of 1000 a 64x64 matmul keeps the host well ahead: a report of about 0%,
+    # which only DITORCH_LATE_REPORT=all prints
+    assert list(late) == [3] and late[3][0] == "A" and 0 <= late[3][1] < 2, done.stderr
+    quiet = subprocess.run([sys.executable, "-c", script], env={k: v for k, v in env.items()
+                                                                 if k != "DITORCH_LATE_REPORT"},
+                           capture_output=True, text=True, timeout=120)
+    assert rank_lateness(quiet.stderr.splitlines()) == {}, quiet.stderr
