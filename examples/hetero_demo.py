@@ -288,11 +288,16 @@ def measure_host(time_scale: float) -> Host:
     calibration host's (wall time: neighbours and a CPU quota slow the demo as they slow this)."""
     from demo_budget import HOST_PROBE, HOST_PROBE_REFERENCE_S
 
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", HOST_PROBE], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                          capture_output=True, text=True, check=True)
-    work_s = float(json.loads(done.stdout.splitlines()[-1])["work_s"])
-    return Host(time_scale, max(time.perf_counter() - start - work_s, 0.1), work_s / HOST_PROBE_REFERENCE_S)
+    def probe() -> tuple[float, float]:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", HOST_PROBE], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                              capture_output=True, text=True, check=True)
+        work_s = float(json.loads(done.stdout.splitlines()[-1])["work_s"])
+        return max(time.perf_counter() - start - work_s, 0.1), work_s
+
+    # the faster of two: one sample may land on another job's burst
+    (start_a, work_a), (start_b, work_b) = probe(), probe()
+    return Host(time_scale, min(start_a, start_b), min(work_a, work_b) / HOST_PROBE_REFERENCE_S)
 
 
 def fixed_by_options(phases: list, args) -> list:
