@@ -253,7 +253,7 @@ def choose_time_scale(args, counts: dict[str, int], out: Path) -> float:
     (the largest ratio and the ratios' sum per core, with headroom), then the cluster's ranks run
     together at it, on the cores training will have beside whatever else runs there, and the
     scale rises until every rank keeps within heteropp.runtime.keep_up's target of its chip."""
-    from heteropp.runtime.keep_up import TARGET_LATE_FRACTION, calibrate
+    from heteropp.runtime.keep_up import TARGET_LATE_FRACTION, TRAINING_MARGIN, calibrate
 
     if args.time_scale is not None:
         return args.time_scale
@@ -274,7 +274,10 @@ def choose_time_scale(args, counts: dict[str, int], out: Path) -> float:
     for scale, late in keep_up.tried:
         print(f"[0/9] all {len(ranks)} ranks at once at time scale {scale:g}: each rank's host behind its chip by "
               + ", ".join(f"{chip} {100 * x:.1f}%" for chip, x in zip(ranks, late)), flush=True)
-    if not keep_up.kept_up:
+    if keep_up.kept_up:
+        print(f"[0/9] training runs at {TRAINING_MARGIN:g}x that: time scale {keep_up.time_scale:g} (a pipeline rank "
+              f"does more per step than its layer's loop)")
+    else:
         print(f"[0/9] no scale tried kept every rank within {100 * TARGET_LATE_FRACTION:g}%; running at "
               f"{keep_up.time_scale:g}, the ranks will say how late they were")
     chosen.write_text(json.dumps({"time_scale": keep_up.time_scale, "host_ratios": ratios,
