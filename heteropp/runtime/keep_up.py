@@ -9,14 +9,15 @@ one layer of the model, forward and backward in a loop, as ``host_ratio``'s work
 candidate time scale beside all the others, on the cores training will have with whatever else
 runs there, and reports how far its host fell behind its chip (``host_late_fraction``, the
 figure a training run prints). While a rank is later than the target, the scale rises by that
-lateness (and a margin) and the ranks measure again, in the same processes.
+lateness (and a margin, at most doubling) and the ranks measure again, in the same processes;
+once every rank keeps up, the search narrows down towards the highest scale that fell behind.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from heteropp.model_spec import ModelSpec
 
@@ -32,18 +33,22 @@ TRAINING_MARGIN = 1.15
 # Each raise goes this much past what the measured lateness asks (a rank measured 10% late at
 # scale k keeps up at about 1.1 k; sampling noise makes the step land short otherwise).
 RAISE_MARGIN = 1.15
+# One raise at most doubles the scale; once a scale kept up, the search narrows down between the
+# highest that fell behind and the lowest that kept up until they are within 10%.
+MAX_RAISE = 2.0
+CLOSE_ENOUGH = 1.1
 
 
 @dataclasses.dataclass(frozen=True)
 class KeepUp:
     """The calibration's outcome: the scale and each rank's lateness at every scale tried."""
 
-    time_scale: float  # for training: the last scale tried, times TRAINING_MARGIN where it kept up
+    time_scale: float  # for training: the lowest scale that kept up times TRAINING_MARGIN (else the last tried)
     tried: list[tuple[float, list[float]]]  # (time scale, each rank's host_late_fraction)
 
     @property
     def kept_up(self) -> bool:
-        return max(self.tried[-1][1]) <= TARGET_LATE_FRACTION
+        return any(max(late) <= TARGET_LATE_FRACTION for _, late in self.tried)
 
 
 def _round_up(scale: float) -> float:
@@ -55,11 +60,21 @@ def _round_up(scale: float) -> float:
 def next_scale(scale: float, late: Sequence[float]) -> float:
     """The scale to try after ``scale`` left the latest rank ``max(late)`` behind (a fraction of
     its device time): the host's work per device second is about (1 + late) / scale of what the
-    chip needs, so the scale rises by that and ``RAISE_MARGIN``, rounded up to two digits."""
+    chip needs, so the scale rises by that and ``RAISE_MARGIN``, at most ``MAX_RAISE`` times (a
+    burst of another job's work can make one sample many times late), rounded up to two digits."""
     worst = max(late)
     if worst < 0 or not math.isfinite(worst):
         raise ValueError(f"late={list(late)!r}; expected fractions >= 0")
-    return _round_up(max(scale * (1 + worst) * RAISE_MARGIN, scale * 1.05))
+    return _round_up(min(max(scale * (1 + worst) * RAISE_MARGIN, scale * 1.05), scale * MAX_RAISE))
+
+
+def between(low: float, high: float) -> float | None:
+    """The scale to try between ``low`` (a rank fell behind) and ``high`` (every rank kept up):
+    their geometric mean rounded up to two digits, or None once they are within ``CLOSE_ENOUGH``."""
+    if high <= low * CLOSE_ENOUGH:
+        return None
+    mid = _round_up(math.sqrt(low * high))
+    return mid if low < mid < high else None
 
 
 def _rank_worker(conn, chip: str, model: dict, precision: str, memory_scale: float, seconds: float) -> None:
@@ -103,11 +118,13 @@ def _rank_worker(conn, chip: str, model: dict, precision: str, memory_scale: flo
 
 
 def calibrate(ranks: Sequence[str], spec: ModelSpec, start_scale: float, precision: str = "bf16",
-              memory_scale: float = 1.0, seconds: float = 2.0, rounds: int = 4) -> KeepUp:
-    """The time scale for training: from ``start_scale`` up, the first at which every rank of
-    ``ranks`` (one chip name per rank on this host) running at once stays within
-    ``TARGET_LATE_FRACTION`` of its chip's device time, times ``TRAINING_MARGIN``; at most
-    ``rounds`` scales tried (the last one tried if none kept up)."""
+              memory_scale: float = 1.0, seconds: float = 2.0, rounds: int = 6) -> KeepUp:
+    """The time scale for training: the lowest found at which every rank of ``ranks`` (one chip
+    name per rank on this host) running at once stays within ``TARGET_LATE_FRACTION`` of its
+    chip's device time, times ``TRAINING_MARGIN``. From ``start_scale`` the scale rises by each
+    sample's lateness (``next_scale``) until all ranks keep up, then narrows down between the
+    highest scale that fell behind and that one (``between``); at most ``rounds`` scales tried
+    (the last one tried if none kept up)."""
     import torch.multiprocessing as mp
 
     if not ranks:
@@ -127,17 +144,13 @@ def calibrate(ranks: Sequence[str], spec: ModelSpec, start_scale: float, precisi
             procs.append(proc)
         for pipe in pipes:
             _receive(pipe, "ready")
-        scale, tried = float(start_scale), []
-        for _ in range(rounds):
+
+        def measure(scale: float) -> list[float]:
             for pipe in pipes:
                 pipe.send(scale)
-            late = [float(_receive(pipe, "lateness")) for pipe in pipes]
-            tried.append((scale, late))
-            if max(late) <= TARGET_LATE_FRACTION:
-                break
-            scale = next_scale(scale, late)
-        last = tried[-1][0]
-        return KeepUp(_round_up(last * TRAINING_MARGIN) if max(tried[-1][1]) <= TARGET_LATE_FRACTION else last, tried)
+            return [float(_receive(pipe, "lateness")) for pipe in pipes]
+
+        return search(measure, float(start_scale), rounds)
     finally:
         for pipe in pipes:
             try:
@@ -149,6 +162,26 @@ def calibrate(ranks: Sequence[str], spec: ModelSpec, start_scale: float, precisi
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def search(measure: Callable[[float], list[float]], start_scale: float, rounds: int) -> KeepUp:
+    """``calibrate``'s search over scales, ``measure(scale)`` giving each rank's lateness there."""
+    scale, tried = start_scale, []
+    behind, kept = 0.0, math.inf  # the highest scale a rank fell behind at, the lowest all kept up at
+    for _ in range(rounds):
+        late = measure(scale)
+        tried.append((scale, late))
+        if max(late) <= TARGET_LATE_FRACTION:
+            kept = min(kept, scale)
+        else:
+            behind = max(behind, scale)
+        if kept == math.inf:
+            scale = next_scale(scale, late)
+        elif (mid := between(behind, kept) if behind else None) is not None:
+            scale = mid
+        else:
+            break
+    return KeepUp(_round_up(kept * TRAINING_MARGIN) if kept < math.inf else tried[-1][0], tried)
 
 
 def _receive(pipe, what: str, timeout: float = 300.0):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from heteropp.runtime.keep_up import RAISE_MARGIN, next_scale
+from heteropp.runtime.keep_up import RAISE_MARGIN, TRAINING_MARGIN, between, next_scale, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 try:
@@ -90,6 +90,28 @@ def test_the_calibration_raises_the_scale_by_the_latest_ranks_lateness():
     assert next_scale(100.0, [0.021]) >= 105.0
     with pytest.raises(ValueError, match="expected fractions >= 0"):
         next_scale(70.0, [-0.5])
+    # a burst of another job's work (10x late) raises the scale at most twofold
+    assert next_scale(80.0, [10.0]) == 160.0
+
+
+def test_the_calibration_narrows_down_to_the_lowest_scale_that_kept_up():
+    # a host that needs scale 100: a rank at scale s is (100 / s - 1) late below it
+    def measure(scale: float) -> list[float]:
+        return [0.0, max(0.0, 100.0 / scale - 1.0)]
+
+    result = search(measure, 60.0, rounds=8)
+    scales = [s for s, _ in result.tried]
+    # 60 is 67% late: 60 x 1.67 x 1.15 = 115, rounded up to two digits 120 (also the twofold
+    # cap); then geometric means rounded up: between 60 and 120 85 (18% late), between 85 and
+    # 120 101 -> 110 (kept up), between 85 and 110 96.7 -> 97 (3% late), between 97 and 110
+    # 103 -> 110, no scale between: training at 110 x 1.15 = 126.5 -> 130
+    assert scales == [60.0, 120.0, 85.0, 110.0, 97.0]
+    assert result.kept_up and result.time_scale == 130.0 and TRAINING_MARGIN == 1.15
+    # a host that keeps up at the start is not searched below it
+    assert search(lambda s: [0.0], 200.0, rounds=8).tried == [(200.0, [0.0])]
+    # nothing kept up: the last scale tried, flagged
+    stuck = search(lambda s: [1.0], 50.0, rounds=3)
+    assert not stuck.kept_up and stuck.time_scale == 200.0 and [s for s, _ in stuck.tried] == [50.0, 100.0, 200.0]
 
 
 def test_every_emulated_rank_states_its_lateness_at_exit_and_the_demo_reads_it(tmp_path):
