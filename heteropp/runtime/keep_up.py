@@ -26,9 +26,10 @@ from heteropp.model_spec import ModelSpec
 TARGET_LATE_FRACTION = 0.02
 # The scale the loop kept up at, times this, is the one training runs at: a pipeline rank does more
 # per step than its layer's loop (the first stage embeds, every stage steps its optimizer at the
-# same moment, p2p waits end in bursts). Measured: ranks whose loops were 0-1.6% late at 270 and
-# 410 ran training 1.0-6.1% late (the first stage, chip A, the latest), so 15% more leaves
-# training within 5%.
+# same moment, p2p waits end in bursts). Measured on the 2-core Xeon beside other jobs (load 3-7):
+# loops 0-1.6% late at 270 and 410 (the second under scripts/slow_host.sh), training 1.0-6.1%;
+# but a loop 0.5% late at 130 and training at 150 left chip B's rank 22% late, so the loop does
+# not yet stand for training on a loaded host (docs/device.md, "Speed").
 TRAINING_MARGIN = 1.15
 # Each raise goes this much past what the measured lateness asks (a rank measured 10% late at
 # scale k keeps up at about 1.1 k; sampling noise makes the step land short otherwise).
