@@ -116,6 +116,8 @@ def _rank_worker(conn, chip: str, model: dict, precision: str, memory_scale: flo
             step()
         torch.dipu.synchronize()
         conn.send(emulation_stats().host_late_fraction)
+    # the parent reported the lateness; at time scale 1 the process does not report it again at exit
+    ditorch_ext.set_chip(chip, memory_scale=memory_scale, time_scale=1.0)
 
 
 def calibrate(ranks: Sequence[str], spec: ModelSpec, start_scale: float, precision: str = "bf16",
