@@ -26,11 +26,12 @@ from heteropp.model_spec import ModelSpec
 TARGET_LATE_FRACTION = 0.02
 # The scale the loop kept up at, times this, is the one training runs at: a pipeline rank does more
 # per step than its layer's loop (the first stage embeds, every stage steps its optimizer at the
-# same moment, p2p waits end in bursts). Measured on the 2-core Xeon beside other jobs (load 3-7):
-# loops 0-1.6% late at 270 and 410 (the second under scripts/slow_host.sh), training 1.0-6.1%;
-# but a loop 0.5% late at 130 and training at 150 left chip B's rank 22% late, so the loop does
-# not yet stand for training on a loaded host (docs/device.md, "Speed").
-TRAINING_MARGIN = 1.15
+# same moment, p2p waits end in bursts). Measured on the 2-core Xeon beside other jobs (load 3-8)
+# with 1.15: training's latest rank 4.9% late at 270, 6.1% at 410 (under scripts/slow_host.sh),
+# 5.2% at 420 (beside a busy process per core), and 22% at 150 (the loop 0.5% late at 130): with
+# the host's work per device second falling as 1 / scale, 1.25 brings the first three under 5%;
+# the last shows the loop does not stand for training through another job's burst.
+TRAINING_MARGIN = 1.25
 # Each raise goes this much past what the measured lateness asks (a rank measured 10% late at
 # scale k keeps up at about 1.1 k; sampling noise makes the step land short otherwise).
 RAISE_MARGIN = 1.15
