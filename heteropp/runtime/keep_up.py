@@ -29,8 +29,10 @@ TARGET_LATE_FRACTION = 0.02
 # same moment, p2p waits end in bursts). Measured on the 2-core Xeon beside other jobs (load 3-8)
 # with 1.15: training's latest rank 4.9% late at 270, 6.1% at 410 (under scripts/slow_host.sh),
 # 5.2% at 420 (beside a busy process per core), and 22% at 150 (the loop 0.5% late at 130): with
-# the host's work per device second falling as 1 / scale, 1.25 brings the first three under 5%;
-# the last shows the loop does not stand for training through another job's burst.
+# the host's work per device second falling as 1 / scale, 1.25 would bring the first three under
+# 5%; the last shows the loop does not stand for training through another job's burst. At 1.25,
+# quieter (load 1.3-2.7), B's rank was 13.4% late at 120 (loop 0.5% at 89): for B the loop is a
+# lower bound (docs/device.md, "Speed").
 TRAINING_MARGIN = 1.25
 # Each raise goes this much past what the measured lateness asks (a rank measured 10% late at
 # scale k keeps up at about 1.1 k; sampling noise makes the step land short otherwise).
