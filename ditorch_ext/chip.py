@@ -122,15 +122,21 @@ def timing_fence() -> None:
 
 # Lateness below this share of device time is noise (a sleep's overshoot, a preemption).
 LATE_REPORT_FRACTION = 0.02
+# "all": report the lateness at exit however small (make demo prints every rank's figure).
+LATE_REPORT_ENV = "DITORCH_LATE_REPORT"
 
 
 def _report_host_lateness() -> None:
     if _current[0] is HOST or _time_scale <= 1:
         return
     stats = emulation_stats()
-    if stats.host_late_fraction > LATE_REPORT_FRACTION:
-        print(f"ditorch: chip {_current[0].name} at time scale {_time_scale:g}: {stats.describe()}; this process ran "
-              f"slower than its chip, a larger time scale lets the host keep up", file=sys.stderr)
+    every = os.environ.get(LATE_REPORT_ENV, "") == "all"
+    if stats.host_late_fraction > LATE_REPORT_FRACTION or (every and stats.device_busy_s > 0):
+        rank = os.environ.get("RANK")
+        print(f"ditorch: {'' if rank is None else f'rank {rank} '}chip {_current[0].name} at time scale "
+              f"{_time_scale:g}: {stats.describe()}"
+              + ("; this process ran slower than its chip, a larger time scale lets the host keep up"
+                 if stats.host_late_fraction > LATE_REPORT_FRACTION else ""), file=sys.stderr)
 
 
 def configure_from_env() -> None:

@@ -1,0 +1,208 @@
+"""The demo's time budget: how long each phase of ``examples/hetero_demo.py`` takes on this host,
+and how much work each phase gets so that the whole demo fits a budget.
+
+A phase's seconds are a cost model of three parts:
+
+- process start-ups it pays one after another (``starts``), each the seconds this host takes to
+  start Python and import torch and ditorch (measured at the demo's start);
+- device-bound work: units (steps, repeats) x the chips' seconds per unit at time scale 1 x the
+  time scale (an emulated chip runs its datasheet's time times the scale, on any host that keeps
+  up: docs/device.md, "Speed");
+- host-bound work (the fp32 CPU reference, the volunteer clients at time scale 1, the planner):
+  units x the calibration host's CPU seconds per unit x this host's CPU time for a fixed piece
+  of work against the calibration host's.
+
+``size_phases`` gives every phase its floor (the least work its verdict still means something
+on), then grows every phase's work by one common factor of its default (clamped to the phase's
+floor and most) while the predicted total fits the budget. When even the floors do not fit it
+says by how much rather than shrinking a verdict below its floor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+
+# A fixed piece of CPU work a fresh process times (after importing torch and the device layer, so
+# the process's wall time less this is one start-up): one thread, fp32 matmuls of a llama-small
+# FFN's shape. The calibration host's CPU seconds for it (the README's Xeon, 0.34-0.35 s in
+# three runs; `examples/hetero_demo.py` runs it at phase 0).
+HOST_PROBE = """
+import json, time
+import torch, ditorch_ext
+torch.set_num_threads(1)
+a, w = torch.randn(1024, 512), torch.randn(512, 1408)
+start = time.perf_counter()
+for _ in range(20):
+    (a @ w) @ w.T
+print(json.dumps({"work_s": time.perf_counter() - start}))
+"""
+HOST_PROBE_REFERENCE_S = 0.345
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """What the cost model needs of the host, measured at the demo's start."""
+
+    time_scale: float  # every emulated chip runs this many times its datasheet time
+    start_s: float  # one process's start-up: Python, torch and ditorch imported
+    cpu_factor: float  # this host's CPU time for a fixed piece of work against the calibration host's
+
+    def __post_init__(self) -> None:
+        for name in ("time_scale", "start_s", "cpu_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Host.{name}={value!r} is invalid; expected a positive number")
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One phase of the demo and its cost model; ``floor <= default <= most`` units of work."""
+
+    step: str  # "3/9": how the demo labels it
+    name: str
+    unit: str  # what one unit of work is ("step", "repeat"); "" for a phase of fixed work
+    starts: float = 0.0  # process start-ups paid one after another
+    chip_s: float = 0.0  # chip seconds per unit at time scale 1
+    host_s: float = 0.0  # the calibration host's CPU seconds per unit
+    fixed_s: float = 0.0  # the calibration host's CPU seconds whatever the units
+    fixed_chip_s: float = 0.0  # chip seconds at time scale 1 whatever the units (warm-ups)
+    floor: int = 1
+    default: int = 1
+    most: int = 1
+    multiple_of: int = 1  # units come in multiples of this (Di-PS: an outer step every 4 steps)
+    same_units_as: str | None = None  # a phase whose units this one follows (the reference: training's steps)
+
+    def __post_init__(self) -> None:
+        for name in ("starts", "chip_s", "host_s", "fixed_s", "fixed_chip_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"phase {self.step}: {name}={value!r} is invalid; expected a number >= 0")
+        if not (isinstance(self.multiple_of, int) and self.multiple_of >= 1):
+            raise ValueError(f"phase {self.step}: multiple_of={self.multiple_of!r}; expected an integer >= 1")
+        if not (isinstance(self.floor, int) and 0 <= self.floor <= self.default <= self.most):
+            raise ValueError(f"phase {self.step}: floor={self.floor!r}, default={self.default!r}, most={self.most!r}; "
+                             f"expected integers with 0 <= floor <= default <= most")
+        if any(n % self.multiple_of for n in (self.floor, self.default, self.most)):
+            raise ValueError(f"phase {self.step}: floor, default and most must be multiples of {self.multiple_of}")
+
+    def seconds(self, units: int, host: Host) -> float:
+        """Predicted wall seconds of this phase with ``units`` of work on ``host``."""
+        return (self.starts * host.start_s + host.cpu_factor * self.fixed_s + host.time_scale * self.fixed_chip_s
+                + units * (host.time_scale * self.chip_s + host.cpu_factor * self.host_s))
+
+    def units_at(self, factor: float) -> int:
+        """The phase's units at ``factor`` times its default, within its floor and most."""
+        units = math.floor(self.default * factor / self.multiple_of + 1e-9) * self.multiple_of
+        return min(self.most, max(self.floor, units))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """Each phase's units and predicted seconds against the budget."""
+
+    budget_s: float
+    units: dict[str, int]  # phase step -> units
+    predicted_s: dict[str, float]  # phase step -> seconds
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.predicted_s.values())
+
+    @property
+    def over_s(self) -> float:
+        """Seconds by which even the floors exceed the budget (0: it fits)."""
+        return max(0.0, self.total_s - self.budget_s)
+
+
+def size_phases(phases: Sequence[Phase], host: Host, budget_s: float) -> Sizing:
+    """The most work per phase (one common factor of each phase's default) whose predicted
+    seconds fit ``budget_s``; at least each phase's floor, whatever the budget."""
+    if not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s)):
+        raise ValueError(f"budget_s={budget_s!r} is invalid; expected a number of seconds")
+    by_step = {p.step: p for p in phases}
+    if len(by_step) != len(phases):
+        raise ValueError(f"phases {[p.step for p in phases]}: each step must appear once")
+    for p in phases:
+        if p.same_units_as is not None and p.same_units_as not in by_step:
+            raise ValueError(f"phase {p.step} follows the units of {p.same_units_as!r}, which is not a phase")
+
+    def at(factor: float) -> Sizing:
+        own = {p.step: p.units_at(factor) for p in phases}
+        units = {p.step: own[p.same_units_as] if p.same_units_as else own[p.step] for p in phases}
+        return Sizing(budget_s, units, {p.step: p.seconds(units[p.step], host) for p in phases})
+
+    lo = at(0.0)  # every phase at its floor
+    if lo.total_s > budget_s:
+        return lo
+    # The total grows with the factor (every phase's units do); past the largest most / default
+    # no phase grows further.
+    low, high = 0.0, max((p.most / p.default for p in phases if p.default), default=1.0)
+    if at(high).total_s <= budget_s:
+        return at(high)
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if at(mid).total_s <= budget_s else (low, mid)
+    return at(low)
+
+
+def describe(sizing: Sizing, phases: Sequence[Phase]) -> list[str]:
+    """One line per phase: its work and predicted seconds."""
+    return [f"{p.step} {p.name}: " + (f"{sizing.units[p.step]} {p.unit}{'s' if sizing.units[p.step] != 1 else ''}, "
+                                       if p.unit else "") + f"{sizing.predicted_s[p.step]:.0f} s"
+            for p in phases]
+
+
+def predicted_against_actual(predicted: Mapping[str, float], actual: Mapping[str, float]) -> list[str]:
+    """Rows of a table: each phase's predicted and measured seconds and their ratio."""
+    rows = [f"{'phase':>6} {'predicted s':>11} {'actual s':>9} {'actual/predicted':>16}"]
+    for step in sorted(set(predicted) | set(actual)):
+        p, a = predicted.get(step), actual.get(step)
+        ratio = f"{a / p:.2f}" if p and a is not None else "-"
+        rows.append(f"{step:>6} {'-' if p is None else f'{p:.0f}':>11} {'-' if a is None else f'{a:.0f}':>9} "
+                    f"{ratio:>16}")
+    rows.append(f"{'total':>6} {sum(predicted.values()):>11.0f} {sum(actual.values()):>9.0f}")
+    return rows
+
+
+def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> list[Phase]:
+    """``examples/hetero_demo.py``'s phases after phase 0, for its default cluster (one A, one B,
+    two C) and model (``llama-small``, 1K tokens per step), calibrated on the 2-core Xeon host of
+    the README, quiet, at time scale 71 (phases 347 s: profiles 58, plan 1, train 58, reference
+    12, MRE 2, timeline 2, HSR 58, Di-PS 50, volunteers 97; a start-up there is about 2 s): chip
+    seconds per unit are the host-independent part (a phase's device-bound seconds over the time
+    scale), start-ups the processes a phase waits for one after another. Another cluster or model
+    is predicted as this one; the demo prints predicted against actual seconds per phase."""
+    phases = []
+    if chips_to_profile:
+        # per chip: the CLI, then TP 1's rank and TP 2's two; each TP's warm-ups (for the layer,
+        # its update and the stage's ends) cost more than its repeats (a run at time scale 270
+        # with 2 repeats took 47-79 s per chip)
+        phases.append(Phase("1/9", "profiles", "repeat", starts=3.5 * chips_to_profile,
+                            chip_s=0.01 * chips_to_profile, fixed_chip_s=0.15 * chips_to_profile,
+                            floor=2, default=3, most=5))
+    phases += [
+        Phase("2/9", "plan", "", fixed_s=1.0),
+        # torchrun, then four ranks starting on two cores, then a step per unit on the pipeline's
+        # critical path (its bubbles included)
+        Phase("3/9", "train", "step", starts=3.0, chip_s=0.0458, floor=8, default=16, most=48),
+        Phase("4/9", "fp32 reference", "step", starts=1.0, host_s=0.625, same_units_as="3/9"),
+        Phase("5/9", "MRE", "", fixed_s=2.0),
+        Phase("6/9", "timeline", "", fixed_s=2.0),
+    ]
+    if hsr:
+        # the CLI and four runs (each chip type alone, then all together), each torchrun and its
+        # ranks; the first step of each run is not timed, so 2 steps time one
+        phases.append(Phase("7/9", "HSR", "step", starts=13.0, chip_s=0.225, floor=2, default=2, most=4))
+    if ps:
+        # a plan, `ps bytes`, the leader and its followers, two clusters' torchruns side by side;
+        # an outer step every 4 steps, 2 outer steps at least
+        phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.065, floor=8, default=8,
+                            most=16, multiple_of=4))
+    if volunteer:
+        # tokens, plan, four servers and five clients starting together, the reference, MRE; the
+        # clients' chips run at time scale 1, so a step is the host's work; a client leaves after 8 s
+        phases.append(Phase("9/9", "volunteers", "step", starts=7.0, fixed_s=10.0, host_s=7.0, floor=6, default=10,
+                            most=16))
+    return phases

@@ -1,0 +1,140 @@
+"""The demo's time budget (examples/demo_budget.py): a phase's predicted seconds and the sizing of
+every phase's work to a budget, against hand-computed cases; the time-scale calibration's next
+scale (heteropp/runtime/keep_up.py) against hand-computed raises; and each rank's lateness as the
+demo reads it from what an emulated process prints at exit."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from heteropp.runtime.keep_up import RAISE_MARGIN, TRAINING_MARGIN, between, next_scale, search
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+try:
+    from demo_budget import Host, Phase, demo_phases, size_phases
+finally:
+    sys.path.pop(0)
+
+HOST = Host(time_scale=10.0, start_s=2.0, cpu_factor=1.0)
+# P: a start-up (2 s) + 1 s per step (0.1 chip-s x time scale 10); Q: 1 s per step of host work
+P = Phase("1/2", "p", "step", starts=1.0, chip_s=0.1, floor=2, default=10, most=20)
+Q = Phase("2/2", "q", "step", host_s=1.0, floor=1, default=5, most=5)
+
+
+def test_a_phase_costs_its_start_ups_and_its_units_at_the_time_scale_and_the_hosts_speed():
+    phase = Phase("3/9", "x", "step", starts=2.0, chip_s=0.05, host_s=0.5, fixed_s=3.0, fixed_chip_s=0.2)
+    slow = Host(time_scale=100.0, start_s=4.0, cpu_factor=3.0)
+    # 2 x 4 s + 3 x 3 s + 100 x 0.2 s + 6 x (100 x 0.05 s + 3 x 0.5 s)
+    assert phase.seconds(6, slow) == pytest.approx(8 + 9 + 20 + 6 * (5 + 1.5))
+
+
+def test_the_sizing_grows_every_phase_by_one_factor_while_the_budget_holds():
+    # defaults: 2 + 10 + 5 = 17 s; P grows alone past Q's most: 13 steps fill 20 s exactly
+    sizing = size_phases([P, Q], HOST, 20.0)
+    assert sizing.units == {"1/2": 13, "2/2": 5}
+    assert sizing.total_s == pytest.approx(20.0) and sizing.over_s == 0
+    # a factor of 0.4 gives P 4 and Q 2 (8 s); 0.5 would give P 5 (9 s)
+    assert size_phases([P, Q], HOST, 8.0).units == {"1/2": 4, "2/2": 2}
+    # past every phase's most nothing grows further
+    assert size_phases([P, Q], HOST, 1000.0).units == {"1/2": 20, "2/2": 5}
+
+
+def test_when_even_the_floors_do_not_fit_the_sizing_keeps_them_and_says_by_how_much():
+    sizing = size_phases([P, Q], HOST, 4.0)  # floors: 2 + 2 + 1 = 5 s
+    assert sizing.units == {"1/2": 2, "2/2": 1}
+    assert sizing.over_s == pytest.approx(1.0)
+
+
+def test_a_phase_follows_anothers_units_and_keeps_to_its_multiples():
+    steps = Phase("a", "train", "step", chip_s=0.1, floor=8, default=16, most=48)
+    reference = Phase("b", "reference", "step", host_s=0.5, same_units_as="a")
+    outer = Phase("c", "ps", "step", chip_s=0.1, floor=8, default=8, most=16, multiple_of=4)
+    # 1 s per step, the reference 0.5 s, Di-PS 1 s: at a factor of 25/16, 25 steps (25 + 12.5 s)
+    # and Di-PS 12 (12.5 rounded down to a multiple of 4) = 49.5 s; 26 steps would be 51 s
+    sizing = size_phases([steps, reference, outer], HOST, 50.0)
+    assert sizing.units == {"a": 25, "b": 25, "c": 12}
+    assert sizing.total_s == pytest.approx(49.5)
+
+
+def test_bad_phases_and_budgets_are_refused_with_the_value_named():
+    with pytest.raises(ValueError, match="floor=5, default=3"):
+        Phase("1/9", "x", "step", floor=5, default=3, most=8)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        Phase("8/9", "x", "step", floor=6, default=8, most=16, multiple_of=4)
+    with pytest.raises(ValueError, match=r"Host.time_scale=0"):
+        Host(time_scale=0, start_s=1.0, cpu_factor=1.0)
+    with pytest.raises(ValueError, match="budget_s=nan"):
+        size_phases([P], HOST, float("nan"))
+    with pytest.raises(ValueError, match="'zz', which is not a phase"):
+        size_phases([Phase("a", "x", "step", same_units_as="zz")], HOST, 10.0)
+
+
+def test_the_demos_phases_at_the_calibration_hosts_scale_predict_its_measured_run():
+    # The README's run at time scale 71 (2 s start-ups) at the demo's default work (16 steps,
+    # 3 repeats, HSR 2 steps, Di-PS 8, volunteers 10): each phase's measured seconds.
+    measured = {"1/9": 58, "2/9": 1, "3/9": 58, "4/9": 12, "5/9": 2, "6/9": 2, "7/9": 58, "8/9": 50, "9/9": 97}
+    units = {"1/9": 3, "2/9": 1, "3/9": 16, "4/9": 16, "5/9": 1, "6/9": 1, "7/9": 2, "8/9": 8, "9/9": 10}
+    host = Host(71.0, 2.0, 1.0)
+    for phase in demo_phases(3, True, True, True):
+        assert phase.seconds(units[phase.step], host) == pytest.approx(measured[phase.step], rel=0.1, abs=1.0), phase
+
+
+def test_the_calibration_raises_the_scale_by_the_latest_ranks_lateness():
+    # 10% late at 70: 70 x 1.1 x margin, rounded up to two digits
+    expected = 70 * 1.1 * RAISE_MARGIN
+    assert next_scale(70.0, [0.0, 0.10, 0.03]) >= expected
+    assert next_scale(70.0, [0.0, 0.10, 0.03]) < expected + 1.0
+    # barely late still rises by at least 5%
+    assert next_scale(100.0, [0.021]) >= 105.0
+    with pytest.raises(ValueError, match="expected fractions >= 0"):
+        next_scale(70.0, [-0.5])
+    # a burst of another job's work (10x late) raises the scale at most twofold
+    assert next_scale(80.0, [10.0]) == 160.0
+
+
+def test_the_calibration_narrows_down_to_the_lowest_scale_that_kept_up():
+    # a host that needs scale 100: a rank at scale s is (100 / s - 1) late below it
+    def measure(scale: float) -> list[float]:
+        return [0.0, max(0.0, 100.0 / scale - 1.0)]
+
+    result = search(measure, 60.0, rounds=8)
+    scales = [s for s, _ in result.tried]
+    # 60 is 67% late: 60 x 1.67 x 1.15 = 115, rounded up to two digits 120 (also the twofold
+    # cap); then geometric means rounded up: between 60 and 120 85 (18% late), between 85 and
+    # 120 101 -> 110 (kept up), between 85 and 110 96.7 -> 97 (3% late), between 97 and 110
+    # 103 -> 110, no scale between: training at 110 x 1.25 = 137.5 -> 140
+    assert scales == [60.0, 120.0, 85.0, 110.0, 97.0]
+    assert result.kept_up and result.time_scale == 140.0 and TRAINING_MARGIN == 1.25
+    # a host that keeps up at the start is not searched below it
+    assert search(lambda s: [0.0], 200.0, rounds=8).tried == [(200.0, [0.0])]
+    # nothing kept up: the last scale tried, flagged
+    stuck = search(lambda s: [1.0], 50.0, rounds=3)
+    assert not stuck.kept_up and stuck.time_scale == 200.0 and [s for s, _ in stuck.tried] == [50.0, 100.0, 200.0]
+
+
+def test_every_emulated_rank_states_its_lateness_at_exit_and_the_demo_reads_it(tmp_path):
+    import os
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        from hetero_demo import rank_lateness
+    finally:
+        sys.path.pop(0)
+    script = ("import torch, ditorch\n"
+              "x = torch.ones(64, 64, device='dipu')\n"
+              "x = x @ x / 64\n"
+              "torch.dipu.synchronize()\n")
+    env = dict(os.environ, DITORCH_CHIP="A", DITORCH_TIME_SCALE="20000", DITORCH_LATE_REPORT="all", RANK="3")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    late = rank_lateness(done.stderr.splitlines())
+    # at a time scale of 20000 each kernel lasts a tenth of a second or more, far longer than the
+    # host's work between two: a report of about 0%, which only DITORCH_LATE_REPORT=all prints
+    assert list(late) == [3] and late[3][0] == "A" and 0 <= late[3][1] < 2, done.stderr
+    quiet = subprocess.run([sys.executable, "-c", script], env={k: v for k, v in env.items()
+                                                                 if k != "DITORCH_LATE_REPORT"},
+                           capture_output=True, text=True, timeout=120)
+    assert rank_lateness(quiet.stderr.splitlines()) == {}, quiet.stderr
