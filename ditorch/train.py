@@ -130,11 +130,15 @@ def main(argv: list[str] | None = None) -> int:
                         compile_layers=args.compile, profile=profile)
 
 
-def _emulate_links(plan) -> None:
+LINK_STATE_DIR, LINK_STATE_PREFIX = Path("/dev/shm"), "ditorch-links-"
+
+
+def _emulate_links(plan, timeout: float) -> Path | None:
     """Emulated chips talk over the fleet's links, as they compute at their datasheets' speed:
     this rank's dicomm paces its pairs to the plan's links at the run's time scale
     (heteropp/placement.py; docs/dicomm.md, "Emulated links"). A vendor whose chips run at their
-    own speed keeps its own links, and DITORCH_EMULATED_LINKS=0 keeps the host's."""
+    own speed keeps its own links, and DITORCH_EMULATED_LINKS=0 keeps the host's. Returns the
+    links' state file, whose name :func:`_release_link_state` removes once every rank mapped it."""
     import atexit
 
     from heteropp.placement import link_env
@@ -143,17 +147,44 @@ def _emulate_links(plan) -> None:
 
     if os.environ.get("DITORCH_VENDOR", "emu") not in ("emu", "cpu") or \
             os.environ.get("DITORCH_EMULATED_LINKS", "1") == "0" or "RANK" not in os.environ:
-        return
+        return None
     try:
         scale = run_time_scale(plan)
     except PlanError:
-        return  # the trainer refuses the run, naming why
+        return None  # the trainer refuses the run, naming why
+    _reap_link_states(timeout)
     job = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
-    state = f"/dev/shm/ditorch-links-{os.getuid()}-{job}"
-    os.environ.update(link_env(plan, int(os.environ["RANK"]), scale, state))
-    # The job's links go with it: each rank removes the file as it leaves (the ranks still
-    # running keep their mappings; groups are made at the start, so none opens it again).
-    atexit.register(lambda: Path(state).unlink(missing_ok=True))
+    state = LINK_STATE_DIR / f"{LINK_STATE_PREFIX}{os.getuid()}-{job}"
+    os.environ.update(link_env(plan, int(os.environ["RANK"]), scale, str(state)))
+    # A rank that leaves before the others mapped the file (a failed start) takes the name with it.
+    atexit.register(lambda: state.unlink(missing_ok=True))
+    return state
+
+
+def _release_link_state(state: Path | None) -> None:
+    """Remove the links' state file's name once every rank has mapped it (dicomm maps it as it
+    makes the default group, and later groups reuse that mapping): the mappings hold the links'
+    occupancy for the job, and nothing is left in /dev/shm however the job ends."""
+    import torch.distributed as dist
+
+    if state is None:
+        return
+    dist.barrier()
+    state.unlink(missing_ok=True)
+
+
+def _reap_link_states(timeout: float) -> None:
+    """Remove this user's state files of jobs that died before their ranks all mapped them: a
+    live job's file has a name only until its group is made, which its start timeout bounds."""
+    import time
+
+    stale = time.time() - timeout
+    for path in LINK_STATE_DIR.glob(f"{LINK_STATE_PREFIX}{os.getuid()}-*"):
+        try:
+            if path.stat().st_mtime < stale:
+                path.unlink(missing_ok=True)
+        except OSError:
+            continue  # another job reaped it first
 
 
 def _reference(plan, options) -> int:
@@ -181,8 +212,9 @@ def _distributed(plan, options, timeout: float, ps_args=None, ft_args=None, comp
     # Ranks outnumber cores here; one intra-op thread each keeps them from fighting over cores
     # and lets the chip emulation charge each kernel its own CPU time.
     torch.set_num_threads(int(os.environ.get("DITORCH_THREADS_PER_RANK", "1")))
-    _emulate_links(plan)
+    link_state = _emulate_links(plan, timeout)
     dist.init_process_group("dicomm", timeout=datetime.timedelta(seconds=timeout))
+    _release_link_state(link_state)
     rank = dist.get_rank()
     if ft_args is not None:
         code = _fault_tolerant(plan, options, timeout, ft_args, rank)

@@ -277,6 +277,11 @@ class ClusterSpec:
         """Stages of one chip type talk over the node network, others cross clusters."""
         return self.inter_node if a == b else self.inter_cluster
 
+    def link_shared(self, a: str, b: str) -> bool:
+        """Whether stages on chip types ``a`` and ``b`` talk over the one cross-cluster link
+        that every DP replica shares (per direction), rather than each replica's own NICs."""
+        return a != b
+
     @property
     def fleet_links(self) -> FleetLinks:
         """The links as the shared link model has them (diutil/datasheets/links.py): each chip

@@ -40,15 +40,19 @@ def pipeline_time(stages: Sequence[StageCost], num_microbatches: int, alpha: flo
 
 
 def boundary_transfer_time(model: ModelSpec, link: LinkSpec, tp_send: int, tp_recv: int,
-                           nic_send: float, nic_recv: float) -> float:
+                           nic_send: float, nic_recv: float, shared_by: int = 0) -> float:
     """One micro-batch's activation (or its gradient) across a stage boundary.
 
     Activations between layers are sequence-sharded over TP, so each of the min(tp) busiest
     endpoints moves 1/min(tp_send, tp_recv) of the activation over its own affinity NIC
     (the senders work in parallel); the slowest of link, sender NIC, receiver NIC bounds it.
+    ``shared_by`` > 0: the link is one that ``shared_by`` DP replicas' boundaries cross at once
+    (the cross-DC link, diutil/datasheets/links.py), each with every TP piece, so they take it
+    one after another (its bandwidth shared, as the simulator and an emulated run have it).
     """
     nbytes = model.p2p_bytes(min(tp_send, tp_recv))
-    return link.latency + nbytes / min(link.bandwidth, nic_send, nic_recv)
+    pieces = shared_by * min(tp_send, tp_recv) if shared_by > 0 else 1
+    return link.latency + pieces * nbytes / min(link.bandwidth, nic_send, nic_recv)
 
 
 def stage_costs(
@@ -82,6 +86,7 @@ def stage_costs(
                     p2p += boundary_transfer_time(
                         model, cluster.link_between(chip, other), tp, other_tp,
                         cluster.chip(chip).nic_bandwidth, cluster.chip(other).nic_bandwidth,
+                        shared_by=dp if cluster.link_shared(chip, other) else 0,
                     )
         out.append(StageCost(compute=compute, p2p=p2p, update=prof.stage_update_time(tp, dp, layers)))
     return out

@@ -34,7 +34,7 @@ def exhaustive_search(auto: HeteroAuto, groups: list[Group] | None = None, dps: 
                 suffix += opts[gi].s
             if min(caps) < 1:
                 continue
-            pmax, psum = auto.space.p2p_terms(groups, opts)
+            pmax, psum = auto.space.p2p_terms(groups, opts, dp)
             # k above ceil(L / s) only adds layers past L; T is monotone in k, so those never win
             for ks in itertools.product(*[range(1, min(c, -(-L // o.s)) + 1) for c, o in zip(caps, opts)]):
                 if sum(o.s * k for o, k in zip(opts, ks)) < L:

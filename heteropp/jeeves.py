@@ -111,19 +111,14 @@ def inflight_microbatches(plan: "Plan", stage: int) -> int:
 
 
 def plan_pipeline(plan: "Plan", coordinated: bool = False, ack_wait: bool = False) -> Pipeline:
-    """The simulator's pipeline of ``plan`` with every DP replica: a cross-DC boundary is one
-    link per direction that all replicas share (the link ``pipeline_from_plan`` prices, each
-    micro-batch's whole activation), served in turns with ``coordinated``; each stage's
-    activations are capped by its chip's memory. ``ack_wait``: a channel's next message
-    waits for the previous one's acknowledgement."""
-    base = pipeline_from_plan(plan)
+    """The simulator's pipeline of ``plan`` with every DP replica (``pipeline_from_plan``: a
+    cross-DC boundary is one link per direction that all replicas share), served in turns with
+    ``coordinated``; each stage's activations are capped by its chip's memory. ``ack_wait``: a
+    channel's next message waits for the previous one's acknowledgement."""
+    base = pipeline_from_plan(plan, blocking_ack=ack_wait)
     cuts = cross_dc_boundaries(plan)
-    links = list(base.links)
-    for cut in cuts:  # the pair's link as pipeline_from_plan prices it, carrying every TP rank's piece
-        tp = min(plan.stages[cut].tp, plan.stages[cut + 1].tp)
-        links[cut] = dataclasses.replace(base.links[cut], nbytes=base.links[cut].nbytes * tp, shared=True)
-    return Pipeline(stages=base.stages, links=links, microbatches=[plan.num_microbatches] * plan.dp, ack_wait=ack_wait,
-                    coordinated=coordinated and bool(cuts), handoff=handoff_time(plan) if cuts else 0.0)
+    return dataclasses.replace(base, microbatches=[plan.num_microbatches] * plan.dp,
+                               coordinated=coordinated and bool(cuts), handoff=handoff_time(plan) if cuts else 0.0)
 
 
 def handoff_time(plan: "Plan") -> float:

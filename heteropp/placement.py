@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from diutil.datasheets.links import LinkSpec, Place
+from diutil.datasheets.links import LinkSpec, Place, link_class
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -32,6 +32,15 @@ def boundary_link(plan: "Plan", boundary: int, time_scale: float = 1.0) -> LinkS
     link = plan.cluster.fleet_links.between(a, b)
     assert link is not None  # stages are on two nodes, whose classes every cluster names
     return link.scaled(time_scale)
+
+
+def boundary_shared(plan: "Plan", boundary: int) -> bool:
+    """Whether the link between stage ``boundary`` and the next is one that every DP replica's
+    boundary crosses (the cross-DC link, one per direction between two DCs) rather than each
+    replica's own (its sending rank's NIC or scale-up port)."""
+    places = rank_places(plan)
+    a, b = (places[plan.stages[i].rank_range[0]] for i in (boundary, boundary + 1))
+    return link_class(a, b) == "inter_cluster"
 
 
 def link_env(plan: "Plan", rank: int, time_scale: float, state: str | None = None) -> dict[str, str]:

@@ -401,8 +401,13 @@ class Simulator:
 def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
     """The simulator's view of a HeteroPP plan: stage times from the chip profiles, P2P over
     the cluster's links (the busiest TP endpoint's shard, as the cost model; at the profiles'
-    time scale, as an emulated run's dicomm paces them), memory per chip."""
-    from .placement import boundary_link
+    time scale, as an emulated run's dicomm paces them), memory per chip.
+
+    A boundary over the cross-DC link (``placement.boundary_shared``) is one link per direction
+    that every TP piece of every DP replica crosses, as the run's is: it carries each
+    micro-batch's whole activation, and the pipeline has every replica (processor sharing
+    between them); a plan without one has one replica, as all replicas run alike."""
+    from .placement import boundary_link, boundary_shared
     from .profile import ChipProfile
 
     m, cl = plan.model, plan.cluster
@@ -432,9 +437,12 @@ def pipeline_from_plan(plan: "Plan", blocking_ack: bool = False) -> Pipeline:
     links = []
     for i in range(S - 1):
         lk = boundary_link(plan, i, scale)
-        nbytes = m.p2p_bytes(min(plan.stages[i].tp, plan.stages[i + 1].tp))
-        links.append(LinkModel(nbytes=nbytes, bandwidth=lk.bandwidth, latency=lk.latency))
-    return Pipeline(stages=stages, links=links, microbatches=[b], ack_wait=blocking_ack)
+        tp = min(plan.stages[i].tp, plan.stages[i + 1].tp)
+        shared = boundary_shared(plan, i)
+        nbytes = m.p2p_bytes(tp) * (tp if shared else 1)
+        links.append(LinkModel(nbytes=nbytes, bandwidth=lk.bandwidth, latency=lk.latency, shared=shared))
+    replicas = plan.dp if any(lk.shared for lk in links) else 1
+    return Pipeline(stages=stages, links=links, microbatches=[b] * replicas, ack_wait=blocking_ack)
 
 
 def simulate(pipeline: Pipeline, schedule: Schedule | Sequence[Schedule] | str) -> SimResult:

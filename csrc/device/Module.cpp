@@ -98,6 +98,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_device", [](int d) { setCurrentDevice(d); });
   m.def("synchronize", [](int d) {
     checkDevice(d);
+    // Without the GIL, as torch.cuda.synchronize: the caller's other threads (a pipeline
+    // stage's sender handing turns on a shared link) run while it waits for the device.
+    py::gil_scoped_release nogil;
     vendor().synchronize(d);
   });
   m.def("emulated_time_debt_ns", &emulatedTimeDebtNs, "device time owed by the emulated chip, not yet slept off");

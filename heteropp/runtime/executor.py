@@ -9,7 +9,8 @@ Actions and what they do here:
 - ``B``: full backward; ``I``: input gradients now, weight gradients of every projection queued;
   ``W``: the queued weight gradients.
 - ``SEND_F``/``SEND_B``: post the send once the device has finished the tensor; over a
-  coordinated cross-DC boundary, queue it for this rank's turn on the link (link_turns.py).
+  coordinated cross-DC boundary, queue it (copied to host memory) for this rank's turn on the
+  link (link_turns.py).
 
 With ``blocking`` (a schedule with blocking sends: 1F1B and GPipe as Megatron and DAPPLE run
 them), the transfers posted between two computes all complete before the next compute starts,
@@ -110,7 +111,10 @@ class StageExecutor:
         self._sync()  # the device has finished the pieces before anything sends them
         turns = self.turns.get(direction)
         if turns is not None:
-            turns.put(mb, pieces)
+            # In host memory, where dicomm sends from anyway: a device tensor's send reads it
+            # once the device's queued work is done (dicomm's Staging.cpp), which on the turns'
+            # thread would be whatever this stage computes by then, not these finished pieces.
+            turns.put(mb, [(piece.cpu(), dst) for piece, dst in pieces])
             return
         works = boundary.post(direction, mb, pieces)
         self._sends += works

@@ -12,8 +12,10 @@ passes once the link's serialisation time (bytes over bandwidth, times the time 
 elapsed since the send was posted; on a link that is not emulated it passes when the send
 completes. The stage's compute never waits for a turn: ``put`` queues a message and returns,
 and a thread of this rank waits for the turn, posts the message, waits until it is out and
-passes the turn on. Tensors reach the thread ready to send (made on the device and
-synchronised by the caller); the thread only posts point-to-point operations.
+passes the turn on. Tensors reach the thread ready to send, in host memory (the caller copies
+them once the device has finished them, so a send never waits for the device's later work);
+the thread only posts point-to-point operations. It runs while the stage's thread waits for its
+device (the emulated device's synchronisation lets go of the GIL, as CUDA's does).
 """
 from __future__ import annotations
 

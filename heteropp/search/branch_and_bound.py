@@ -86,7 +86,7 @@ class BranchAndBound:
         space = self.space
         space.leaves += 1
         opts = list(self.chosen)
-        pmax, psum = space.p2p_terms(self.groups, opts)
+        pmax, psum = space.p2p_terms(self.groups, opts, self.dp)
         res = shard_layers(self.L, self.alpha, self.b, opts, self.caps, pmax, psum)
         if res is None:
             space.why.setdefault("layers", "memory: the chosen stages cannot hold all layers")

@@ -22,7 +22,7 @@ def evaluate(space: SearchSpace, groups: Sequence[Group], opts: Sequence[StageOp
             return None
         suffix += o.s
     space.leaves += 1
-    pmax, psum = space.p2p_terms(groups, opts)
+    pmax, psum = space.p2p_terms(groups, opts, dp)
     return shard_layers(L, space.alpha, space.batch // dp, opts, caps, pmax, psum)
 
 

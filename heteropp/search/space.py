@@ -120,17 +120,19 @@ class SearchSpace:
             k = min(k, int((cap - fixed_l) // (o.state + o.act)) if cap > fixed_l else 0)
         return k
 
-    def boundary(self, a: ChipSpec, b: ChipSpec, tp_a: int, tp_b: int) -> float:
-        key = (a.name, b.name, tp_a, tp_b)
+    def boundary(self, a: ChipSpec, b: ChipSpec, tp_a: int, tp_b: int, dp: int) -> float:
+        key = (a.name, b.name, tp_a, tp_b, dp)
         t = self._boundary_cache.get(key)
         if t is None:
             t = boundary_transfer_time(self.model, self.cluster.link_between(a.name, b.name), tp_a, tp_b,
-                                       a.nic_bandwidth, b.nic_bandwidth)
+                                       a.nic_bandwidth, b.nic_bandwidth,
+                                       shared_by=dp if self.cluster.link_shared(a.name, b.name) else 0)
             self._boundary_cache[key] = t
         return t
 
-    def p2p_terms(self, groups: Sequence[Group], opts: Sequence[StageOption]) -> tuple[list[float], list[float]]:
-        """Per group: the largest per-stage blocking-P2P time and the sum over its stages.
+    def p2p_terms(self, groups: Sequence[Group], opts: Sequence[StageOption], dp: int) -> tuple[list[float], list[float]]:
+        """Per group: the largest per-stage blocking-P2P time and the sum over its stages, with
+        ``dp`` replicas (which share a cross-cluster link).
 
         A stage sends one message to each neighbour per micro-batch (activation forward,
         gradient backward)."""
@@ -141,9 +143,9 @@ class SearchSpace:
         pmax, psum = [], []
         for gi in range(G):
             chip, o = groups[gi].chip, opts[gi]
-            inner = self.boundary(chip, chip, o.tp, o.tp)
-            left = self.boundary(chip, groups[gi - 1].chip, o.tp, opts[gi - 1].tp) if gi > 0 else 0.0
-            right = self.boundary(chip, groups[gi + 1].chip, o.tp, opts[gi + 1].tp) if gi + 1 < G else 0.0
+            inner = self.boundary(chip, chip, o.tp, o.tp, dp)
+            left = self.boundary(chip, groups[gi - 1].chip, o.tp, opts[gi - 1].tp, dp) if gi > 0 else 0.0
+            right = self.boundary(chip, groups[gi + 1].chip, o.tp, opts[gi + 1].tp, dp) if gi + 1 < G else 0.0
             s = o.s
             if s == 1:
                 pmax.append(left + right)

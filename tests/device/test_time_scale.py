@@ -153,3 +153,31 @@ def test_a_timing_fence_counts_the_hosts_work_around_it_as_lateness_and_a_synchr
         assert 0.045 <= late < 0.045 + 0.040  # a loaded host oversleeps; it never undersleeps
     else:
         assert late < 0.002
+
+
+def test_other_threads_run_while_the_host_waits_for_the_device():
+    # torch.dipu.synchronize lets go of the GIL while it sleeps off the device's queue, as CUDA's
+    # does: a pipeline stage's sender thread runs while the stage waits for its chip
+    import threading
+
+    ditorch.set_chip("A", time_scale=1)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        _C.occupy_device(0.3)
+        before = len(ticks)
+        start = time.monotonic()
+        torch.dipu.synchronize()
+        waited, during = time.monotonic() - start, len(ticks) - before
+    finally:
+        stop.set()
+        thread.join()
+    assert waited >= 0.2  # the device's 0.3 s, less what passed before the wait
+    assert during >= 10, f"the other thread ran {during} times in {waited:.3f} s of waiting"

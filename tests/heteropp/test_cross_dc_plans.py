@@ -130,3 +130,41 @@ def test_plan_and_simulate_commands_take_jeeves(tmp_path, capsys):
         [Schedule.from_dict(json.loads(lists.read_text()))]
     assert ran == plan_schedules(planned)[:len(ran)]
     assert f"schedule {planned.schedule}: iteration" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_pipeline_from_plan_shares_the_cross_dc_link_among_replicas(dp):
+    # two stages in two DCs, one micro-batch per replica: every replica's activation, then its
+    # gradient, crosses the one cross-DC link at once, so each crossing takes dp times one
+    # message's bytes over the link's bandwidth (by hand: the cluster file's link, the model's
+    # activation), plus the latency
+    from heteropp.simulator import pipeline_from_plan
+
+    plan = two_dc_plan(700, 0.005, dp=dp, microbatches=1, dc_stages=(1, 1))
+    pipe = pipeline_from_plan(plan)
+    assert pipe.microbatches == [1] * dp
+    link = plan.cluster.inter_cluster
+    crossing = link.latency + dp * plan.model.p2p_bytes(1) / link.bandwidth
+    s0, s1 = pipe.stages
+    expect = s0.fwd + crossing + s1.fwd + s1.bwd_input + s1.bwd_weight + crossing + s0.bwd_input + s0.bwd_weight \
+        + max(s0.update, s1.update)
+    assert simulate(pipe, plan_schedules(plan, "1f1b")[0]).iteration_time == pytest.approx(expect, rel=1e-9)
+
+
+def test_cost_model_charges_every_replica_on_the_cross_dc_link():
+    # the planner's blocking P2P term for a stage at the DC boundary: dp messages one after
+    # another on the shared link (by hand), as the simulator has it; inside a DC each replica's
+    # own NIC (one message)
+    from heteropp.cost_model import stage_costs
+    from heteropp.profile import ChipProfile
+
+    plan = two_dc_plan(700, 0.005, dp=3, microbatches=2, dc_stages=(1, 2))
+    cl, m = plan.cluster, plan.model
+    profiles = {c.name: ChipProfile(c, m, cl.inter_node) for c in cl.chips}
+    first, second, third = stage_costs(m, cl, profiles, plan.stage_tuples())
+    n = m.p2p_bytes(1)
+    cross = cl.inter_cluster.latency + 3 * n / cl.inter_cluster.bandwidth
+    inner = cl.inter_node.latency + n / min(cl.inter_node.bandwidth, cl.chip("Y").nic_bandwidth)
+    assert first.p2p == pytest.approx(cross, rel=1e-9)
+    assert second.p2p == pytest.approx(cross + inner, rel=1e-9)
+    assert third.p2p == pytest.approx(inner, rel=1e-9)

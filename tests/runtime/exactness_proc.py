@@ -27,11 +27,16 @@ def main(plan_path: str, cases_path: str, links: str = "") -> int:
     plan = Plan.from_json(plan_path)
     cases = json.loads(Path(cases_path).read_text())
     torch.set_num_threads(1)
+    state = None
     if links == "--emulate-links":  # dicomm paces the plan's links, as ditorch.train has it do
         from ditorch.train import _emulate_links
 
-        _emulate_links(plan)
+        state = _emulate_links(plan, 180)
     dist.init_process_group("dicomm", timeout=datetime.timedelta(seconds=180))
+    if state is not None:
+        from ditorch.train import _release_link_state
+
+        _release_link_state(state)
     for directory, fields in cases.items():
         Path(directory).mkdir(parents=True, exist_ok=True)
         paths = {k: Path(directory) / v for k, v in fields.items() if k in ("log", "save", "trace")}
