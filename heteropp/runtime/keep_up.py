@@ -26,14 +26,11 @@ from heteropp.model_spec import ModelSpec
 TARGET_LATE_FRACTION = 0.02
 # The scale the loop kept up at, times this, is the one training runs at: a pipeline rank does more
 # per step than its layer's loop (the first stage embeds, every stage steps its optimizer at the
-# same moment, p2p waits end in bursts). Measured on the 2-core Xeon beside other jobs (load 3-8)
-# with 1.15: training's latest rank 4.9% late at 270, 6.1% at 410 (under scripts/slow_host.sh),
-# 5.2% at 420 (beside a busy process per core), and 22% at 150 (the loop 0.5% late at 130): with
-# the host's work per device second falling as 1 / scale, 1.25 would bring the first three under
-# 5%; the last shows the loop does not stand for training through another job's burst. At 1.25,
-# quieter (load 1.3-2.7), B's rank was 13.4% late at 120 (loop 0.5% at 89): for B the loop is a
-# lower bound (docs/device.md, "Speed").
-TRAINING_MARGIN = 1.25
+# same moment, p2p waits end in bursts). The loop waits for the device after the forward and after
+# the backward, as a stage's sends do: without those waits the forward's surplus of device time
+# covered chip B's host-heavy backward (its 32-term accumulation blocks), and training at 1.25x
+# the loop's scale left B's rank 13.4% late (docs/device.md, "Speed").
+TRAINING_MARGIN = 1.1
 # Each raise goes this much past what the measured lateness asks (a rank measured 10% late at
 # scale k keeps up at about 1.1 k; sampling noise makes the step land short otherwise).
 RAISE_MARGIN = 1.15
@@ -102,9 +99,14 @@ def _rank_worker(conn, chip: str, model: dict, precision: str, memory_scale: flo
     autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def step() -> None:
+        # A pipeline stage's forward and its backward each end in a send, which waits for the
+        # device (heteropp/runtime/executor.py): the forward's surplus of device time never
+        # covers a host-heavy backward, so the loop may not let it either.
         with autocast:
             out = stage(x.detach().requires_grad_())
+        torch.dipu.synchronize()
         out.backward(torch.ones_like(out))
+        torch.dipu.synchronize()
 
     step()  # the allocator warms up
     torch.dipu.synchronize()

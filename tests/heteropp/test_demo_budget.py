@@ -104,9 +104,9 @@ def test_the_calibration_narrows_down_to_the_lowest_scale_that_kept_up():
     # 60 is 67% late: 60 x 1.67 x 1.15 = 115, rounded up to two digits 120 (also the twofold
     # cap); then geometric means rounded up: between 60 and 120 85 (18% late), between 85 and
     # 120 101 -> 110 (kept up), between 85 and 110 96.7 -> 97 (3% late), between 97 and 110
-    # 103 -> 110, no scale between: training at 110 x 1.25 = 137.5 -> 140
+    # 103 -> 110, no scale between: training at 110 x 1.1 = 121 -> 130
     assert scales == [60.0, 120.0, 85.0, 110.0, 97.0]
-    assert result.kept_up and result.time_scale == 140.0 and TRAINING_MARGIN == 1.25
+    assert result.kept_up and result.time_scale == 130.0 and TRAINING_MARGIN == 1.1
     # a host that keeps up at the start is not searched below it
     assert search(lambda s: [0.0], 200.0, rounds=8).tried == [(200.0, [0.0])]
     # nothing kept up: the last scale tried, flagged
