@@ -17,7 +17,7 @@ demo-single: setup
 	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
 # Two pytest-xdist workers by default: the suite's tests spend part of their time waiting (rank
-# processes starting, sockets, timeouts); 11m18s on a fresh clone on 2 cores with nothing else
+# processes starting, sockets, timeouts); 11m13s on a fresh clone on 2 cores with nothing else
 # running (README). Tests marked slow start first (tests/conftest.py). Test ranks fork from a
 # process that has imported torch (tests/forked_ranks.py).
 # TEST_WORKERS=0 runs it in one process. The 15 slowest tests in wall time and the 15 that used
