@@ -85,18 +85,10 @@ def _rank_worker(conn, chip: str, model: dict, precision: str, memory_scale: flo
 
     import ditorch_ext
     from ditorch_ext.chip import emulation_stats
-    from heteropp.roofline import _shape_only_group
-    from heteropp.runtime.model_family import model_family
 
-    torch.set_num_threads(1)
-    ditorch_ext.set_chip(chip, memory_scale=memory_scale, time_scale=1.0)
-    device = torch.device("dipu", 0)
-    spec = ModelSpec.from_dict(model, name=model.get("name"))
-    layer = min(1, spec.n_layers - 1)
-    with torch.device(device):
-        stage = model_family(spec).stage((layer, layer + 1), False, False, _shape_only_group(1), sequence_parallel=True)
-    x = torch.randn(1, spec.seq, spec.hidden, device=device)
-    autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    from .profiler import one_layer_on_chip
+
+    stage, x, autocast = one_layer_on_chip(chip, model, precision, memory_scale)
 
     def step() -> None:
         # A pipeline stage's forward and its backward each end in a send, which waits for the

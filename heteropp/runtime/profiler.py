@@ -354,16 +354,15 @@ def _end_times(spec: ModelSpec, family, tp: int, rank: int, device, autocast, sy
     return out
 
 
-def _ratio_worker(rank: int, chip: str, model: dict, precision: str, memory_scale: float, sequence_parallel: bool,
-                  out: str) -> None:
-    """One rank, the chip at time scale 1: the host's CPU time for a layer's forward and
-    backward against the chip's (the device time charged)."""
+def one_layer_on_chip(chip: str, model: dict, precision: str, memory_scale: float, sequence_parallel: bool = True):
+    """In a measuring worker: this process on one thread, ``chip`` at time scale 1, and one
+    layer of ``model`` (a ``ModelSpec`` dict) built on it. Returns the layer, an input for it and
+    the autocast context ``precision`` asks for."""
     import torch
 
     import ditorch_ext
-    from ditorch_ext.chip import emulation_stats
-    from heteropp.runtime.model_family import model_family
     from heteropp.roofline import _shape_only_group
+    from heteropp.runtime.model_family import model_family
 
     torch.set_num_threads(1)
     ditorch_ext.set_chip(chip, memory_scale=memory_scale, time_scale=1.0)
@@ -374,7 +373,18 @@ def _ratio_worker(rank: int, chip: str, model: dict, precision: str, memory_scal
         stage = model_family(spec).stage((layer, layer + 1), False, False, _shape_only_group(1),
                                          sequence_parallel=sequence_parallel)
     x = torch.randn(1, spec.seq, spec.hidden, device=device)
-    autocast = torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    return stage, x, torch.autocast("dipu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def _ratio_worker(rank: int, chip: str, model: dict, precision: str, memory_scale: float, sequence_parallel: bool,
+                  out: str) -> None:
+    """One rank, the chip at time scale 1: the host's CPU time for a layer's forward and
+    backward against the chip's (the device time charged)."""
+    import torch
+
+    from ditorch_ext.chip import emulation_stats
+
+    stage, x, autocast = one_layer_on_chip(chip, model, precision, memory_scale, sequence_parallel)
     ratios = []
     for i in range(4):
         torch.dipu.synchronize()
