@@ -102,12 +102,13 @@ def cluster(entry: dict, model: ModelSpec, latency_fwd: float, held: float,
         "inter_cluster": {"bandwidth_gbps": bandwidth / GB, "latency_us": latency_fwd * fwd * 1e6}}})
 
 
-def _plan(cl: ClusterSpec, model: ModelSpec, layers: list[int], cross: bool, schedule: str = "1f1b") -> Plan:
+def _plan(cl: ClusterSpec, model: ModelSpec, layers: list[int], cross: bool, schedule: str = "1f1b",
+          microbatches: int = MICROBATCHES) -> Plan:
     stages, first = [], 0
     for i, n in enumerate(layers):
         stages.append(StagePlan(CHIPS[i if cross else 0], 1, DP, n, first, False, i * DP))
         first += n
-    plan = Plan(model, cl, MICROBATCHES * DP * model.seq, DP, tuple(stages), schedule=schedule)
+    plan = Plan(model, cl, microbatches * DP * model.seq, DP, tuple(stages), schedule=schedule)
     plan.validate()
     return plan
 
@@ -124,16 +125,18 @@ class Row:
                         plan_schedules(self.plan, self.schedule))
 
 
-def rows(cl: ClusterSpec, model: ModelSpec) -> list[Row]:
+def rows(cl: ClusterSpec, model: ModelSpec, microbatches: int = MICROBATCHES, key_only: bool = False) -> list[Row]:
+    """The rows, in order; ``key_only``: intra-DC, DAPPLE and JEEVES alone (what the targets compare)."""
     half = [model.n_layers // 2] * 2
-    cross = _plan(cl, model, half, cross=True)
+    cross = _plan(cl, model, half, cross=True, microbatches=microbatches)
     divided = with_schedule(dataclasses.replace(cross, schedule="comm-aware"), "jeeves")
-    return [Row("intra-DC 1F1B", _plan(cl, model, half, cross=False), "1f1b"),
-            Row("DAPPLE (1F1B, blocking sends)", cross, "1f1b"),
-            Row("comm-aware", dataclasses.replace(cross, schedule="comm-aware"), "comm-aware"),
-            Row(f"+ memory-aware division {[s.layers for s in divided.stages]}",
-                dataclasses.replace(divided, schedule="comm-aware"), "comm-aware"),
-            Row(f"JEEVES (+ turns on the link) {[s.layers for s in divided.stages]}", divided, "jeeves")]
+    every = [Row("intra-DC 1F1B", _plan(cl, model, half, cross=False, microbatches=microbatches), "1f1b"),
+             Row("DAPPLE (1F1B, blocking sends)", cross, "1f1b"),
+             Row("comm-aware", dataclasses.replace(cross, schedule="comm-aware"), "comm-aware"),
+             Row(f"+ memory-aware division {[s.layers for s in divided.stages]}",
+                 dataclasses.replace(divided, schedule="comm-aware"), "comm-aware"),
+             Row(f"JEEVES (+ turns on the link) {[s.layers for s in divided.stages]}", divided, "jeeves")]
+    return [every[0], every[1], every[-1]] if key_only else every
 
 
 def execute(row: Row, tag: str, out: Path, steps: int) -> dict:
@@ -167,10 +170,15 @@ def main() -> int:
     ap.add_argument("--crossing", type=float, default=PAPER_CROSSING,
                     help="a micro-batch's crossing at its replica's share of the cross-DC link, in stage forwards "
                          "(default: the paper's 12.8 ms against 26.5 ms)")
+    ap.add_argument("--microbatches", type=int, default=MICROBATCHES,
+                    help=f"micro-batches per replica and step (default {MICROBATCHES}; the paper's runs: 33)")
+    ap.add_argument("--key-rows", action="store_true", help="only intra-DC, DAPPLE and JEEVES (the targets' rows)")
     ap.add_argument("--latencies", default=",".join(LATENCIES), help="which latencies to run (low,high)")
     ap.add_argument("--reuse-profiles", action="store_true", help="keep a chip profile an earlier run left in --out")
     ap.add_argument("--plot", default=None, help="also write the timelines PNG here (e.g. docs/cross-dc-timelines.png)")
     args = ap.parse_args()
+    if args.microbatches < 1:
+        sys.exit(f"--microbatches {args.microbatches}: expected at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chip_file(out)
@@ -195,7 +203,7 @@ def main() -> int:
         ic = cl.inter_cluster
         print(f"{level}: cross-DC link {ic.bandwidth / 1e6:.3g} MB/s, latency {ic.latency * 1e3:.3g} ms (chip time)")
         results[level] = []
-        for i, row in enumerate(rows(cl, model)):
+        for i, row in enumerate(rows(cl, model, args.microbatches, args.key_rows)):
             r = execute(row, f"{level}-{i}", out, args.steps)
             results[level].append(r)
             intra = results[level][0]
@@ -234,8 +242,11 @@ def main() -> int:
                  "gain_vs_DAPPLE": f"{100 * (1 - r['measured_s'] / dapple['measured_s']):.1f}% measured, "
                                    f"{100 * (1 - r['simulated_s'] / dapple['simulated_s']):.1f}% simulated",
                  **({"target": target} if target else {})}))
-    # another crossing than the paper's is saved apart, so the docs' table stays the paper's regime
-    save_run("cross_dc" if args.crossing == PAPER_CROSSING else "cross_dc_crossing", measurements)
+    # another crossing than the paper's, or other micro-batches, is saved apart, so the docs' table stays
+    # the default run's
+    name = "cross_dc" + ("" if args.crossing == PAPER_CROSSING else "_crossing")
+    save_run(name if args.microbatches == MICROBATCHES and not args.key_rows else f"{name}_mb{args.microbatches}",
+             measurements)
     panels = []
     for level in results:
         for r in (results[level][1], results[level][-1]):
