@@ -164,12 +164,7 @@ class Codec:
             out = self._decode_sign(buf, n, what)
         else:
             k = self.kept(n)
-            idx = torch.frombuffer(buf, dtype=torch.int32, count=k).long()
-            if int(idx.min()) < 0 or int(idx.max()) >= n:
-                bad = idx[(idx < 0) | (idx >= n)][0]
-                raise ValueError(f"{what}: top-k index {int(bad)} out of range 0..{n - 1}")
-            if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
-                raise ValueError(f"{what}: top-k indices are not strictly increasing")
+            idx = _checked_indices(buf, k, n, f"{what}: top-k index", f"{what}: top-k indices")
             nb = _blocks(k)
             scales = _scales(buf, 4 * k, nb, what)
             codes = torch.frombuffer(buf, dtype=torch.int8, offset=4 * k + 4 * nb, count=k)
@@ -259,12 +254,7 @@ class Codec:
                 raise ValueError(f"{what}: the padding bits after {n} signs are {bits[n:].tolist()}; expected 0")
             return (torch.from_numpy(bits[:n].astype(np.float32)) * 2 - 1) * scales.repeat_interleave(SIGN_BLOCK)[:n]
         kb = self._sign_kept(n)
-        idx = torch.frombuffer(buf, dtype=torch.int32, count=kb).long()
-        if int(idx.min()) < 0 or int(idx.max()) >= nb:
-            bad = idx[(idx < 0) | (idx >= nb)][0]
-            raise ValueError(f"{what}: sign block {int(bad)} out of range 0..{nb - 1}")
-        if kb > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            raise ValueError(f"{what}: sign block indices are not strictly increasing")
+        idx = _checked_indices(buf, kb, nb, f"{what}: sign block", f"{what}: sign block indices")
         scales = _scales(buf, 4 * kb, kb, what)
         bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, offset=8 * kb, count=kb * SIGN_BLOCK // 8),
                              bitorder="little").reshape(kb, SIGN_BLOCK)
@@ -275,6 +265,19 @@ class Codec:
         out = torch.zeros(nb, SIGN_BLOCK)
         out[idx] = rows
         return out.reshape(-1)[:n].contiguous()
+
+
+def _checked_indices(buf: bytearray, k: int, limit: int, one: str, all_: str) -> torch.Tensor:
+    """The ``k`` int32 indices at the payload's start, each in 0..limit-1 and strictly increasing,
+    else ``ValueError`` naming the first bad one (``one``: how an index is named, ``all_``: the
+    indices)."""
+    idx = torch.frombuffer(buf, dtype=torch.int32, count=k).long()
+    if int(idx.min()) < 0 or int(idx.max()) >= limit:
+        bad = idx[(idx < 0) | (idx >= limit)][0]
+        raise ValueError(f"{one} {int(bad)} out of range 0..{limit - 1}")
+    if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        raise ValueError(f"{all_} are not strictly increasing")
+    return idx
 
 
 def _sign_blocks(n: int) -> int:
