@@ -27,9 +27,9 @@ TARGET_LATE_FRACTION = 0.02
 # The scale the loop kept up at, times this, is the one training runs at: a pipeline rank does more
 # per step than its layer's loop (the first stage embeds, every stage steps its optimizer at the
 # same moment, p2p waits end in bursts). The loop waits for the device after the forward and after
-# the backward, as a stage's sends do: without those waits the forward's surplus of device time
-# covered chip B's host-heavy backward (its 32-term accumulation blocks), and training at 1.25x
-# the loop's scale left B's rank 13.4% late (docs/device.md, "Speed").
+# the backward, as a stage's sends do: without them the forward's surplus of device time covers
+# chip B's host-heavy backward (its 32-term accumulation blocks) and the loop keeps up at scales
+# where B's training rank falls 13.4% behind (docs/device.md, "Speed").
 TRAINING_MARGIN = 1.1
 # Each raise goes this much past what the measured lateness asks (a rank measured 10% late at
 # scale k keeps up at about 1.1 k; sampling noise makes the step land short otherwise).
