@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from heteropp.cluster import ClusterSpec, parse_tokens
@@ -79,27 +81,55 @@ def simulated_iteration(plan: Plan, schedule: str | None = None) -> float:
     return simulate(pipeline, plan_schedules(plan, schedule)[:len(pipeline.microbatches)]).iteration_time
 
 
+def train_command(plan_path: Path, trace: Path, chips: int, steps: int) -> list[str]:
+    """torchrun of ``ditorch.train`` on ``plan_path``, its trace written to ``trace``. ZeRO-1, as the
+    plan's memory estimate assumes for its DP sizes (the optimizer's state sharded over DP)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(chips),
+            "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--zero1",
+            "--trace", str(trace)]
+
+
+class TrainingRun:
+    """One run of the measurement, started on construction; :meth:`result` waits for it. Its
+    output goes to a log file beside the plan, so runs side by side never block on a pipe."""
+
+    def __init__(self, name: str, plan: Plan, out: Path, steps: int, env: dict | None = None):
+        tag = name.replace(" ", "_").replace(",", "")
+        self.name, self.plan = name, plan
+        plan_path, self.trace, self.log = out / f"{tag}.json", out / f"{tag}.trace.json", out / f"{tag}.log"
+        plan.to_json(plan_path)
+        with open(self.log, "w") as log:
+            # a session of its own, so that stop() reaches torchrun's ranks too
+            self.proc = subprocess.Popen(train_command(plan_path, self.trace, plan.num_chips, steps), env=env,
+                                         stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def stop(self) -> None:
+        """Kill the run, its ranks included, if it is still going."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+
+    def result(self) -> RunResult:
+        from heteropp.measured import read_trace
+
+        if self.proc.wait() != 0:
+            output = self.log.read_text(errors="replace")
+            out_of_memory = next((line.strip() for line in output.splitlines() if "OutOfMemoryError" in line), None)
+            if out_of_memory:  # the plan fits by its estimate, the run does not: reported, not fatal
+                return RunResult(self.name, self.plan, float("inf"), simulated_iteration(self.plan), 0.0,
+                                 failure=out_of_memory)
+            raise RuntimeError(f"{self.name}: the run failed (exit {self.proc.returncode}; {self.log}):\n"
+                               f"{output[-3000:]}")
+        measured = read_trace(self.trace, self.plan.num_stages)
+        return RunResult(self.name, self.plan, measured.iteration_time, simulated_iteration(self.plan),
+                         measured.cpu_per_step)
+
+
 def train_and_time(name: str, plan: Plan, out: Path, steps: int, env: dict | None = None) -> RunResult:
     """Train ``plan`` for ``steps`` steps under torchrun on this host and read its trace."""
-    from heteropp.measured import read_trace
-
-    tag = name.replace(" ", "_").replace(",", "")
-    plan_path, trace = out / f"{tag}.json", out / f"{tag}.trace.json"
-    plan.to_json(plan_path)
-    # ZeRO-1, as the plan's memory estimate assumes for its DP sizes (the optimizer's state
-    # sharded over DP)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.num_chips),
-         "-m", "ditorch.train", "--plan", str(plan_path), "--steps", str(steps), "--quiet", "--zero1",
-         "--trace", str(trace)],
-        env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        out_of_memory = next((line.strip() for line in proc.stderr.splitlines() if "OutOfMemoryError" in line), None)
-        if out_of_memory:  # the plan fits by its estimate, the run does not: reported, not fatal
-            return RunResult(name, plan, float("inf"), simulated_iteration(plan), 0.0, failure=out_of_memory)
-        raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    measured = read_trace(trace, plan.num_stages)
-    return RunResult(name, plan, measured.iteration_time, simulated_iteration(plan), measured.cpu_per_step)
+    return TrainingRun(name, plan, out, steps, env).result()
 
 
 def plans(model: ModelSpec, cluster: ClusterSpec, gbs: int, batches: tuple[str, ...], alpha: float = 1.0
@@ -123,15 +153,33 @@ def plans(model: ModelSpec, cluster: ClusterSpec, gbs: int, batches: tuple[str, 
 
 
 def measure(model: ModelSpec, cluster: ClusterSpec, gbs: int, out: Path, steps: int = 4,
-            batches: tuple[str, ...] = BATCHES, env: dict | None = None, progress=print) -> Measurement:
-    """Train every group alone and the whole cluster; ``progress`` gets one table row per run."""
+            batches: tuple[str, ...] = BATCHES, env: dict | None = None, progress=print,
+            groups_at_once: bool = True) -> Measurement:
+    """Train every group alone and the whole cluster; ``progress`` gets one table row per run.
+
+    With ``groups_at_once`` the groups train alone side by side: each on its own chips of the
+    cluster, as they would on a real fleet, so together they occupy the chips (and, emulated,
+    the host ranks) that the whole cluster's run does next, in the time of the slowest group."""
     out.mkdir(parents=True, exist_ok=True)
     alone_plans, together_plans = plans(model, cluster, gbs, batches)
     progress(header())
     alone = []
-    for chip, plan in alone_plans.items():
-        alone.append(train_and_time(f"{chip} alone", plan, out, steps, env))
-        progress(row(alone[-1]))
+    if groups_at_once:
+        runs = [TrainingRun(f"{chip} alone", plan, out, steps, env) for chip, plan in alone_plans.items()]
+        with ThreadPoolExecutor(len(runs)) as pool:
+            futures = [pool.submit(run.result) for run in runs]
+            try:
+                for done in as_completed(futures):  # the first failure raises here, whichever group it is
+                    progress(row(done.result()))
+            except BaseException:
+                for run in runs:  # a failed group stops the measurement: its peers are not left running
+                    run.stop()
+                raise
+        alone = [f.result() for f in futures]
+    else:
+        for chip, plan in alone_plans.items():
+            alone.append(train_and_time(f"{chip} alone", plan, out, steps, env))
+            progress(row(alone[-1]))
     together = {}
     for kind, plan in together_plans.items():
         together[kind] = train_and_time(f"all, {kind} batch", plan, out, steps, env)
@@ -176,7 +224,9 @@ def register(subparsers) -> None:
     p.add_argument("--gbs", required=True, help="each group's global batch alone, in tokens (e.g. 1K)")
     p.add_argument("--batch", default="constant,sum", help="constant, sum or both (comma-separated)")
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
-    p.add_argument("--out", default="out/hsr", help="plans, traces and hsr.json land here")
+    p.add_argument("--out", default="out/hsr", help="plans, traces, logs and hsr.json land here")
+    p.add_argument("--groups-in-turn", action="store_true",
+                   help="train the groups alone one after another (default: side by side, each on its own chips)")
     p.set_defaults(func=hsr_command)
 
 
@@ -192,7 +242,8 @@ def hsr_command(args) -> int:
             raise ValueError(f"{args.cluster}: one chip type; the HeteroSpeedupRatio compares two or more")
         out = Path(args.out)
         start = time.perf_counter()
-        m = measure(model, cluster, gbs, out, args.steps, batches, env=dict(os.environ))
+        m = measure(model, cluster, gbs, out, args.steps, batches, env=dict(os.environ),
+                    groups_at_once=not args.groups_in_turn)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"ditorch hsr: {exc}", file=sys.stderr)
         return 1

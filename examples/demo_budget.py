@@ -192,9 +192,10 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
         Phase("6/9", "timeline", "", fixed_s=2.0),
     ]
     if hsr:
-        # the CLI and four runs (each chip type alone, then all together), each torchrun and its
-        # ranks; the first step of each run is not timed, so 2 steps time one
-        phases.append(Phase("7/9", "HSR", "step", starts=13.0, chip_s=0.225, floor=2, default=2, most=4))
+        # the CLI, the chip types' runs alone side by side (their torchruns and ranks starting at
+        # once), then the whole cluster's; a step is the slowest group's (C alone) plus the whole
+        # cluster's; the first step of each run is not timed, so 2 steps time one
+        phases.append(Phase("7/9", "HSR", "step", starts=9.0, chip_s=0.13, floor=2, default=2, most=4))
     if ps:
         # a plan, `ps bytes`, the leader and its followers, two clusters' torchruns side by side;
         # an outer step every 4 steps, 2 outer steps at least

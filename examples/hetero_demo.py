@@ -13,8 +13,9 @@ Runs, as a user would, each command of the HeteroPP workflow and shows what it p
 4. ``python -m ditorch.train --reference``: the same model and batches in one CPU process, fp32;
 5. ``ditorch mre``: the loss curves' Mean Relative Error against the H2 paper's 1.5%;
 6. ``ditorch simulate --measured``: the measured pipeline timeline beside the simulated one;
-7. ``ditorch hsr``: each chip group trains alone on its own best plan, and the HeteroSpeedupRatio
-   of the whole cluster (at the same global batch) is measured against them;
+7. ``ditorch hsr``: each chip group trains alone on its own best plan (side by side, each on its
+   own chips), and the HeteroSpeedupRatio of the whole cluster (at the same global batch) is
+   measured against them;
 8. ``ditorch ps leader`` + two clusters: the heterogeneous pipeline of step 3 and a one-chip
    cluster of another plan train one model together through Di-PS (each pipeline stage pushes
    its own units; pushes and pulls compressed with the codecs of ``PS_WIRE``, the fewest bytes

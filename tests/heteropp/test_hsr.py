@@ -111,13 +111,15 @@ def test_hsr_refuses_a_bad_batch_and_a_cluster_of_one_chip_type(tmp_path, capsys
 
 
 def test_a_group_that_runs_out_of_memory_alone_counts_zero_and_says_why(monkeypatch, tmp_path):
-    import types
+    import sys
 
     from ditorch import hsr as hsr_command
 
+    def failing(output: str):  # a run that prints ``output`` and exits 1, in place of torchrun
+        return lambda *a: [sys.executable, "-c", f"import sys; print({output!r}); sys.exit(1)"]
+
     oom = "ditorch.train: rank 0 failed: OutOfMemoryError: DIPU out of memory. Tried to allocate 68.62 MiB"
-    monkeypatch.setattr(hsr_command.subprocess, "run",
-                        lambda *a, **k: types.SimpleNamespace(returncode=1, stderr=f"noise\n{oom}\nmore noise"))
+    monkeypatch.setattr(hsr_command, "train_command", failing(f"noise\n{oom}\nmore noise"))
     auto = HeteroAuto(MODEL, _cluster(slow_link=False), 2048)
     r = hsr_command.train_and_time("S alone", auto.to_plan(auto.search()), tmp_path, 4)
     assert r.failure == oom and r.throughput() == 0.0 and "did not train: " + oom in hsr_command.row(r)
@@ -125,7 +127,60 @@ def test_a_group_that_runs_out_of_memory_alone_counts_zero_and_says_why(monkeypa
                                 {"constant": hsr_command.RunResult("all", r.plan, 2.0, 2.0, 1.0)})
     assert m.ratio("constant") == pytest.approx((2048 / 2) / (2048 / 4))
     assert "S alone did not train on this runtime and counts 0" in hsr_command.ratio_table(m)
-    monkeypatch.setattr(hsr_command.subprocess, "run",
-                        lambda *a, **k: types.SimpleNamespace(returncode=1, stderr="Segmentation fault"))
-    with pytest.raises(RuntimeError, match="S alone: the run failed .exit 1.:\nSegmentation fault"):
+    monkeypatch.setattr(hsr_command, "train_command", failing("Segmentation fault"))
+    with pytest.raises(RuntimeError, match=r"S alone: the run failed \(exit 1; .*S_alone.log\):\nSegmentation fault"):
         hsr_command.train_and_time("S alone", r.plan, tmp_path, 4)
+
+
+# In place of torchrun: records when it ran, sleeps, then writes a two-step trace of the plan's
+# stages (or fails at once when its plan's first chip is named in FAIL).
+_FAKE_RUN = """
+import json, sys, time
+plan_path, trace, spans, fail = sys.argv[1:5]
+plan = json.load(open(plan_path))
+if plan["stages"][0]["chip"] == fail:
+    sys.exit(3)
+start = time.time()
+time.sleep(float(sys.argv[5]))
+with open(spans, "a") as f:
+    f.write(f"{start} {time.time()}\\n")
+events = [{"ph": "X", "pid": s, "tid": s, "ts": (start + k) * 1e6, "dur": 5e5, "args": {"step": k, "kind": "F"}}
+          for s in range(len(plan["stages"])) for k in (0, 1)]
+json.dump({"traceEvents": events}, open(trace, "w"))
+"""
+
+
+def _fake_runs(monkeypatch, hsr_command, spans: Path, fail: str = "", sleep: float = 1.0) -> None:
+    monkeypatch.setattr(hsr_command, "train_command", lambda plan_path, trace, chips, steps: [
+        sys.executable, "-c", _FAKE_RUN, str(plan_path), str(trace), str(spans), fail, str(sleep)])
+
+
+def test_the_groups_alone_train_side_by_side_and_the_whole_cluster_after_them(monkeypatch, tmp_path):
+    from ditorch import hsr as hsr_command
+
+    spans = tmp_path / "spans"
+    _fake_runs(monkeypatch, hsr_command, spans)
+    m = hsr_command.measure(MODEL, _cluster(slow_link=False), 2048, tmp_path / "out", batches=("constant",),
+                            progress=lambda line: None)
+    assert [r.name for r in m.alone] == ["F alone", "S alone"] and list(m.together) == ["constant"]
+    assert all(r.measured_s == pytest.approx(1.0) for r in [*m.alone, m.together["constant"]])
+    (a0, a1), (b0, b1), (t0, _) = sorted(tuple(map(float, line.split())) for line in spans.read_text().splitlines())
+    assert b0 < a1 and t0 >= max(a1, b1)  # the groups overlap; the whole cluster starts after both
+    spans.unlink()
+    hsr_command.measure(MODEL, _cluster(slow_link=False), 2048, tmp_path / "out", batches=("constant",),
+                        progress=lambda line: None, groups_at_once=False)
+    (a0, a1), (b0, b1), _ = sorted(tuple(map(float, line.split())) for line in spans.read_text().splitlines())
+    assert b0 >= a1  # in turn
+
+
+def test_a_group_that_fails_stops_the_groups_beside_it(monkeypatch, tmp_path):
+    import time
+
+    from ditorch import hsr as hsr_command
+
+    _fake_runs(monkeypatch, hsr_command, tmp_path / "spans", fail="S", sleep=60.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"S alone: the run failed \(exit 3"):
+        hsr_command.measure(MODEL, _cluster(slow_link=False), 2048, tmp_path / "out", batches=("constant",),
+                            progress=lambda line: None)
+    assert time.monotonic() - start < 30  # F alone's 60 s run was stopped, not waited for
