@@ -197,9 +197,10 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
         # cluster's; the first step of each run is not timed, so 2 steps time one
         phases.append(Phase("7/9", "HSR", "step", starts=9.0, chip_s=0.13, floor=2, default=2, most=4))
     if ps:
-        # a plan, `ps bytes`, the leader and its followers, two clusters' torchruns side by side;
-        # an outer step every 4 steps, 2 outer steps at least
-        phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.065, floor=8, default=8,
+        # a plan, `ps bytes`, the leader and its followers, two clusters' torchruns side by side (a
+        # step is the pipeline's: the one-chip cluster's half batch keeps pace with it); an outer
+        # step every 4 steps, 2 outer steps at least
+        phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.05, floor=8, default=8,
                             most=16, multiple_of=4))
     if volunteer:
         # tokens, plan, four servers and five clients starting together, the reference, MRE; the

@@ -392,7 +392,8 @@ PS_WIRE = {"push": "int4", "pull": "int4"}
 
 def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Path, env: dict) -> int:
     """Step 7: a Di-PS leader (with two followers it runs) and two clusters training one model:
-    the heterogeneous pipeline of ``plan`` and a one-chip cluster planned for the first chip type."""
+    the heterogeneous pipeline of ``plan`` and a one-chip cluster, at half its batch, planned for
+    the first chip type."""
     from dips.auth import JobToken
     from diutil.address import free_port
     from dips.rpc import RpcClient, RpcError
@@ -401,8 +402,12 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
     job, servers = JobToken.create(out / "job.key"), JobToken.create(out / "servers.key")
     single = out / "plan-single.json"
     first = next(iter(counts))
+    # the one-chip cluster takes half the pipeline's batch: clusters of different sizes train at
+    # batches of their own, and its steps then keep pace with the pipeline's four chips
+    from heteropp.cluster import parse_tokens
+
     run([*ditorch, "plan", "--cluster", str(write_cluster(out / "cluster-single.yaml", {first: 1})), "--model",
-         args.model, "--gbs", args.gbs, "--out", str(single)], env, "8/9")
+         args.model, "--gbs", str(parse_tokens(args.gbs) // 2), "--out", str(single)], env, "8/9")
     run([*ditorch, "ps", "bytes", "--model", args.model, "--push", f"bf16,{PS_WIRE['push']}",
          "--pull", f"bf16,{PS_WIRE['pull']}"], env, "8/9")
     leader_addr = f"127.0.0.1:{free_port()}"
@@ -469,8 +474,8 @@ def _plot_clusters(out: Path, clusters: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in clusters:
         rows = [json.loads(line) for line in (out / f"ps-{name}.jsonl").read_text().splitlines()]
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=f"cluster {name}")
-    ax.set_xlabel("step (an outer step every 4)")
+        ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label=f"cluster {name}")
+    ax.set_xlabel("tokens the cluster trained on (an outer step every 4 steps)")
     ax.set_ylabel("training loss")
     ax.set_title("Two clusters, one model, through Di-PS")
     ax.legend()
