@@ -58,11 +58,14 @@ NumericsRole decideRole(const c10::FunctionSchema& schema) {
 
 bool isNarrow(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-// fp32 `x` narrowed to `dtype` as the chip rounds: nearest-even (the host's conversion) or by
-// truncation (the value truncated to the narrow mantissa first, which then converts exactly).
-at::Tensor narrowTo(const at::Tensor& x, at::ScalarType dtype, bool toward_zero) {
-  if (!isNarrow(dtype) || !toward_zero) return x.to(dtype);
-  return roundMantissa(x, dtype == at::kBFloat16 ? 7 : 10, Rounding::TowardZero).to(dtype);
+// `result` = fp32 `x` narrowed to result's dtype as the chip rounds: nearest-even (copy_'s own
+// conversion) or by truncation (the value truncated to the narrow mantissa first, which then
+// converts exactly).
+void narrowInto(const at::Tensor& result, const at::Tensor& x, bool toward_zero) {
+  const at::ScalarType dtype = result.scalar_type();
+  result.copy_(toward_zero && isNarrow(dtype)
+                   ? roundMantissa(x, dtype == at::kBFloat16 ? 7 : 10, Rounding::TowardZero)
+                   : x);
 }
 
 // The chip's K-reduction as one fused kernel (accumulate(), below). Each output tile's running
@@ -220,61 +223,109 @@ const Kernel& kernel() {
   return chosen;
 }
 
+// One element widened to fp32 (bf16 by its bits: c10's conversion is not inlined into a loop the
+// compiler can vectorize).
+inline float widen(float v) { return v; }
+inline float widen(double v) { return static_cast<float>(v); }
+inline float widen(at::Half v) { return static_cast<float>(v); }
+inline float widen(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// One panel: to[k][0..R) = from[r * s_row + k * s_k] for the first `live` rows, zeros after. R
+// is a constant so that the loops over a full panel's rows unroll and vectorize.
+template <int64_t R, typename T>
+void packPanel(const T* from, int64_t live, int64_t k, int64_t s_row, int64_t s_k, float* to) {
+  constexpr int64_t kChunk = 16;
+  if (live < R) {  // the last panel: element by element
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t r = 0; r < R; ++r) to[kk * R + r] = r < live ? widen(from[r * s_row + kk * s_k]) : 0.0f;
+  } else if (s_row == 1) {  // rows contiguous: copied in the order they are written
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t r = 0; r < R; ++r) to[kk * R + r] = widen(from[kk * s_k + r]);
+  } else if (s_k == 1) {  // k contiguous (a row-major A, a transposed weight): a chunk of k at a time, transposed
+    float chunk[R][kChunk];
+    int64_t k0 = 0;
+    for (; k0 + kChunk <= k; k0 += kChunk) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < kChunk; ++j) chunk[r][j] = widen(from[r * s_row + k0 + j]);
+      for (int64_t j = 0; j < kChunk; ++j)
+        for (int64_t r = 0; r < R; ++r) to[(k0 + j) * R + r] = chunk[r][j];
+    }
+    for (; k0 < k; ++k0)
+      for (int64_t r = 0; r < R; ++r) to[k0 * R + r] = widen(from[r * s_row + k0]);
+  } else {
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t r = 0; r < R; ++r) to[kk * R + r] = widen(from[r * s_row + kk * s_k]);
+  }
+}
+
 // dst[batch][panel][k][0..R) = src[batch, panel * R + r, k] widened to fp32 (0 past `rows`): an
 // operand in the layout its tile reads, whatever its strides and dtype.
-template <typename T>
+template <int64_t R, typename T>
 void packPanels(const T* src, int64_t batch, int64_t rows, int64_t k, int64_t s_batch, int64_t s_row, int64_t s_k,
-                int64_t R, float* dst) {
+                float* dst) {
   const int64_t panels = (rows + R - 1) / R;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * R));
   at::parallel_for(0, batch * panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t bi = p / panels, first = (p % panels) * R, live = std::min(R, rows - first);
-      const T* from = src + bi * s_batch + first * s_row;
-      float* to = dst + p * k * R;
-      if (live < R)
-        for (int64_t kk = 0; kk < k; ++kk) std::fill(to + kk * R + live, to + kk * R + R, 0.0f);
-      // Along k outer, so the writes run in order and the R rows read stay in L1 between steps.
-      if (s_row == 1) {
-        for (int64_t kk = 0; kk < k; ++kk)
-          for (int64_t r = 0; r < live; ++r) to[kk * R + r] = static_cast<float>(from[kk * s_k + r]);
-      } else {
-        for (int64_t kk = 0; kk < k; ++kk)
-          for (int64_t r = 0; r < live; ++r) to[kk * R + r] = static_cast<float>(from[r * s_row + kk * s_k]);
-      }
+      const int64_t bi = p / panels, first = (p % panels) * R;
+      packPanel<R>(src + bi * s_batch + first * s_row, std::min(R, rows - first), k, s_row, s_k, dst + p * k * R);
     }
   });
 }
 
-// a [batch, m, k] @ b [batch, k, n] into a new fp32 [batch, m, n], summed as the chip sums.
+// packPanels for the panel widths the kernels use.
+template <typename T>
+void pack(const T* src, int64_t batch, int64_t rows, int64_t k, int64_t s_batch, int64_t s_row, int64_t s_k,
+          int64_t R, float* dst) {
+  switch (R) {
+    case 4: return packPanels<4>(src, batch, rows, k, s_batch, s_row, s_k, dst);
+    case 6: return packPanels<6>(src, batch, rows, k, s_batch, s_row, s_k, dst);
+    case 8: return packPanels<8>(src, batch, rows, k, s_batch, s_row, s_k, dst);
+    case 16: return packPanels<16>(src, batch, rows, k, s_batch, s_row, s_k, dst);
+    case 32: return packPanels<32>(src, batch, rows, k, s_batch, s_row, s_k, dst);
+    default: TORCH_INTERNAL_ASSERT(false, "chip matmul: no packing for panels of ", R);
+  }
+}
+
+// a [batch, m, k] @ b [batch, k, n] into a new fp32 [batch, m, n], summed as the chip sums. A is
+// packed whole; each of B's panels is packed by the thread that runs its column of tiles, just
+// before it runs them, so the panel goes through memory once and its tiles read it from cache.
 at::Tensor blockedMatmul(const at::Tensor& a, const at::Tensor& b, int64_t block, Truncation t) {
   const Kernel& kern = kernel();
   const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
   const int64_t mp = (m + kern.mr - 1) / kern.mr, np = (n + kern.nr - 1) / kern.nr;
-  const at::TensorOptions fp32 = a.options().dtype(at::kFloat);
-  at::Tensor a_packed = at::empty({batch * mp * k * kern.mr}, fp32);
-  at::Tensor b_packed = at::empty({batch * np * k * kern.nr}, fp32);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "chip_accumulate_pack", [&] {
-    packPanels(a.const_data_ptr<scalar_t>(), batch, m, k, a.stride(0), a.stride(1), a.stride(2), kern.mr,
-               a_packed.mutable_data_ptr<float>());
-    packPanels(b.const_data_ptr<scalar_t>(), batch, n, k, b.stride(0), b.stride(2), b.stride(1), kern.nr,
-               b_packed.mutable_data_ptr<float>());
-  });
-  at::Tensor out = at::empty({batch, m, n}, fp32);
-  const float* ap = a_packed.const_data_ptr<float>();
-  const float* bp = b_packed.const_data_ptr<float>();
+  // This thread's buffer, kept between calls: fresh pages for every matmul cost as much as packing.
+  thread_local std::vector<float> a_packed;
+  a_packed.resize(std::max<size_t>(a_packed.size(), batch * mp * k * kern.mr));
+  at::Tensor out = at::empty({batch, m, n}, a.options().dtype(at::kFloat));
   float* cp = out.mutable_data_ptr<float>();
-  // Tiles in the order (batch, B's panel, A's panel): a thread's run of tiles reuses B's panel.
-  const int64_t grain = std::max<int64_t>(1, (1 << 18) / (k * kern.mr * kern.nr));
-  at::parallel_for(0, batch * np * mp, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(kern.mr * kern.nr);
-    for (int64_t t_i = begin; t_i < end; ++t_i) {
-      const int64_t bi = t_i / (np * mp), jp = t_i / mp % np, ip = t_i % mp;
-      kern.tile(ap + (bi * mp + ip) * k * kern.mr, bp + (bi * np + jp) * k * kern.nr, k, block, t, tile.data());
-      const int64_t rows = std::min(kern.mr, m - ip * kern.mr), cols = std::min(kern.nr, n - jp * kern.nr);
-      float* to = cp + bi * m * n + ip * kern.mr * n + jp * kern.nr;
-      for (int64_t i = 0; i < rows; ++i) std::memcpy(to + i * n, tile.data() + i * kern.nr, cols * sizeof(float));
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "chip_accumulate", [&] {
+    pack(a.const_data_ptr<scalar_t>(), batch, m, k, a.stride(0), a.stride(1), a.stride(2), kern.mr, a_packed.data());
+    const float* ap = a_packed.data();
+    const scalar_t* bsrc = b.const_data_ptr<scalar_t>();
+    const int64_t sb = b.stride(0), s_col = b.stride(2), s_k = b.stride(1);
+    // Work units (batch, B's panel): a panel's column of tiles.
+    const int64_t grain = std::max<int64_t>(1, (1 << 18) / (mp * k * kern.mr * kern.nr));
+    at::parallel_for(0, batch * np, grain, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> panel;
+      panel.resize(std::max<size_t>(panel.size(), k * kern.nr));
+      std::vector<float> tile(kern.mr * kern.nr);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t bi = u / np, jp = u % np, cols = std::min(kern.nr, n - jp * kern.nr);
+        pack(bsrc + bi * sb + jp * kern.nr * s_col, 1, cols, k, 0, s_col, s_k, kern.nr, panel.data());
+        for (int64_t ip = 0; ip < mp; ++ip) {
+          kern.tile(ap + (bi * mp + ip) * k * kern.mr, panel.data(), k, block, t, tile.data());
+          const int64_t rows = std::min(kern.mr, m - ip * kern.mr);
+          float* to = cp + bi * m * n + ip * kern.mr * n + jp * kern.nr;
+          for (int64_t i = 0; i < rows; ++i) std::memcpy(to + i * n, tile.data() + i * kern.nr, cols * sizeof(float));
+        }
+      }
+    });
   });
   return out;
 }
@@ -314,7 +365,7 @@ void reproduceMatmul(const c10::FunctionSchema& schema, const std::vector<c10::I
     // beta == 0 ignores the bias, NaNs included, as the kernels do.
     if (beta.toDouble() != 0.0) y = y + in[0].toTensor().to(at::kFloat) * beta;
   }
-  result.copy_(narrowTo(y, result.scalar_type(), n.round_toward_zero));
+  narrowInto(result, y, n.round_toward_zero);
 }
 
 void reproduceSpecialFunction(const c10::OperatorHandle& op, const std::vector<c10::IValue>& in,
@@ -334,7 +385,7 @@ void reproduceSpecialFunction(const c10::OperatorHandle& op, const std::vector<c
   op.redispatchBoxed(c10::DispatchKeySet(kernelDispatchKey()),
                      &stack);
   at::Tensor exact = stack.back().toTensor();
-  result.copy_(narrowTo(roundMantissa(exact, n.special_function_bits, Rounding::TowardZero), result.scalar_type(), n.round_toward_zero));
+  narrowInto(result, roundMantissa(exact, n.special_function_bits, Rounding::TowardZero), n.round_toward_zero);
 }
 
 template <typename T>
@@ -434,7 +485,7 @@ void copyOnChip(const at::Tensor& dst, const at::Tensor& src, const Numerics& nu
     dst.copy_(src);
     return;
   }
-  dst.copy_(narrowTo(src.to(at::kFloat), dst.scalar_type(), true));
+  narrowInto(dst, src.to(at::kFloat), true);
 }
 
 void flushDenormals(const at::Tensor& t) {
