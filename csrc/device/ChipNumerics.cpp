@@ -302,20 +302,18 @@ at::Tensor blockedMatmul(const at::Tensor& a, const at::Tensor& b, int64_t block
   const Kernel& kern = kernel();
   const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
   const int64_t mp = (m + kern.mr - 1) / kern.mr, np = (n + kern.nr - 1) / kern.nr;
-  // This thread's buffer, kept between calls: fresh pages for every matmul cost as much as packing.
-  thread_local std::vector<float> a_packed;
-  a_packed.resize(std::max<size_t>(a_packed.size(), batch * mp * k * kern.mr));
+  at::Tensor a_packed = at::empty({batch * mp * k * kern.mr}, a.options().dtype(at::kFloat));
   at::Tensor out = at::empty({batch, m, n}, a.options().dtype(at::kFloat));
   float* cp = out.mutable_data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "chip_accumulate", [&] {
-    pack(a.const_data_ptr<scalar_t>(), batch, m, k, a.stride(0), a.stride(1), a.stride(2), kern.mr, a_packed.data());
-    const float* ap = a_packed.data();
+    float* ap = a_packed.mutable_data_ptr<float>();
+    pack(a.const_data_ptr<scalar_t>(), batch, m, k, a.stride(0), a.stride(1), a.stride(2), kern.mr, ap);
     const scalar_t* bsrc = b.const_data_ptr<scalar_t>();
     const int64_t sb = b.stride(0), s_col = b.stride(2), s_k = b.stride(1);
     // Work units (batch, B's panel): a panel's column of tiles.
     const int64_t grain = std::max<int64_t>(1, (1 << 18) / (mp * k * kern.mr * kern.nr));
     at::parallel_for(0, batch * np, grain, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> panel;
+      thread_local std::vector<float> panel;  // kept between calls: one panel, K x NR
       panel.resize(std::max<size_t>(panel.size(), k * kern.nr));
       std::vector<float> tile(kern.mr * kern.nr);
       for (int64_t u = begin; u < end; ++u) {
