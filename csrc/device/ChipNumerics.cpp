@@ -77,8 +77,8 @@ void narrowInto(const at::Tensor& result, const at::Tensor& x, bool toward_zero)
 // conversion pass); columns of tiles are split over threads by at::parallel_for (serial unless
 // the extension is built with OpenMP). ATen has no GEMM with a hook between K-blocks, hence a
 // kernel of our own; its instruction set is chosen at run time as ATen chooses its own
-// (ATEN_CPU_CAPABILITY included). It serves every shape: benchmarks/chip_numerics.py found no
-// llama-small matmul that one GEMM per block does faster.
+// (ATEN_CPU_CAPABILITY included). It serves every host shape: benchmarks/chip_numerics.py found
+// no llama-small matmul that one GEMM per block does faster.
 namespace accumulation {
 
 // How the running sum is truncated after each block: `mask` keeps the accumulator's mantissa
@@ -333,8 +333,43 @@ at::Tensor blockedMatmul(const at::Tensor& a, const at::Tensor& b, int64_t block
 
 }  // namespace accumulation
 
+// `sum` truncated in place to `bits` mantissa bits, as a narrow accumulator keeps it, by the
+// device's own kernels.
+void truncateInPlace(at::Tensor& sum, int bits) {
+  if (bits >= 23) return;
+  const int64_t mask = static_cast<int32_t>(~((1u << (23 - bits)) - 1));
+  at::Tensor u = sum.view(at::kInt);
+  // Every NaN an addition makes is quiet (its top mantissa bit set) and an infinity has no
+  // mantissa, so with a bit or more kept the mask alone leaves both as they are.
+  if (bits >= 1) u.bitwise_and_(mask);
+  else u.copy_(at::where(sum.isfinite(), u.bitwise_and(mask), u));
+}
+
+// accumulate() on another device's tensors (a GPU's, with the native vendor), from the device's
+// own kernels: each block added to the running sum by one GEMM, then the sum truncated. The
+// fused kernel below reads host memory only.
+at::Tensor accumulateByBlockGemms(const at::Tensor& a, const at::Tensor& b, const Numerics& n) {
+  const at::Tensor af = a.to(at::kFloat), bf = b.to(at::kFloat);
+  const int64_t k = af.size(-1);
+  if (k == 0) return at::matmul(af, bf);
+  const int64_t block = n.accumulation_block > 0 ? std::min<int64_t>(n.accumulation_block, k) : k;
+  const int64_t cols = bf.size(-1);
+  const at::Tensor a3 = af.dim() == 2 ? af.unsqueeze(0) : af, b3 = bf.dim() == 2 ? bf.unsqueeze(0) : bf;
+  at::Tensor sum;  // the first block's sum, then the running one (no pass to zero it first)
+  for (int64_t k0 = 0; k0 < k; k0 += block) {
+    const int64_t width = std::min(block, k - k0);
+    if (k0 == 0) sum = at::bmm(a3.narrow(2, 0, width), b3.narrow(1, 0, width));
+    else sum.baddbmm_(a3.narrow(2, k0, width), b3.narrow(1, k0, width));
+    truncateInPlace(sum, n.accumulator_bits);
+  }
+  std::vector<int64_t> shape(af.sizes().begin(), af.sizes().end() - 1);
+  shape.push_back(cols);
+  return sum.view(shape);
+}
+
 // a @ b (batched or not) with the chip's K-reduction: each block of K-terms summed in fp32, the
-// running sum truncated to the accumulator's mantissa after every block (the fused kernel above).
+// running sum truncated to the accumulator's mantissa after every block (the fused kernel above,
+// for host tensors).
 at::Tensor accumulate(const at::Tensor& a, const at::Tensor& b, const Numerics& n) {
   TORCH_CHECK((a.dim() == 2 && b.dim() == 2) || (a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0)),
               "chip matmul: operands of shapes ", a.sizes(), " and ", b.sizes(),
@@ -343,6 +378,7 @@ at::Tensor accumulate(const at::Tensor& a, const at::Tensor& b, const Numerics& 
               "; expected the first's columns to equal the second's rows");
   TORCH_CHECK(at::isFloatingType(a.scalar_type()) && at::isFloatingType(b.scalar_type()), "chip matmul: operands of ",
               a.scalar_type(), " and ", b.scalar_type(), "; expected floating types");
+  if (!a.device().is_cpu() || !b.device().is_cpu()) return accumulateByBlockGemms(a, b, n);
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
   shape.push_back(b.size(-1));
   const int64_t k = a.size(-1);
