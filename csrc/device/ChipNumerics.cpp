@@ -304,6 +304,7 @@ at::Tensor blockedMatmul(const at::Tensor& a, const at::Tensor& b, int64_t block
   const int64_t mp = (m + kern.mr - 1) / kern.mr, np = (n + kern.nr - 1) / kern.nr;
   at::Tensor a_packed = at::empty({batch * mp * k * kern.mr}, a.options().dtype(at::kFloat));
   at::Tensor out = at::empty({batch, m, n}, a.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
   float* cp = out.mutable_data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "chip_accumulate", [&] {
     float* ap = a_packed.mutable_data_ptr<float>();
