@@ -78,7 +78,7 @@ void narrowInto(const at::Tensor& result, const at::Tensor& x, bool toward_zero)
 // the extension is built with OpenMP). ATen has no GEMM with a hook between K-blocks, hence a
 // kernel of our own; its instruction set is chosen at run time as ATen chooses its own
 // (ATEN_CPU_CAPABILITY included). It serves every host shape: benchmarks/chip_numerics.py found
-// no llama-small matmul that one GEMM per block does faster.
+// no llama-small matmul that one GEMM per block does faster on one thread, as chips' ranks run.
 namespace accumulation {
 
 // How the running sum is truncated after each block: `mask` keeps the accumulator's mantissa
