@@ -47,6 +47,14 @@ at::Tensor emptyMatmulResult(const c10::FunctionSchema& schema, const torch::jit
 void reproduceChipResult(NumericsRole role, const c10::OperatorHandle& op, const std::vector<c10::IValue>& inputs,
                          const at::Tensor& result, const Numerics& numerics);
 
+// a @ b (two matrices or two batches of them, host tensors of any floating dtype and strides) as
+// a chip with `accumulator_bits` and `accumulation_block` sums it: the fp32 result before any
+// narrowing. What the chip's matmuls run; exposed as torch.ops.ditorch_emu.chip_matmul.
+at::Tensor chipMatmul(const at::Tensor& a, const at::Tensor& b, int64_t accumulator_bits, int64_t accumulation_block);
+
+// The instruction set chipMatmul's kernel uses here: "avx512", "avx2" or "scalar".
+const char* chipMatmulKernel();
+
 // dst.copy_(src) for `dst` on the chip (both kernel-device tensors): a narrowing conversion to
 // bf16/fp16 is rounded as the chip rounds.
 void copyOnChip(const at::Tensor& dst, const at::Tensor& src, const Numerics& numerics);
