@@ -3,7 +3,8 @@
 # emulation of the 2-core AMD EPYC of issue 72 (AVX2, no AVX-512, no bf16 units) on this host,
 # not a measurement of one.
 #
-# - torch's AVX2 kernels only (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2);
+# - torch's AVX2 kernels only (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, and MKL's GEMMs by
+#   MKL_ENABLE_INSTRUCTIONS=AVX2);
 # - no bf16 units: dipu's bf16 matmuls as fp32 kernels rounded to bf16 (DITORCH_BF16_VIA_FP32=1),
 #   as on a host without them;
 # - a CPU quota (cgroup v1, /sys/fs/cgroup/cpu: cpu.cfs_quota_us over a short cpu.cfs_period_us)
@@ -29,7 +30,7 @@ if [ ! -w "$CGROUP_ROOT/cpu.cfs_quota_us" ]; then
 fi
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 DITORCH_BF16_VIA_FP32=1
+export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 DITORCH_BF16_VIA_FP32=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CORES=$(nproc)
 PERIOD_US=10000  # short, so the cap acts within a kernel's time, not in 100 ms bursts
