@@ -85,6 +85,10 @@ MODES = {
     "dips-sign-half2": ("dips", True, True, True, "Di-PS sign, half the blocks, both ways"),
     "dips-sign-noclip": ("dips", False, True, True, "Di-PS sign / sign without clipping"),
     "dips-sign-pullhalf": ("dips", True, True, True, "Di-PS sign / sign, half the blocks"),
+    "dips-sparseloco1": ("dips", True, True, True, "Di-PS SparseLoCo 1% / nonzero"),
+    "dips-sparseloco2": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero"),
+    "dips-sparseloco3": ("dips", True, True, True, "Di-PS SparseLoCo 3% / nonzero"),
+    "dips-sparseloco2-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 2% / nonzero without clipping"),
 }
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
@@ -96,7 +100,10 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-sign": ("sign", "sign", 1), "dips-sign-sparse": ("sign", "sparse:0.03", 1),
         "dips-sign-int8": ("sign", "int8", 1), "dips-sign-half": ("sign:0.5", "sign", 1),
         "dips-sign-half2": ("sign:0.5", "sign:0.5", 1), "dips-sign-noclip": ("sign", "sign", 1),
-        "dips-sign-pullhalf": ("sign", "sign:0.5", 1)}
+        "dips-sign-pullhalf": ("sign", "sign:0.5", 1),
+        "dips-sparseloco1": ("sparseloco:0.01", "nonzero", 1), "dips-sparseloco2": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco3": ("sparseloco:0.03", "nonzero", 1),
+        "dips-sparseloco2-noclip": ("sparseloco:0.02", "nonzero", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%

@@ -29,11 +29,13 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
 
 
 @pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"),
-                                      ("sparse:0.05", "sparse:0.05"), ("sign", "sign"), ("sign:0.5", "sign")])
+                                      ("sparse:0.05", "sparse:0.05"), ("sign", "sign"), ("sign:0.5", "sign"),
+                                      ("sparseloco:0.05", "nonzero")])
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
-    """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
-    the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
-    part as the next residual, and the held values move by codec(new - held) at each pull."""
+    """Three rounds: the cluster pushes codec(held - local + decay * residual) (decay 0.95 for
+    SparseLoCo's accumulator, 1 otherwise); the reference applies the same decoded values through
+    clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped part as the next residual, and the
+    held values move by codec(new - held) at each pull."""
     pc, qc = Codec.parse(push), Codec.parse(pull)
     theta = {n: p.detach().clone() for n, p in build_model(MODEL, 0).named_parameters()}
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in theta.items()}
@@ -44,7 +46,7 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
                         pull_codec=pull, state_dir=tmp_path / "state")
         units = c.layout.units
         held = {n: t.bfloat16().float() for n, t in theta.items()}  # joined: a whole pull, BF16 ...
-        if qc.lossy:  # ... or int8 codes of the values themselves for a compressed pull
+        if qc.lossy and qc.kind != "nonzero":  # ... or int8 codes of the values for a compressed pull
             for unit in units:
                 held.update(_unflat(Codec.parse("int8").round_trip(_flat(held, unit))[1], unit))
         residual = {u: torch.zeros(sum(t.numel for t in unit.tensors)) for u, unit in enumerate(units)}
@@ -56,7 +58,7 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
                                 for u in range(a, b) for t in units[u].tensors) ** 0.5 for a, b in c.plan["units"])
             decoded = {}
             for u, unit in enumerate(units):
-                x = _flat(held, unit) - _flat(local, unit) + residual[u]
+                x = _flat(held, unit) - _flat(local, unit) + residual[u] * (0.95 if pc.kind == "sparseloco" else 1.0)
                 dec = pc.round_trip(x)[1]
                 residual[u] = x - dec
                 decoded.update(_unflat(dec, unit))
