@@ -89,7 +89,10 @@ MODES = {
     "dips-sparseloco2": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero"),
     "dips-sparseloco3": ("dips", True, True, True, "Di-PS SparseLoCo 3% / nonzero"),
     "dips-sparseloco2-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 2% / nonzero without clipping"),
+    "dips-sparseloco2-lr1": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1"),
 }
+# mode -> the outer learning rate it runs at instead of --outer-lr
+OUTER_LR = {"dips-sparseloco2-lr1": 1.0}
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
         "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
@@ -103,7 +106,8 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-sign-pullhalf": ("sign", "sign:0.5", 1),
         "dips-sparseloco1": ("sparseloco:0.01", "nonzero", 1), "dips-sparseloco2": ("sparseloco:0.02", "nonzero", 1),
         "dips-sparseloco3": ("sparseloco:0.03", "nonzero", 1),
-        "dips-sparseloco2-noclip": ("sparseloco:0.02", "nonzero", 1)}
+        "dips-sparseloco2-noclip": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco2-lr1": ("sparseloco:0.02", "nonzero", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%
@@ -189,7 +193,7 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
                                  token_budget=args.budget, metadata=str(work / "leader.json"),
                                  clip_norm=args.clip_norm if clip else None, staleness_decay=args.staleness_decay if stale_penalty else 0.0,
                                  beta=3.0 if outlier_filter else float("inf"),
-                                 outer_lr=args.outer_lr, outer_momentum=momentum,
+                                 outer_lr=OUTER_LR.get(mode, args.outer_lr), outer_momentum=momentum,
                                  heartbeat_s=args.heartbeat, restart_followers=False), token, server_token)
     followers = [start_follower(leader.address, f"{ps}:{free_port(ps)}", server_token_file, str(work / f"f{i}"),
                                 str(work / f"f{i}.log")) for i in range(args.followers)]
