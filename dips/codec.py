@@ -50,7 +50,8 @@ class Codec:
     @classmethod
     def parse(cls, spec: object) -> "Codec":
         """``bf16``, ``int8``, ``int4``, ``nonzero``, ``sign[:F]`` (0 < F < 1), ``topk[:D]``,
-        ``sparse[:D]`` or ``sparseloco[:D]`` (0 < D <= 0.25), as a peer or a flag gives it; ``ValueError`` naming the spec otherwise."""
+        ``sparse[:D]`` or ``sparseloco[:D]`` (0 < D <= 0.25), as a peer or a flag gives it;
+        ``ValueError`` naming the spec otherwise."""
         expected = ("expected one of bf16, int8, int4, sign[:FRACTION], topk[:DENSITY], sparse[:DENSITY], "
                     "sparseloco[:DENSITY], nonzero")
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:

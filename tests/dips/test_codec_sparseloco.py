@@ -73,8 +73,8 @@ def test_sparseloco_round_trip_matches_the_reference(spec):
             want_payload, want_dec = ref_sparseloco(x, codec.density)
             assert len(payload) == codec.payload_bytes(n) == len(want_payload), (spec, n, name)
             m = 2 * math.ceil(n / CHUNK)
-            np.testing.assert_allclose(np.frombuffer(payload[:4 * m], "<f4"), np.frombuffer(want_payload[:4 * m], "<f4"),
-                                       rtol=1e-6, err_msg=f"{spec} n={n} {name}")
+            np.testing.assert_allclose(np.frombuffer(payload[:4 * m], "<f4"),
+                                       np.frombuffer(want_payload[:4 * m], "<f4"), rtol=1e-6, err_msg=f"{spec} n={n} {name}")
             assert payload[4 * m:] == want_payload[4 * m:], (spec, n, name)  # indices and codes exactly
             np.testing.assert_allclose(dec.numpy(), want_dec, rtol=1e-6, err_msg=f"{spec} n={n} {name}")
             assert torch.equal(codec.decode(payload, n), dec)
@@ -168,14 +168,14 @@ def test_a_nonzero_payload_that_does_not_fit_is_refused():
     _bad("nonzero", struct.pack("<3I", 4097, 0, 0), n, "count 4097 of chunk 0; expected 0..4096")
     _bad("nonzero", struct.pack("<3I", 0, 0, 809), n, "count 809 of chunk 2; expected 0..808")
     _bad("nonzero", struct.pack("<3i", 0, -1, 0), n, "count -1 of chunk 1")
-    values, idx = good[12:28], good[28:]
-    for bad_value, words in [(math.nan, "value nan"), (math.inf, "value inf"), (-math.inf, "value -inf"), (0.0, "value 0")]:
+    # the values (FP32) start after the three counts, the indices after the four values
+    for bad_value, words in [(math.nan, "value nan"), (math.inf, "value inf"), (-math.inf, "value -inf"),
+                             (0.0, "value 0")]:
         _bad("nonzero", good[:16] + struct.pack("<f", bad_value) + good[20:], n, words)
     _bad("nonzero", good[:28] + struct.pack("<4H", 3, 7, 4096, 807), n, "index 4096 of chunk 1 out of range")
     _bad("nonzero", good[:28] + struct.pack("<4H", 3, 7, 1, 808), n, "index 808 of chunk 2 out of range 0..807")
     _bad("nonzero", good[:28] + struct.pack("<4H", 7, 3, 1, 807), n, "indices of chunk 0 are not strictly increasing")
     _bad("nonzero", good[:28] + struct.pack("<4H", 3, 3, 1, 807), n, "not strictly increasing")
-    assert values and idx
 
 
 @pytest.mark.parametrize("spec", ["sparseloco:0", "sparseloco:0.3", "sparseloco:nan", "nonzero:0.1", "sparseloco:x"])
