@@ -90,9 +90,13 @@ MODES = {
     "dips-sparseloco3": ("dips", True, True, True, "Di-PS SparseLoCo 3% / nonzero"),
     "dips-sparseloco2-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 2% / nonzero without clipping"),
     "dips-sparseloco2-lr1": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1"),
+    "dips-sparseloco2-lr1-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1, no clip"),
+    "dips-sparseloco2-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1.5"),
+    "dips-sparseloco1-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 1% / nonzero, outer lr 1.5"),
 }
 # mode -> the outer learning rate it runs at instead of --outer-lr
-OUTER_LR = {"dips-sparseloco2-lr1": 1.0}
+OUTER_LR = {"dips-sparseloco2-lr1": 1.0, "dips-sparseloco2-lr1-noclip": 1.0, "dips-sparseloco2-lr1.5": 1.5,
+            "dips-sparseloco1-lr1.5": 1.5}
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
         "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
@@ -107,7 +111,10 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-sparseloco1": ("sparseloco:0.01", "nonzero", 1), "dips-sparseloco2": ("sparseloco:0.02", "nonzero", 1),
         "dips-sparseloco3": ("sparseloco:0.03", "nonzero", 1),
         "dips-sparseloco2-noclip": ("sparseloco:0.02", "nonzero", 1),
-        "dips-sparseloco2-lr1": ("sparseloco:0.02", "nonzero", 1)}
+        "dips-sparseloco2-lr1": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco2-lr1-noclip": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco2-lr1.5": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco1-lr1.5": ("sparseloco:0.01", "nonzero", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%
