@@ -379,8 +379,8 @@ def _checked_codes(codes: torch.Tensor, qmax: int, what: str) -> torch.Tensor:
 def _encode_two_levels(idx: torch.Tensor, vals: torch.Tensor, kept: list[int]) -> bytes:
     """sparseloco: each chunk's kept values as a sign and one of two magnitudes. A chunk's kept
     magnitudes split at the middle of their range, t = (min + max) / 2; its low level is the mean
-    of those below t, its high level the mean of those at or above it (each FP32, from FP64 sums;
-    a side with none repeats the other's); a value's 2-bit code is 1 for >= 0 plus 2 for the high
+    of those below t (the high level when none is), its high level the mean of those at or above
+    it (each FP32, from FP64 sums); a value's 2-bit code is 1 for >= 0 plus 2 for the high
     level. Layout: every chunk's (low, high), then the 16-bit indices, then the codes, four a
     byte, the first in the lowest bits, unused bits 0."""
     chunk = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor(kept))
@@ -392,7 +392,7 @@ def _encode_two_levels(idx: torch.Tensor, vals: torch.Tensor, kept: list[int]) -
     s_hi = torch.zeros(len(kept), dtype=torch.float64).index_add_(0, chunk, torch.where(high, mags, 0.0))
     s_lo = torch.zeros(len(kept), dtype=torch.float64).index_add_(0, chunk, torch.where(high, 0.0, mags))
     n_lo = torch.tensor(kept, dtype=torch.float64) - n_hi
-    hi = torch.where(n_hi > 0, s_hi / n_hi.clamp(min=1), s_lo / n_lo.clamp(min=1))
+    hi = s_hi / n_hi  # the largest magnitude is always at or above t
     lo = torch.where(n_lo > 0, s_lo / n_lo.clamp(min=1), hi)
     scales = torch.stack([lo, hi], dim=1).to(torch.float32).reshape(-1)
     codes = (vals >= 0).to(torch.uint8) + 2 * high.to(torch.uint8)
@@ -431,7 +431,7 @@ def _decode_nonzero(buf: bytearray, n: int, what: str) -> torch.Tensor:
     if len(buf) < 4 * m:
         raise ValueError(f"{what}: {len(buf)} bytes of nonzero for {n} values; expected at least {4 * m} "
                          f"(the counts of its {m} chunks)")
-    counts = torch.frombuffer(buf, dtype=torch.int32, count=m).long() if m else torch.zeros(0, dtype=torch.long)
+    counts = torch.frombuffer(buf, dtype=torch.int32, count=m).long()  # beyond 2^31: negative, refused
     size = torch.tensor([min(CHUNK, n - c * CHUNK) for c in range(m)])
     bad = (counts < 0) | (counts > size)
     if bad.any():
