@@ -10,9 +10,10 @@ the same token budget. Clusters differ in two ways, as in the paper's section 5.
   loopback with unshaped links, and the benchmark says so.
 The PS (one leader in the driver process and two follower processes) runs on host 0.
 
-Modes ``dips-int8``, ``dips-int4``, ``dips-topk``, ``dips-sparse``, ``dips-sign`` and their
-variants (``WIRE`` names each one's push and pull codec; ``-stream``: pushes streamed in 4 parts
-over the inner steps) are Di-PS with compressed pushes and pulls (docs/dips.md, "Compressed and
+Modes ``dips-int8``, ``dips-int4``, ``dips-topk``, ``dips-sparse``, ``dips-sign``,
+``dips-sparselocoD`` (SparseLoCo's push at D%, ``nonzero`` pulls; run them at outer momentum 0,
+the default) and their variants (``WIRE`` names each one's push and pull codec, ``OUTER_LR`` an
+outer learning rate of its own; ``-stream``: pushes streamed in 4 parts over the inner steps) are Di-PS with compressed pushes and pulls (docs/dips.md, "Compressed and
 streamed outer steps"); the table adds each cluster's bytes per outer round (the join's whole
 pull apart), the most bytes it handed its link in one second, the slow-linked cluster's own
 tokens/s, and the loss and throughput against uncompressed Di-PS. ``--links slowest`` is the
