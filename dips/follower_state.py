@@ -160,7 +160,8 @@ class FollowerState:
             over = [u for u in units if len(coded[u][0]) > WIRE_DTYPE.itemsize * new[u].numel()]
             if over:
                 raise ValueError(f"{self.name}: {codec} pulls of units {over[:8]} would be larger than the units "
-                                 f"in BF16 (too many values changed since version {since}): pull them whole")
+                                 f"in BF16 (too many values changed since version {since}: a leader with outer "
+                                 f"momentum, or a cluster many versions behind): pull them whole")
         with self.lock:
             view = self._view(cluster)
             view.setdefault(version, {}).update({u: old[u] + coded[u][1] for u in units})
