@@ -10,9 +10,10 @@ the same token budget. Clusters differ in two ways, as in the paper's section 5.
   loopback with unshaped links, and the benchmark says so.
 The PS (one leader in the driver process and two follower processes) runs on host 0.
 
-Modes ``dips-int8``, ``dips-int4``, ``dips-topk``, ``dips-sparse``, ``dips-sign`` and their
-variants (``WIRE`` names each one's push and pull codec; ``-stream``: pushes streamed in 4 parts
-over the inner steps) are Di-PS with compressed pushes and pulls (docs/dips.md, "Compressed and
+Modes ``dips-int8``, ``dips-int4``, ``dips-topk``, ``dips-sparse``, ``dips-sign``,
+``dips-sparselocoD`` (SparseLoCo's push at D%, ``nonzero`` pulls; run them at outer momentum 0,
+the default) and their variants (``WIRE`` names each one's push and pull codec, ``OUTER_LR`` an
+outer learning rate of its own; ``-stream``: pushes streamed in 4 parts over the inner steps) are Di-PS with compressed pushes and pulls (docs/dips.md, "Compressed and
 streamed outer steps"); the table adds each cluster's bytes per outer round (the join's whole
 pull apart), the most bytes it handed its link in one second, the slow-linked cluster's own
 tokens/s, and the loss and throughput against uncompressed Di-PS. ``--links slowest`` is the
@@ -85,7 +86,18 @@ MODES = {
     "dips-sign-half2": ("dips", True, True, True, "Di-PS sign, half the blocks, both ways"),
     "dips-sign-noclip": ("dips", False, True, True, "Di-PS sign / sign without clipping"),
     "dips-sign-pullhalf": ("dips", True, True, True, "Di-PS sign / sign, half the blocks"),
+    "dips-sparseloco1": ("dips", True, True, True, "Di-PS SparseLoCo 1% / nonzero"),
+    "dips-sparseloco2": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero"),
+    "dips-sparseloco3": ("dips", True, True, True, "Di-PS SparseLoCo 3% / nonzero"),
+    "dips-sparseloco2-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 2% / nonzero without clipping"),
+    "dips-sparseloco2-lr1": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1"),
+    "dips-sparseloco2-lr1-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1, no clip"),
+    "dips-sparseloco2-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1.5"),
+    "dips-sparseloco1-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 1% / nonzero, outer lr 1.5"),
 }
+# mode -> the outer learning rate it runs at instead of --outer-lr
+OUTER_LR = {"dips-sparseloco2-lr1": 1.0, "dips-sparseloco2-lr1-noclip": 1.0, "dips-sparseloco2-lr1.5": 1.5,
+            "dips-sparseloco1-lr1.5": 1.5}
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
         "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
@@ -96,7 +108,14 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-sign": ("sign", "sign", 1), "dips-sign-sparse": ("sign", "sparse:0.03", 1),
         "dips-sign-int8": ("sign", "int8", 1), "dips-sign-half": ("sign:0.5", "sign", 1),
         "dips-sign-half2": ("sign:0.5", "sign:0.5", 1), "dips-sign-noclip": ("sign", "sign", 1),
-        "dips-sign-pullhalf": ("sign", "sign:0.5", 1)}
+        "dips-sign-pullhalf": ("sign", "sign:0.5", 1),
+        "dips-sparseloco1": ("sparseloco:0.01", "nonzero", 1), "dips-sparseloco2": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco3": ("sparseloco:0.03", "nonzero", 1),
+        "dips-sparseloco2-noclip": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco2-lr1": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco2-lr1-noclip": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco2-lr1.5": ("sparseloco:0.02", "nonzero", 1),
+        "dips-sparseloco1-lr1.5": ("sparseloco:0.01", "nonzero", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%
@@ -182,7 +201,7 @@ def run_mode(mode: str, args, momentum: float, model_cfg: dict, step_s: float, w
                                  token_budget=args.budget, metadata=str(work / "leader.json"),
                                  clip_norm=args.clip_norm if clip else None, staleness_decay=args.staleness_decay if stale_penalty else 0.0,
                                  beta=3.0 if outlier_filter else float("inf"),
-                                 outer_lr=args.outer_lr, outer_momentum=momentum,
+                                 outer_lr=OUTER_LR.get(mode, args.outer_lr), outer_momentum=momentum,
                                  heartbeat_s=args.heartbeat, restart_followers=False), token, server_token)
     followers = [start_follower(leader.address, f"{ps}:{free_port(ps)}", server_token_file, str(work / f"f{i}"),
                                 str(work / f"f{i}.log")) for i in range(args.followers)]

@@ -95,6 +95,9 @@ def _add_commands(sub) -> None:
     src.add_argument("--init", help="initial parameters file (as the leader's --init)")
     cost.add_argument("--push", default="bf16,int8,int4,topk,sparse", help="push codecs, comma-separated")
     cost.add_argument("--pull", default="bf16,int8,int4,topk,sparse", help="pull codecs, comma-separated")
+    cost.add_argument("--clusters", type=int, default=4,
+                      help="clusters pushing between a cluster's pulls: a nonzero pull after sparse pushes carries at "
+                           "most the union of theirs (a leader without outer momentum)")
     cost.set_defaults(func=_checked(run_bytes))
 
     tok = sub.add_parser("token", help="write a fresh random job token file (mode 0600)")
@@ -167,19 +170,28 @@ def run_bytes(args: argparse.Namespace) -> int:
     sizes = [sum(t.numel for t in u.tensors) for u in layout.units]
     push = [Codec.parse(c) for c in args.push.split(",")]
     pull = [Codec.parse(c) for c in args.pull.split(",")]
+    if args.clusters < 1:
+        raise ValueError(f"--clusters {args.clusters}: expected at least 1")
+    bad = [str(c) for c in push if not c.fixed_size]
+    if bad:
+        raise ValueError(f"--push {','.join(bad)}: a pull codec, not a push codec")
 
-    def total(codec: Codec) -> int:
-        return sum(codec.payload_bytes(n) for n in sizes)
+    def total(codec: Codec, pushed: Codec | None = None) -> int:
+        if codec.fixed_size:
+            return sum(codec.payload_bytes(n) for n in sizes)
+        # nonzero: the entries the last --clusters pushes changed, at most (each push's kept values)
+        return sum(min(codec.payload_bytes(n, min(n, args.clusters * pushed.kept(n))), 2 * n) for n in sizes)
 
     bf16 = 2 * total(Codec("bf16"))
     print(f"{sum(sizes)} parameters in {len(sizes)} units; BF16 both ways: {bf16} bytes per outer round")
-    print(f"{'push':>10} {'pull':>10} {'bytes/round':>12} {'vs bf16':>8}")
+    print(f"{'push':>16} {'pull':>10} {'bytes/round':>12} {'vs bf16':>8}")
     for a in push:
         for b in pull:
-            n = total(a) + total(b)
-            print(f"{str(a):>10} {str(b):>10} {n:>12} {bf16 / n:>7.1f}x")
-    print(f"a join's whole pull (once per cluster): {total(Codec('bf16'))} bytes in BF16, "
-          f"{total(Codec('int8'))} in int8 (any compressed pull)")
+            n = total(a) + total(b, a)
+            bound = "" if b.fixed_size else f"  (at most: the union of {args.clusters} pushes, or BF16)"
+            print(f"{str(a):>16} {str(b):>10} {n:>12} {bf16 / n:>7.1f}x{bound}")
+    print(f"a join's whole pull (once per cluster): {total(Codec('bf16'))} bytes in BF16 (bf16, nonzero), "
+          f"{total(Codec('int8'))} in int8 (any other compressed pull)")
     return 0
 
 

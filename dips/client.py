@@ -19,7 +19,8 @@ kept and nothing is counted twice.
 
 Compressed (``push_codec``/``pull_codec`` other than ``bf16``, ``dips.codec``): a push carries the
 pseudo-gradient (the global values the cluster holds minus its parameters) plus the *residual*
-that earlier compressed pushes dropped, encoded; what the encoding drops becomes the next
+that earlier compressed pushes dropped, encoded (``sparseloco``: the residual times
+``codec.DECAY``, SparseLoCo's decaying accumulator); what the encoding drops becomes the next
 residual (error feedback), kept in ``state_dir`` across restarts once the push is sealed. A
 pull carries the encoded difference between the new version and the values the cluster holds,
 which it adds to them (the followers track those values per cluster, so what a pull's encoding
@@ -164,6 +165,8 @@ class OuterClient:
         self._snapshot: dict[str, torch.Tensor] = {}     # this worker's units as pushed (BF16, or FP32 when compressed)
         self.push_codec = Codec.parse(push_codec) if isinstance(push_codec, str) else push_codec
         self.pull_codec = Codec.parse(pull_codec) if isinstance(pull_codec, str) else pull_codec
+        if not self.push_codec.fixed_size:
+            raise ValueError(f"push codec {self.push_codec}: a pull codec (a push's size must follow from its unit)")
         self.state_dir = None if state_dir is None else os.fspath(state_dir)
         self._held: dict[str, torch.Tensor] = {}      # global values of this worker's units at ``base``, as decoded
         self._pulled: dict[str, torch.Tensor] | None = None  # what the latest pull decoded, held once every rank has it
@@ -446,8 +449,8 @@ class OuterClient:
         return self.push_codec.lossy and not task.get("seed") and self._holds_mine()
 
     def _encode_push(self, full: dict[str, torch.Tensor]) -> tuple[dict[int, bytes], dict[int, float]]:
-        """Each of this worker's units: its pseudo-gradient plus residual, encoded, and the
-        pseudo-gradient's squared norm (what the outlier filter scores); what the encoding drops
+        """Each of this worker's units: its pseudo-gradient plus residual (times the codec's decay),
+        encoded, and the pseudo-gradient's squared norm (what the outlier filter scores); what the encoding drops
         is the residual of this push (kept once it is sealed)."""
         payloads: dict[int, bytes] = {}
         sqnorms: dict[int, float] = {}
@@ -456,8 +459,8 @@ class OuterClient:
             spec = self.layout.units[u]
             x = torch.cat([(self._held[t.name] - full[t.name]).reshape(-1) for t in spec.tensors])
             sqnorms[u] = float((x.double() ** 2).sum())
-            if u in self.residual:
-                x = x + self.residual[u]
+            if u in self.residual:  # SparseLoCo's accumulator decays: e <- decay e + pseudo-gradient
+                x = x + self.residual[u] * self.push_codec.decay
             payloads[u], decoded = self.push_codec.round_trip(x)
             self._next_residual[u] = x - decoded
         return payloads, sqnorms

@@ -2,10 +2,14 @@
 block of 64 values, the top-k values by magnitude (their indices and int8 codes), or the top-k
 of each chunk of 4096 values (16-bit indices within the chunk, int8 codes, a scale per chunk), or
 every value's sign with a scale per block of 256 (1 bit a value; ``sign:F`` sends only the
-fraction F of the blocks whose signs remove the most error, with their indices).
+fraction F of the blocks whose signs remove the most error, with their indices), SparseLoCo's
+push (``sparseloco:D``: each chunk's top-k with 2-bit codes; the cluster's error feedback decays
+by ``DECAY``), or the nonzero entries of a difference exactly (``nonzero``: 16-bit indices within
+chunks and FP32 values, a pull whose size follows from how many entries changed).
 
-A payload's size follows from the codec and the unit's element count alone, so a receiver
-checks the length before it reads anything; every index, scale and code is then checked (range,
+A payload's size follows from the codec and the unit's element count alone (for ``nonzero``,
+from the per-chunk counts at its start, each bounded by its chunk), so a receiver checks the
+length before it reads anything; every index, scale and code is then checked (range,
 order, finite) and a payload that does not fit is refused whole with a ``ValueError`` naming
 what is wrong. The sender learns what the receiver will decode by decoding its own payload
 (:meth:`Codec.round_trip`), so error feedback keeps exactly what the wire dropped.
@@ -22,8 +26,10 @@ import numpy as np
 import torch
 
 BLOCK = 64                       # values sharing one FP32 scale
-KINDS = ("bf16", "int8", "int4", "sign", "topk", "sparse")
-SPARSE = ("topk", "sparse")      # the kinds that send a fraction of the values
+KINDS = ("bf16", "int8", "int4", "sign", "topk", "sparse", "sparseloco", "nonzero")
+SPARSE = ("topk", "sparse", "sparseloco")  # the kinds that send a fraction of the values
+CHUNKED = ("sparse", "sparseloco")  # top-k per chunk, 16-bit indices within it
+DECAY = 0.95                     # sparseloco: the cluster's error feedback e <- DECAY e + pseudo-gradient
 CHUNK = 4096                     # sparse: values sharing one top-k choice, one scale and 16-bit indices
 SIGN_BLOCK = 256                 # sign: values sharing one FP32 scale (their mean magnitude)
 DEFAULT_DENSITY = 0.02           # top-k without a density keeps this fraction of the values
@@ -43,9 +49,11 @@ class Codec:
 
     @classmethod
     def parse(cls, spec: object) -> "Codec":
-        """``bf16``, ``int8``, ``int4``, ``sign[:F]`` (0 < F < 1), ``topk[:D]`` or ``sparse[:D]``
-        (0 < D <= 0.25), as a peer or a flag gives it; ``ValueError`` naming the spec otherwise."""
-        expected = "expected one of bf16, int8, int4, sign[:FRACTION], topk[:DENSITY], sparse[:DENSITY]"
+        """``bf16``, ``int8``, ``int4``, ``nonzero``, ``sign[:F]`` (0 < F < 1), ``topk[:D]``,
+        ``sparse[:D]`` or ``sparseloco[:D]`` (0 < D <= 0.25), as a peer or a flag gives it;
+        ``ValueError`` naming the spec otherwise."""
+        expected = ("expected one of bf16, int8, int4, sign[:FRACTION], topk[:DENSITY], sparse[:DENSITY], "
+                    "sparseloco[:DENSITY], nonzero")
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
             raise ValueError(f"codec {str(spec)[:40]!r}: {expected}")
         kind, _, arg = spec.partition(":")
@@ -78,16 +86,29 @@ class Codec:
         return self.kind != "bf16"
 
     @property
+    def decay(self) -> float:
+        """What the cluster's error feedback keeps of the last residual at each push: ``DECAY`` for
+        SparseLoCo's push (the accumulator plays outer momentum's role), all of it otherwise."""
+        return DECAY if self.kind == "sparseloco" else 1.0
+
+    @property
+    def fixed_size(self) -> bool:
+        """Whether a payload's size follows from the unit's size alone (all but ``nonzero``)."""
+        return self.kind != "nonzero"
+
+    @property
     def whole(self) -> "Codec":
         """How whole values travel when a pull in this codec has nothing to be a difference from
         (a join): int8 for every compressed pull (a sparse payload could not carry a model, and
-        4-bit codes would leave an error larger than many rounds' updates), BF16 otherwise."""
-        return Codec("int8") if self.lossy else self
+        4-bit codes would leave an error larger than many rounds' updates), BF16 otherwise and
+        for ``nonzero``, whose later pulls carry only what changed: a view equal to the BF16
+        parameters keeps every unchanged entry's difference exactly 0."""
+        return Codec("int8") if self.lossy and self.kind != "nonzero" else Codec("bf16")
 
     def kept(self, n: int) -> int:
         """How many of ``n`` values top-k sends (``n`` for the dense codecs; for sparse, the sum
         over its chunks)."""
-        if self.kind == "sparse":
+        if self.kind in CHUNKED:
             return sum(self._chunk_kept(n))
         return min(n, max(1, math.ceil(self.density * n))) if self.kind == "topk" else n
 
@@ -97,8 +118,12 @@ class Codec:
         keep = Codec("topk", self.density).kept
         return [keep(CHUNK)] * full + ([keep(rest)] if rest else [])
 
-    def payload_bytes(self, n: int) -> int:
-        """The exact payload size of ``n`` values."""
+    def payload_bytes(self, n: int, nonzeros: int | None = None) -> int:
+        """The exact payload size of ``n`` values (for ``nonzero``, of which ``nonzeros`` are sent)."""
+        if self.kind == "nonzero":
+            if nonzeros is None:
+                raise ValueError("nonzero: a payload's size depends on how many values it sends; give nonzeros")
+            return 4 * _chunks(n) + 6 * nonzeros
         if self.kind == "bf16":
             return 2 * n
         if self.kind == "int8":
@@ -111,6 +136,9 @@ class Codec:
             return 4 * _sign_blocks(n) + (n + 7) // 8
         if self.kind == "sparse":
             return 4 * _chunks(n) + 3 * self.kept(n)
+        if self.kind == "sparseloco":
+            k = self.kept(n)
+            return 8 * _chunks(n) + 2 * k + (k + 3) // 4
         k = self.kept(n)
         return 4 * k + 4 * _blocks(k) + k
 
@@ -130,8 +158,10 @@ class Codec:
         elif self.kind in _QMAX:
             scales, codes = _quantize(x, _QMAX[self.kind])
             payload = _bytes(scales) + (_bytes(codes) if self.kind == "int8" else _pack4(codes))
-        elif self.kind == "sparse":
+        elif self.kind in CHUNKED:
             payload = self._encode_sparse(x)
+        elif self.kind == "nonzero":
+            payload = _encode_nonzero(x)
         elif self.kind == "sign":
             payload = self._encode_sign(x)
         else:
@@ -146,6 +176,8 @@ class Codec:
         that does not fit (size, index, scale, code, value), with nothing decoded."""
         if not 0 < n <= MAX_ELEMENTS:
             raise ValueError(f"{what}: {n} values; expected 1..{MAX_ELEMENTS}")
+        if self.kind == "nonzero":
+            return _decode_nonzero(bytearray(payload), n, what)
         want = self.payload_bytes(n)
         if len(payload) != want:
             raise ValueError(f"{what}: {len(payload)} bytes of {self} for {n} values; expected {want}")
@@ -158,7 +190,7 @@ class Codec:
             codes = (torch.frombuffer(buf, dtype=torch.int8, offset=4 * nb, count=n) if self.kind == "int8"
                      else _unpack4(buf, 4 * nb, n, what))
             out = _dequantize(scales, _checked_codes(codes, _QMAX[self.kind], what), n)
-        elif self.kind == "sparse":
+        elif self.kind in CHUNKED:
             out = self._decode_sparse(buf, n, what)
         elif self.kind == "sign":
             out = self._decode_sign(buf, n, what)
@@ -175,8 +207,9 @@ class Codec:
         return out
 
     def _encode_sparse(self, x: torch.Tensor) -> bytes:
-        """Each chunk's k largest magnitudes: the chunks' FP32 scales (kept absmax / 127), then
-        every chunk's 16-bit indices within it (increasing), then every chunk's int8 codes."""
+        """Each chunk's k largest magnitudes: the chunks' FP32 scales, then every chunk's 16-bit
+        indices within it (increasing), then every chunk's codes: ``sparse`` int8 codes in
+        -127..127 (scale: kept absmax / 127); ``sparseloco`` see ``_encode_two_levels``."""
         n = x.numel()
         kept = self._chunk_kept(n)
         full = n // CHUNK
@@ -187,6 +220,8 @@ class Codec:
             parts.append(_chunk_topk(x[full * CHUNK:].view(1, -1), kept[-1]))
         idx = torch.cat([p[0].reshape(-1) for p in parts])
         vals = [p[1] for p in parts]
+        if self.kind == "sparseloco":
+            return _encode_two_levels(idx, torch.cat([v.reshape(-1) for v in vals]), kept)
         scales = torch.cat([v.abs().amax(dim=1) / _QMAX["int8"] for v in vals])
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes, at = [], 0
@@ -198,10 +233,14 @@ class Codec:
     def _decode_sparse(self, buf: bytearray, n: int, what: str) -> torch.Tensor:
         kept = self._chunk_kept(n)
         m, k = len(kept), sum(kept)
-        scales = _scales(buf, 0, m, what)
-        idx = torch.frombuffer(buf, dtype=torch.int16, offset=4 * m, count=k).to(torch.int64) & 0xFFFF
-        codes = _checked_codes(torch.frombuffer(buf, dtype=torch.int8, offset=4 * m + 2 * k, count=k),
-                               _QMAX["int8"], what)
+        nscales = m if self.kind == "sparse" else 2 * m  # sparseloco: each chunk's low and high magnitude
+        scales = _scales(buf, 0, nscales, what)
+        idx = torch.frombuffer(buf, dtype=torch.int16, offset=4 * nscales, count=k).to(torch.int64) & 0xFFFF
+        if self.kind == "sparse":
+            codes = _checked_codes(torch.frombuffer(buf, dtype=torch.int8, offset=4 * m + 2 * k, count=k),
+                                   _QMAX["int8"], what)
+        else:
+            codes = _unpack2(buf, 8 * m + 2 * k, k, what)
         chunk = torch.repeat_interleave(torch.arange(m), torch.tensor(kept))
         size = torch.tensor([min(CHUNK, n - c * CHUNK) for c in range(m)])[chunk]
         bad = idx >= size
@@ -214,7 +253,11 @@ class Codec:
             c = int(chunk[1:][same & (idx[1:] <= idx[:-1])][0])
             raise ValueError(f"{what}: sparse indices of chunk {c} are not strictly increasing")
         out = torch.zeros(n)
-        out[chunk * CHUNK + idx] = codes.float() * scales[chunk]
+        if self.kind == "sparse":
+            out[chunk * CHUNK + idx] = codes.float() * scales[chunk]
+        else:
+            levels = scales.view(m, 2)[chunk, codes >> 1]
+            out[chunk * CHUNK + idx] = torch.where(codes & 1 == 1, levels, -levels)
         return out
 
     def _sign_kept(self, n: int) -> int:
@@ -331,6 +374,94 @@ def _checked_codes(codes: torch.Tensor, qmax: int, what: str) -> torch.Tensor:
     if int(codes.min()) < -qmax:
         raise ValueError(f"{what}: code {int(codes.min())}; expected codes in -{qmax}..{qmax}")
     return codes
+
+
+def _encode_two_levels(idx: torch.Tensor, vals: torch.Tensor, kept: list[int]) -> bytes:
+    """sparseloco: each chunk's kept values as a sign and one of two magnitudes. A chunk's kept
+    magnitudes split at the middle of their range, t = (min + max) / 2; its low level is the mean
+    of those below t (the high level when none is), its high level the mean of those at or above
+    it (each FP32, from FP64 sums); a value's 2-bit code is 1 for >= 0 plus 2 for the high
+    level. Layout: every chunk's (low, high), then the 16-bit indices, then the codes, four a
+    byte, the first in the lowest bits, unused bits 0."""
+    chunk = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor(kept))
+    mags = vals.abs().double()
+    lo_t = torch.segment_reduce(mags, "min", lengths=torch.tensor(kept))
+    hi_t = torch.segment_reduce(mags, "max", lengths=torch.tensor(kept))
+    high = mags >= ((lo_t + hi_t) / 2)[chunk]
+    n_hi = torch.zeros(len(kept), dtype=torch.float64).index_add_(0, chunk, high.double())
+    s_hi = torch.zeros(len(kept), dtype=torch.float64).index_add_(0, chunk, torch.where(high, mags, 0.0))
+    s_lo = torch.zeros(len(kept), dtype=torch.float64).index_add_(0, chunk, torch.where(high, 0.0, mags))
+    n_lo = torch.tensor(kept, dtype=torch.float64) - n_hi
+    hi = s_hi / n_hi  # the largest magnitude is always at or above t
+    lo = torch.where(n_lo > 0, s_lo / n_lo.clamp(min=1), hi)
+    scales = torch.stack([lo, hi], dim=1).to(torch.float32).reshape(-1)
+    codes = (vals >= 0).to(torch.uint8) + 2 * high.to(torch.uint8)
+    return _bytes(scales) + _bytes(idx.to(torch.int16)) + _pack2(codes)
+
+
+def _pack2(codes: torch.Tensor) -> bytes:
+    """Four 2-bit codes (0..3) a byte, the first in the lowest bits; unused bits 0."""
+    u = torch.zeros((codes.numel() + 3) // 4 * 4, dtype=torch.uint8)
+    u[:codes.numel()] = codes
+    u = u.view(-1, 4)
+    return _bytes(u[:, 0] | (u[:, 1] << 2) | (u[:, 2] << 4) | (u[:, 3] << 6))
+
+
+def _unpack2(buf: bytearray, offset: int, k: int, what: str) -> torch.Tensor:
+    packed = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=(k + 3) // 4)
+    u = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=1).reshape(-1)
+    if u[k:].any():
+        raise ValueError(f"{what}: the padding bits after {k} 2-bit codes are {u[k:].tolist()}; expected 0")
+    return u[:k].long()
+
+
+def _encode_nonzero(x: torch.Tensor) -> bytes:
+    """The nonzero values of ``x``, exactly: each chunk of 4096's count (uint32), then every
+    value (FP32), then every value's 16-bit index within its chunk (increasing)."""
+    n = x.numel()
+    at = x.nonzero().reshape(-1)
+    counts = torch.bincount(at // CHUNK, minlength=_chunks(n)).to(torch.int32)
+    return _bytes(counts) + _bytes(x[at]) + _bytes((at % CHUNK).to(torch.int16))
+
+
+def _decode_nonzero(buf: bytearray, n: int, what: str) -> torch.Tensor:
+    """``nonzero``'s ``n`` values: every count within its chunk's size, the length the counts
+    give, indices in range and strictly increasing within a chunk, values finite and nonzero."""
+    m = _chunks(n)
+    if len(buf) < 4 * m:
+        raise ValueError(f"{what}: {len(buf)} bytes of nonzero for {n} values; expected at least {4 * m} "
+                         f"(the counts of its {m} chunks)")
+    counts = torch.frombuffer(buf, dtype=torch.int32, count=m).long()  # beyond 2^31: negative, refused
+    size = torch.tensor([min(CHUNK, n - c * CHUNK) for c in range(m)])
+    bad = (counts < 0) | (counts > size)
+    if bad.any():
+        c = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: nonzero count {int(counts[c])} of chunk {c}; expected 0..{int(size[c])}")
+    k = int(counts.sum())
+    if len(buf) != 4 * m + 6 * k:
+        raise ValueError(f"{what}: {len(buf)} bytes of nonzero for {n} values with {k} sent; "
+                         f"expected {4 * m + 6 * k}")
+    out = torch.zeros(n)
+    if not k:
+        return out
+    values = torch.frombuffer(buf, dtype=torch.float32, offset=4 * m, count=k)
+    idx = torch.frombuffer(buf, dtype=torch.int16, offset=4 * m + 4 * k, count=k).to(torch.int64) & 0xFFFF
+    chunk = torch.repeat_interleave(torch.arange(m), counts)
+    bad = idx >= size[chunk]
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: nonzero index {int(idx[i])} of chunk {int(chunk[i])} out of range "
+                         f"0..{int(size[chunk[i]]) - 1}")
+    same = chunk[1:] == chunk[:-1]
+    if bool((same & (idx[1:] <= idx[:-1])).any()):
+        c = int(chunk[1:][same & (idx[1:] <= idx[:-1])][0])
+        raise ValueError(f"{what}: nonzero indices of chunk {c} are not strictly increasing")
+    bad = ~torch.isfinite(values) | (values == 0)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: nonzero value {float(values[i])} at {i}; expected a finite number other than 0")
+    out[chunk * CHUNK + idx] = values
+    return out
 
 
 def _pack4(codes: torch.Tensor) -> bytes:

@@ -151,6 +151,8 @@ class FollowerDataServer:
         if header.get("shapes") != want_shapes:
             raise BadMessage(f"unit {spec.name}: shapes {str(header.get('shapes'))[:200]}; expected {want_shapes}")
         codec = Codec.parse(header.get("codec", "bf16"))
+        if not codec.fixed_size:
+            raise BadMessage(f"unit {spec.name}: codec {codec} carries pulls, not pushes")
         if not codec.lossy and header.get("dtype") != "bfloat16":
             raise BadMessage(f"unit {spec.name}: dtype {str(header.get('dtype'))[:40]!r}; expected 'bfloat16'")
         push = untrusted.text(header, "push", MAX_ID_CHARS)

@@ -156,6 +156,12 @@ class FollowerState:
             old = {u: held[u] for u in units}
         # encoded outside the lock: versions and views are replaced, never changed in place
         coded = {u: codec.round_trip(new[u] - old[u]) for u in units}
+        if not codec.fixed_size:  # nonzero: more changed entries than a BF16 unit's bytes are a whole pull
+            over = [u for u in units if len(coded[u][0]) > WIRE_DTYPE.itemsize * new[u].numel()]
+            if over:
+                raise ValueError(f"{self.name}: {codec} pulls of units {over[:8]} would be larger than the units "
+                                 f"in BF16 (too many values changed since version {since}: a leader with outer "
+                                 f"momentum, or a cluster many versions behind): pull them whole")
         with self.lock:
             view = self._view(cluster)
             view.setdefault(version, {}).update({u: old[u] + coded[u][1] for u in units})

@@ -64,11 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-name", default=None, help="this cluster's stable id at the PS (with --ps)")
     p.add_argument("--ps-tls-ca", default=None, help="CA of the leader's TLS certificate (with --ps)")
     p.add_argument("--ps-push", default="bf16", metavar="CODEC",
-                   help="how pushes travel: bf16 (parameters), int8, int4, topk[:DENSITY] or sparse[:DENSITY] (a compressed "
-                        "pseudo-gradient with error feedback; docs/dips.md) (with --ps)")
+                   help="how pushes travel: bf16 (parameters), int8, int4, sign[:FRACTION], topk[:DENSITY], "
+                        "sparse[:DENSITY] or sparseloco[:DENSITY] (a compressed pseudo-gradient with error feedback, "
+                        "decaying for sparseloco; docs/dips.md) (with --ps)")
     p.add_argument("--ps-pull", default="bf16", metavar="CODEC",
-                   help="how pulls travel: bf16 (parameters), int8, int4, topk[:DENSITY] or sparse[:DENSITY] (the "
-                        "change since the version held; a join's whole pull in int8) (with --ps)")
+                   help="how pulls travel: bf16 (parameters), int8, int4, sign[:FRACTION], topk[:DENSITY], "
+                        "sparse[:DENSITY] (the change since the version held; a join's whole pull in int8) or nonzero "
+                        "(the changed values exactly; a join in BF16) (with --ps)")
     p.add_argument("--ps-fragments", type=int, default=1,
                    help="stream each push: send its units in this many parts over the inner steps (with --ps; "
                         "1: all at the outer step)")
@@ -113,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ps:
         from dips.codec import Codec
         try:
-            Codec.parse(args.ps_push), Codec.parse(args.ps_pull)
+            if not Codec.parse(args.ps_push).fixed_size:
+                raise ValueError(f"codec {args.ps_push!r} carries pulls, not pushes")
+            Codec.parse(args.ps_pull)
         except ValueError as exc:
             print(f"ditorch.train: --ps-push/--ps-pull: {exc}", file=sys.stderr)
             return 2

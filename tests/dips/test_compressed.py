@@ -29,11 +29,13 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
 
 
 @pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"),
-                                      ("sparse:0.05", "sparse:0.05"), ("sign", "sign"), ("sign:0.5", "sign")])
+                                      ("sparse:0.05", "sparse:0.05"), ("sign", "sign"), ("sign:0.5", "sign"),
+                                      ("sparseloco:0.05", "nonzero")])
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
-    """Three rounds: the cluster pushes codec(held - local + residual); the reference applies
-    the same decoded values through clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped
-    part as the next residual, and the held values move by codec(new - held) at each pull."""
+    """Three rounds: the cluster pushes codec(held - local + decay * residual) (decay 0.95 for
+    SparseLoCo's accumulator, 1 otherwise); the reference applies the same decoded values through
+    clip-to-1 and torch.optim.SGD(nesterov), keeps the dropped part as the next residual, and the
+    held values move by codec(new - held) at each pull."""
     pc, qc = Codec.parse(push), Codec.parse(pull)
     theta = {n: p.detach().clone() for n, p in build_model(MODEL, 0).named_parameters()}
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in theta.items()}
@@ -44,7 +46,7 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
                         pull_codec=pull, state_dir=tmp_path / "state")
         units = c.layout.units
         held = {n: t.bfloat16().float() for n, t in theta.items()}  # joined: a whole pull, BF16 ...
-        if qc.lossy:  # ... or int8 codes of the values themselves for a compressed pull
+        if qc.lossy and qc.kind != "nonzero":  # ... or int8 codes of the values for a compressed pull
             for unit in units:
                 held.update(_unflat(Codec.parse("int8").round_trip(_flat(held, unit))[1], unit))
         residual = {u: torch.zeros(sum(t.numel for t in unit.tensors)) for u, unit in enumerate(units)}
@@ -56,7 +58,7 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
                                 for u in range(a, b) for t in units[u].tensors) ** 0.5 for a, b in c.plan["units"])
             decoded = {}
             for u, unit in enumerate(units):
-                x = _flat(held, unit) - _flat(local, unit) + residual[u]
+                x = _flat(held, unit) - _flat(local, unit) + residual[u] * (0.95 if pc.kind == "sparseloco" else 1.0)
                 dec = pc.round_trip(x)[1]
                 residual[u] = x - dec
                 decoded.update(_unflat(dec, unit))
@@ -163,14 +165,15 @@ def _mutations(codec: Codec, n: int):
     def index(p: bytes, value: int) -> bytes:
         return p[:4] + struct.pack("<i", value) + p[8:]
 
-    cases = {"short": (lambda p: p[:-1], "bytes of"), "long": (lambda p: p + b"\0", "bytes of"),
-             "nan scale": (lambda p: scale(p, float("nan")), "scale nan"),
-             "inf scale": (lambda p: scale(p, float("inf")), "scale inf")}
+    cases = {"short": (lambda p: p[:-1], "bytes of"), "long": (lambda p: p + b"\0", "bytes of")}
+    m = math.ceil(n / CHUNK)
+    cases["nan scale"] = (lambda p: scale(p, float("nan")), "scale nan")
+    cases["inf scale"] = (lambda p: scale(p, float("inf")), "scale inf")
     if codec.kind == "topk":
         cases["index out of range"] = (lambda p: index(p, n), f"index {n} out of range")
         cases["index repeated"] = (lambda p: p[:4] + p[:4] + p[8:], "strictly increasing")
-    if codec.kind == "sparse":  # the first chunk's second index (chunks of 4096 values)
-        at = 4 * math.ceil(n / CHUNK) + 2
+    if codec.kind in ("sparse", "sparseloco"):  # the first chunk's second index (chunks of 4096 values)
+        at = (4 if codec.kind == "sparse" else 8) * m + 2
         cases["index out of range"] = (lambda p: p[:at] + struct.pack("<H", min(n, CHUNK)) + p[at + 2:],
                                        "out of range")
         cases["index repeated"] = (lambda p: p[:at] + p[at - 2:at] + p[at + 2:], "strictly increasing")
@@ -182,7 +185,7 @@ def _mutations(codec: Codec, n: int):
     return cases
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sparse:0.05", "sign", "sign:0.5"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sparse:0.05", "sign", "sign:0.5", "sparseloco:0.05"])
 def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tmp_path, spec):
     codec = Codec.parse(spec)
     with in_process_ps(tmp_path) as (leader, followers, token):
@@ -208,6 +211,11 @@ def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tm
         req = c.transfer.send_payload(task, unit, addr, good, "int3", sqnorm=1.0)
         acks = [h for h, _ in c.transfer.replies(addr, {req})]
         assert not acks[0]["ok"] and "codec 'int3'" in acks[0]["err"]
+        # a pull's form, whose size follows from its counts, does not carry a push
+        req = c.transfer.send_payload(task, unit, addr, Codec.parse("nonzero").encode(torch.randn(n)), "nonzero",
+                                      sqnorm=1.0)
+        acks = [h for h, _ in c.transfer.replies(addr, {req})]
+        assert not acks[0]["ok"] and "codec nonzero carries pulls" in acks[0]["err"]
         for sqnorm in (None, -1.0, 1e301, "1"):  # the reported norm: present, a finite number >= 0
             req = c.transfer.send_payload(task, unit, addr, good, spec, sqnorm=sqnorm)
             acks = [h for h, _ in c.transfer.replies(addr, {req})]
@@ -269,7 +277,7 @@ def test_what_a_pull_drops_comes_with_the_next(tmp_path):
         a.close()
 
 
-@pytest.mark.parametrize("pull", ["sign", "sign:0.5", "sparse:0.05"])
+@pytest.mark.parametrize("pull", ["sign", "sign:0.5", "sparse:0.05", "nonzero"])
 def test_followers_record_exactly_what_the_cluster_holds(tmp_path, pull):
     """After a compressed join and two rounds of compressed pulls, each follower's record of what
     the cluster holds (its view) equals the cluster's held values bit for bit: both add the same
@@ -285,6 +293,29 @@ def test_followers_record_exactly_what_the_cluster_holds(tmp_path, pull):
                 view = f.state.views[c.speaker.cluster_id][c.base]
                 for u in range(start, stop):
                     assert torch.equal(view[u], _flat(c._held, c.layout.units[u])), (rnd, u)
+        c.close()
+
+
+def test_sparse_pushes_make_sparse_exact_pulls(tmp_path):
+    """SparseLoCo's pushes with plain outer SGD (momentum 0): a round changes at most the entries
+    the push kept, and a ``nonzero`` pull carries exactly the entries of the global BF16
+    parameters that changed since the cluster's version (counted here from the parameters
+    themselves), after which the cluster holds them bit for bit."""
+    push = Codec.parse("sparseloco:0.05")
+    with in_process_ps(tmp_path, outer_momentum=0.0) as (leader, _, token):
+        c = OuterClient(build_model(MODEL, 4), leader.address, inner_steps=1, token=token, name="c",
+                        push_codec=str(push), pull_codec="nonzero")
+        sizes = [sum(t.numel for t in u.tensors) for u in c.layout.units]
+        for rnd in range(3):
+            before, pulled = global_params(leader, token), c.stats["pull_bytes"]
+            perturb(c.model, rnd)
+            assert c.step(tokens=10)
+            after = global_params(leader, token)
+            changed = sum(int((after[n] != before[n]).sum()) for n in after)
+            assert 0 < changed <= sum(push.kept(n) for n in sizes), rnd
+            assert c.stats["pull_bytes"] - pulled == sum(4 * math.ceil(n / CHUNK) for n in sizes) + 6 * changed
+            for n, t in after.items():
+                assert torch.equal(c._held[n], t), (rnd, n)
         c.close()
 
 

@@ -104,7 +104,8 @@ push_or_pull = st.fixed_dictionaries(
     optional={**{k: header_values for k in ("push", "cluster", "base", "unit", "names", "shapes", "dtype",
                                             "version", "units", "since", "sqnorm")},
               # the compressed forms: a real codec now and then, so their checks are reached too
-              "codec": st.sampled_from(["int8", "int4", "topk:0.02", "sparse:0.03", "sign", "sign:0.5", "bf16"]) | header_values})
+              "codec": st.sampled_from(["int8", "int4", "topk:0.02", "sparse:0.03", "sign", "sign:0.5", "bf16",
+                                             "sparseloco:0.02", "nonzero"]) | header_values})
 
 
 def test_fuzzed_data_headers_never_stop_the_follower(ps):

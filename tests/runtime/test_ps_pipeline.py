@@ -158,5 +158,8 @@ def test_a_bad_codec_flag_is_one_clear_error(tmp_path):
                                                 "--ps-push", "int3"], tmp_path)
     assert run.returncode != 0 and "codec 'int3'" in run.stderr
     run = torchrun(tmp_path / "plan.json", 1, ["--steps", "1", "--ps", "127.0.0.1:1", "--ps-token-file", "k",
+                                                "--ps-push", "nonzero"], tmp_path)
+    assert run.returncode != 0 and "codec 'nonzero' carries pulls, not pushes" in run.stderr
+    run = torchrun(tmp_path / "plan.json", 1, ["--steps", "1", "--ps", "127.0.0.1:1", "--ps-token-file", "k",
                                                 "--inner-steps", "4", "--ps-fragments", "5"], tmp_path)
     assert run.returncode != 0 and "--ps-fragments 5" in run.stderr
