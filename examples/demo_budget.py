@@ -40,6 +40,11 @@ print(json.dumps({"work_s": time.perf_counter() - start}))
 """
 HOST_PROBE_REFERENCE_S = 0.345
 
+# The Di-PS phase's clusters take an outer step every this many inner steps: few, so that two
+# rounds of each cluster (the least that shows pushes from both applied and pulled back) fit
+# the budget's floor.
+DIPS_INNER_STEPS = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Host:
@@ -71,7 +76,7 @@ class Phase:
     floor: int = 1
     default: int = 1
     most: int = 1
-    multiple_of: int = 1  # units come in multiples of this (Di-PS: an outer step every 4 steps)
+    multiple_of: int = 1  # units come in multiples of this (Di-PS: an outer step every DIPS_INNER_STEPS)
     same_units_as: str | None = None  # a phase whose units this one follows (the reference: training's steps)
 
     def __post_init__(self) -> None:
@@ -198,10 +203,10 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
         phases.append(Phase("7/9", "HSR", "step", starts=9.0, chip_s=0.13, floor=2, default=2, most=4))
     if ps:
         # a plan, `ps bytes`, the leader and its followers, two clusters' torchruns side by side (a
-        # step is the pipeline's: the one-chip cluster's half batch keeps pace with it); an outer
-        # step every 4 steps, 2 outer steps at least
-        phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.05, floor=8, default=8,
-                            most=16, multiple_of=4))
+        # step is the pipeline's: the one-chip cluster's half batch keeps pace with it); two outer
+        # steps of each cluster at least
+        phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.05, floor=2 * DIPS_INNER_STEPS,
+                            default=4 * DIPS_INNER_STEPS, most=8 * DIPS_INNER_STEPS, multiple_of=DIPS_INNER_STEPS))
     if volunteer:
         # tokens, plan, four servers and five clients starting together, the reference, MRE; the
         # clients' chips run at time scale 1, so a step is the host's work; a client leaves after 8 s

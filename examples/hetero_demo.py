@@ -53,7 +53,8 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import yaml  # noqa: E402
 
-from demo_budget import Host, demo_phases, describe, predicted_against_actual, size_phases  # noqa: E402
+from demo_budget import (DIPS_INNER_STEPS, Host, demo_phases, describe, predicted_against_actual,  # noqa: E402
+                         size_phases)
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
 
@@ -428,7 +429,8 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
         for name, (cluster_plan, world, seed) in clusters.items():
             cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                    "-m", "ditorch.train", "--plan", str(cluster_plan),
-                   "--steps", str(args.ps_steps), "--seed", str(seed), "--ps", leader_addr, "--inner-steps", "4", "--ps-token-file",
+                   "--steps", str(args.ps_steps), "--seed", str(seed), "--ps", leader_addr,
+                   "--inner-steps", str(DIPS_INNER_STEPS), "--ps-token-file",
                    str(out / "job.key"), "--ps-name", name, "--quiet", "--loss-log", str(out / f"ps-{name}.jsonl"),
                    "--ps-push", PS_WIRE["push"], "--ps-pull", PS_WIRE["pull"]]
             print(f"[8/9] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
@@ -475,7 +477,7 @@ def _plot_clusters(out: Path, clusters: dict) -> None:
     for name in clusters:
         rows = [json.loads(line) for line in (out / f"ps-{name}.jsonl").read_text().splitlines()]
         ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label=f"cluster {name}")
-    ax.set_xlabel("tokens the cluster trained on (an outer step every 4 steps)")
+    ax.set_xlabel(f"tokens the cluster trained on (an outer step every {DIPS_INNER_STEPS} steps)")
     ax.set_ylabel("training loss")
     ax.set_title("Two clusters, one model, through Di-PS")
     ax.legend()
