@@ -181,11 +181,10 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
     is predicted as this one; the demo prints predicted against actual seconds per phase."""
     phases = []
     if chips_to_profile:
-        # per chip: the CLI, then TP 1's rank and TP 2's two; each TP's warm-ups (for the layer,
-        # its update and the stage's ends) cost more than its repeats (a run at time scale 270
-        # with 2 repeats took 47-79 s per chip)
+        # per chip: the CLI, then TP 1's rank and TP 2's two; each TP's fixed work (building the
+        # layer, the stage's ends and updates, one warm-up round) costs more than its repeats
         phases.append(Phase("1/9", "profiles", "repeat", starts=3.5 * chips_to_profile,
-                            chip_s=0.01 * chips_to_profile, fixed_chip_s=0.15 * chips_to_profile,
+                            chip_s=0.01 * chips_to_profile, fixed_chip_s=0.11 * chips_to_profile,
                             floor=2, default=3, most=5))
     phases += [
         Phase("2/9", "plan", "", fixed_s=1.0),

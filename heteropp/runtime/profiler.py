@@ -69,6 +69,14 @@ def _chip_seconds(fn, sync) -> float:
     return time.perf_counter() - start - (emulation_stats().host_late_s - late)
 
 
+def _warmups() -> int:
+    """Untimed runs before a device-time sample. A real chip needs several (clocks, caches,
+    the allocator's first blocks). An emulated chip's device time is its kernels' datasheet
+    cost, the same from the first run on; a cold host's extra time there is the lateness left
+    out anyway (_chip_seconds), so one run, for the allocator, is enough."""
+    return 1 if _speed_emulated() else 3
+
+
 def _timed(fn, sync, repeats: int) -> float:
     """Median chip seconds (:func:`_chip_seconds`) of ``fn`` over ``repeats`` runs after two warm-ups."""
     samples = [_chip_seconds(fn, sync) for _ in range(repeats + 2)]
@@ -77,13 +85,13 @@ def _timed(fn, sync, repeats: int) -> float:
 
 def _device_seconds(fn, sync, repeats: int) -> float:
     """Mean device time the emulated timeline charged per run of ``fn`` over ``repeats`` runs
-    after two warm-ups. Unlike :func:`_timed` it leaves out the host's own time after a
+    after the warm-ups. Unlike :func:`_timed` it leaves out the host's own time after a
     synchronisation inside ``fn`` (the update reads the gradient norm before it steps): on the
     emulated device that is this host's time, scaled down by the time scale, so it would depend
     on the host and its load; a real chip's host spends microseconds there."""
     from ditorch_ext.chip import emulation_stats
 
-    for _ in range(2):
+    for _ in range(_warmups()):
         fn()
     sync()
     emulation_stats(reset=True)
@@ -236,16 +244,17 @@ def _worker(rank: int, tp: int, port: int, chip: str, model: dict, precision: st
             with autocast:
                 bare(x)
 
-    # Forward and backward alternate, as in training; the first rounds warm the allocator up.
+    # Forward and backward alternate, as in training, after the warm-up rounds.
     from ditorch_ext.chip import emulation_stats
 
     fwd_samples, bwd_samples, bare_samples = [], [], []
-    for i in range(repeats + 3):
-        if i == 3:
+    warmups = _warmups()
+    for i in range(repeats + warmups):
+        if i == warmups:
             emulation_stats(reset=True)
         for fn, samples in ((forwards, fwd_samples), (backwards, bwd_samples), (bare_forwards, bare_samples)):
             seconds = _chip_seconds(fn, sync)
-            if i >= 3:
+            if i >= warmups:
                 samples.append(seconds / CHAIN)
     lateness = emulation_stats()
     # the chip's own time: what the emulated device took, divided by the time scale it ran at
@@ -344,9 +353,10 @@ def _end_times(spec: ModelSpec, family, tp: int, rank: int, device, autocast, sy
             y.backward(torch.ones_like(y))
 
         fwd_samples, bwd_samples = [], []
-        for i in range(repeats + 3):
+        warmups = _warmups()
+        for i in range(repeats + warmups):
             fwd, bwd = _chip_seconds(forward, sync), _chip_seconds(backward, sync)
-            if i >= 3:
+            if i >= warmups:
                 fwd_samples.append(fwd)
                 bwd_samples.append(bwd)
         out[f"{name}_fwd"] = max(0.0, statistics.median(fwd_samples) - stage_fwd)
