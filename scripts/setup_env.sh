@@ -52,9 +52,9 @@ stamp="$VENV/.ditorch-deps-$(sha1sum requirements.txt | cut -c1-12)"
 python_packages_pid=
 if [ ! -f "$stamp" ]; then
   t=$SECONDS
-  quiet $PIP install --upgrade pip setuptools wheel
+  # One pip run (each resolves and starts afresh): the C++ build waits on it.
   # shellcheck disable=SC2086  # one requirement per word
-  quiet $PIP install $BUILD_REQS
+  quiet $PIP install --upgrade pip setuptools wheel $BUILD_REQS
   say "torch and build tools $(took "$t")"
   python_packages() {
     local t=$SECONDS
@@ -71,7 +71,9 @@ run_logged build "$VENV/bin/python" setup.py -q build_ext --inplace
 say "C++ build $(took "$t")"
 [ -z "$python_packages_pid" ] || wait "$python_packages_pid"
 # --no-build-isolation: an isolated build env would resolve (and download) another torch.
+t=$SECONDS
 quiet $PIP install --no-build-isolation --no-deps -e .
+say "editable install $(took "$t")"
 "$VENV/bin/python" -c "import ditorch"
 say "ready in $(took "$START")"
 # make demo's budget (--budget) includes the set-up that preceded it (examples/hetero_demo.py).

@@ -2,7 +2,7 @@
 #include "device/Guard.h"
 #include "device/vendor/Vendor.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/AutogradState.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>

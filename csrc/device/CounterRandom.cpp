@@ -2,7 +2,11 @@
 
 #include "device/Generator.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/view_as_real.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -15,7 +15,7 @@
 #include "device/CpuFallback.h"
 #include "device/vendor/Vendor.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors.h>
 #include <ATen/ops/_coalesced_native.h>
 #include <ATen/ops/_indices_native.h>
 #include <ATen/ops/_nnz_native.h>

@@ -1,5 +1,7 @@
 #include "comm/backend/Staging.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 namespace dicomm {

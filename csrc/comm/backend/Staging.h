@@ -9,7 +9,7 @@
 // the tensor only after wait() (as with NCCL), when the copy back has completed.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
 
 #include <memory>

@@ -11,6 +11,8 @@
 #include <sstream>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include "comm/core/Tags.h"
 #include "comm/transport/Log.h"
 #include "comm/transport/PacedPair.h"

@@ -1,6 +1,11 @@
 #include "comm/core/Reduce.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/minimum.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 
 #include <atomic>
 #include <stdexcept>

@@ -5,7 +5,14 @@
 
 #include <string>
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
+// The store only by name: c10d's Store.hpp brings torch/custom_class.h (about 3 s of a 2-core
+// host's compile in every file of the transport layer); the files that call the store or own a
+// TransportContext include it themselves.
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class Store;
+}  // namespace c10d
 
 namespace dicomm {
 

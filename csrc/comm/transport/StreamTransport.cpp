@@ -11,12 +11,18 @@
 #include <cstdio>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include "comm/transport/CrossMemory.h"
 #include "comm/transport/Env.h"
 #include "comm/transport/Log.h"
 #include "comm/transport/StreamPair.h"
 
 namespace dicomm {
+
+StreamTransport::StreamTransport(StreamConfig config) : config_(config) {}
+
+StreamTransport::~StreamTransport() = default;
 
 std::string StreamTransport::addressKey(int rank) const {
   return ctx_.keyPrefix + config_.name + "/addr/" + std::to_string(rank);

@@ -22,7 +22,9 @@ namespace dicomm {
 
 class StreamTransport : public Transport {
  public:
-  explicit StreamTransport(StreamConfig config) : config_(config) {}
+  // Out of line: only StreamTransport.cpp includes c10d's Store (ListenAddress.h).
+  explicit StreamTransport(StreamConfig config);
+  ~StreamTransport() override;
   std::string name() const override { return config_.name; }
   void start(const TransportContext& context) override;
   std::shared_ptr<Pair> connect(int peer) override;

@@ -38,8 +38,6 @@
 #include <string>
 #include <vector>
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include "comm/transport/ListenAddress.h"
 
 namespace dicomm {

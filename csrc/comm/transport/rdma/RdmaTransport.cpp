@@ -1,5 +1,7 @@
 #include "comm/transport/rdma/RdmaTransport.h"
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include "comm/transport/Log.h"
 #include "comm/transport/Env.h"
 
