@@ -173,9 +173,10 @@ def predicted_against_actual(predicted: Mapping[str, float], actual: Mapping[str
 
 def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> list[Phase]:
     """``examples/hetero_demo.py``'s phases after phase 0, for its default cluster (one A, one B,
-    two C) and model (``llama-small``, 1K tokens per step), calibrated on the 2-core Xeon host of
-    the README, quiet, at time scale 71 (phases 347 s: profiles 58, plan 1, train 58, reference
-    12, MRE 2, timeline 2, HSR 58, Di-PS 50, volunteers 97; a start-up there is about 2 s): chip
+    two C) and model (``llama-small``, 1K tokens per step), calibrated on the README's `make demo`
+    from a fresh clone on the 2-core Xeon host, quiet, at time scale 170 (1.4 s start-ups; phases
+    368 s: profiles 67 at 2 repeats, plan 1, train 95 at 12 steps, reference 11, MRE 2, timeline
+    2, HSR 64 at 2 steps, Di-PS 66 at 6 steps, volunteers 59 at 7 steps): chip
     seconds per unit are the host-independent part (a phase's device-bound seconds over the time
     scale), start-ups the processes a phase waits for one after another. Another cluster or model
     is predicted as this one; the demo prints predicted against actual seconds per phase."""
@@ -184,14 +185,14 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
         # per chip: the CLI, then TP 1's rank and TP 2's two; each TP's fixed work (building the
         # layer, the stage's ends and updates, one warm-up round) costs more than its repeats
         phases.append(Phase("1/9", "profiles", "repeat", starts=3.5 * chips_to_profile,
-                            chip_s=0.01 * chips_to_profile, fixed_chip_s=0.11 * chips_to_profile,
+                            chip_s=0.01 * chips_to_profile, fixed_chip_s=0.08 * chips_to_profile,
                             floor=2, default=3, most=5))
     phases += [
         Phase("2/9", "plan", "", fixed_s=1.0),
         # torchrun, then four ranks starting on two cores, then a step per unit on the pipeline's
         # critical path (its bubbles included)
         Phase("3/9", "train", "step", starts=3.0, chip_s=0.0458, floor=8, default=16, most=48),
-        Phase("4/9", "fp32 reference", "step", starts=1.0, host_s=0.625, same_units_as="3/9"),
+        Phase("4/9", "fp32 reference", "step", starts=1.0, host_s=0.79, same_units_as="3/9"),
         Phase("5/9", "MRE", "", fixed_s=2.0),
         Phase("6/9", "timeline", "", fixed_s=2.0),
     ]
@@ -199,16 +200,16 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
         # the CLI, the chip types' runs alone side by side (their torchruns and ranks starting at
         # once), then the whole cluster's; a step is the slowest group's (C alone) plus the whole
         # cluster's; the first step of each run is not timed, so 2 steps time one
-        phases.append(Phase("7/9", "HSR", "step", starts=9.0, chip_s=0.13, floor=2, default=2, most=4))
+        phases.append(Phase("7/9", "HSR", "step", starts=13.0, chip_s=0.134, floor=2, default=2, most=4))
     if ps:
         # a plan, `ps bytes`, the leader and its followers, two clusters' torchruns side by side (a
         # step is the pipeline's: the one-chip cluster's half batch keeps pace with it); two outer
         # steps of each cluster at least
-        phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.05, floor=2 * DIPS_INNER_STEPS,
+        phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.055, floor=2 * DIPS_INNER_STEPS,
                             default=4 * DIPS_INNER_STEPS, most=8 * DIPS_INNER_STEPS, multiple_of=DIPS_INNER_STEPS))
     if volunteer:
         # tokens, plan, four servers and five clients starting together, the reference, MRE; the
         # clients' chips run at time scale 1, so a step is the host's work; a client leaves after 8 s
-        phases.append(Phase("9/9", "volunteers", "step", starts=7.0, fixed_s=10.0, host_s=7.0, floor=6, default=10,
+        phases.append(Phase("9/9", "volunteers", "step", starts=7.0, fixed_s=10.0, host_s=6.0, floor=6, default=10,
                             most=16))
     return phases
