@@ -16,14 +16,15 @@ demo: setup
 demo-single: setup
 	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
-# Two pytest-xdist workers by default: the suite's tests spend part of their time waiting (rank
-# processes starting, sockets, timeouts); 11m13s on a fresh clone on 2 cores with nothing else
-# running (README). Tests marked slow start first (tests/conftest.py). Test ranks fork from a
+# Three pytest-xdist workers by default on 2 cores: the suite's tests spend part of their time
+# waiting (rank processes starting, sockets, timeouts), so a third worker fills the cores (121%
+# of a core on average against 111% with two); 9m32s on a fresh clone on 2 cores with nothing
+# else running (README). Tests marked slow start first (tests/conftest.py). Test ranks fork from a
 # process that has imported torch (tests/forked_ranks.py).
 # TEST_WORKERS=0 runs it in one process. The 15 slowest tests in wall time and the 15 that used
 # the most CPU (the suite's real cost on 2 shared cores: tests/cpu_time.py) are listed at the end.
 # TEST_BUSY=N runs the suite beside N busy processes (tests/conftest.py): the loaded machine.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 TEST_BUSY ?= 0
 export TEST_WORKERS
 test: setup
