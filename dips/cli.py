@@ -168,13 +168,10 @@ def run_bytes(args: argparse.Namespace) -> int:
         layout = ModelLayout.of_specs([(n, tuple(t.shape)) for n, t in
                                        torch.load(args.init, weights_only=True, map_location="cpu").items()])
     sizes = [sum(t.numel for t in u.tensors) for u in layout.units]
-    push = [Codec.parse(c) for c in args.push.split(",")]
+    push = [Codec.parse_push(c) for c in args.push.split(",")]
     pull = [Codec.parse(c) for c in args.pull.split(",")]
     if args.clusters < 1:
         raise ValueError(f"--clusters {args.clusters}: expected at least 1")
-    bad = [str(c) for c in push if not c.fixed_size]
-    if bad:
-        raise ValueError(f"--push {','.join(bad)}: a pull codec, not a push codec")
 
     def total(codec: Codec, pushed: Codec | None = None) -> int:
         if codec.fixed_size:

@@ -163,10 +163,8 @@ class OuterClient:
         self.base = -1               # the global version the parameters started from
         self.plan: dict = {}         # the leader's data plan of the latest task
         self._snapshot: dict[str, torch.Tensor] = {}     # this worker's units as pushed (BF16, or FP32 when compressed)
-        self.push_codec = Codec.parse(push_codec) if isinstance(push_codec, str) else push_codec
+        self.push_codec = Codec.parse_push(push_codec)
         self.pull_codec = Codec.parse(pull_codec) if isinstance(pull_codec, str) else pull_codec
-        if not self.push_codec.fixed_size:
-            raise ValueError(f"push codec {self.push_codec}: a pull codec (a push's size must follow from its unit)")
         self.state_dir = None if state_dir is None else os.fspath(state_dir)
         self._held: dict[str, torch.Tensor] = {}      # global values of this worker's units at ``base``, as decoded
         self._pulled: dict[str, torch.Tensor] | None = None  # what the latest pull decoded, held once every rank has it

@@ -77,6 +77,16 @@ class Codec:
             raise ValueError(f"codec {spec!r}: top-k density {arg!r}; expected a number in (0, {MAX_DENSITY}]")
         return cls(kind, density)
 
+    @classmethod
+    def parse_push(cls, spec: "str | Codec") -> "Codec":
+        """``parse`` for a push's codec (or a codec already parsed): ``ValueError`` for a pull-only
+        one, whose payload's size does not follow from the unit's."""
+        codec = spec if isinstance(spec, Codec) else cls.parse(spec)
+        if not codec.fixed_size:
+            raise ValueError(f"codec {str(codec)!r} carries pulls, not pushes (a pull codec: a push's size must "
+                             f"follow from its unit)")
+        return codec
+
     def __str__(self) -> str:
         return f"{self.kind}:{self.density:g}" if self.kind in SPARSE or self.density else self.kind
 

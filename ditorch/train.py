@@ -115,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ps:
         from dips.codec import Codec
         try:
-            if not Codec.parse(args.ps_push).fixed_size:
-                raise ValueError(f"codec {args.ps_push!r} carries pulls, not pushes")
-            Codec.parse(args.ps_pull)
+            Codec.parse_push(args.ps_push), Codec.parse(args.ps_pull)
         except ValueError as exc:
             print(f"ditorch.train: --ps-push/--ps-pull: {exc}", file=sys.stderr)
             return 2

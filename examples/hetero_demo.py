@@ -55,6 +55,7 @@ import yaml  # noqa: E402
 
 from demo_budget import (DIPS_INNER_STEPS, Host, demo_phases, describe, predicted_against_actual,  # noqa: E402
                          size_phases)
+from heteropp.cluster import parse_tokens  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
 
@@ -405,8 +406,6 @@ def two_clusters_through_dips(args, counts: dict[str, int], plan: Path, out: Pat
     first = next(iter(counts))
     # the one-chip cluster takes half the pipeline's batch: clusters of different sizes train at
     # batches of their own, and its steps then keep pace with the pipeline's four chips
-    from heteropp.cluster import parse_tokens
-
     run([*ditorch, "plan", "--cluster", str(write_cluster(out / "cluster-single.yaml", {first: 1})), "--model",
          args.model, "--gbs", str(parse_tokens(args.gbs) // 2), "--out", str(single)], env, "8/9")
     run([*ditorch, "ps", "bytes", "--model", args.model, "--push", f"bf16,{PS_WIRE['push']}",
