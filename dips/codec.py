@@ -252,16 +252,7 @@ class Codec:
         else:
             codes = _unpack2(buf, 8 * m + 2 * k, k, what)
         chunk = torch.repeat_interleave(torch.arange(m), torch.tensor(kept))
-        size = torch.tensor([min(CHUNK, n - c * CHUNK) for c in range(m)])[chunk]
-        bad = idx >= size
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"{what}: sparse index {int(idx[i])} of chunk {int(chunk[i])} out of range "
-                             f"0..{int(size[i]) - 1}")
-        same = chunk[1:] == chunk[:-1]
-        if bool((same & (idx[1:] <= idx[:-1])).any()):
-            c = int(chunk[1:][same & (idx[1:] <= idx[:-1])][0])
-            raise ValueError(f"{what}: sparse indices of chunk {c} are not strictly increasing")
+        _check_chunk_indices(idx, chunk, _chunk_sizes(n), "sparse", what)
         out = torch.zeros(n)
         if self.kind == "sparse":
             out[chunk * CHUNK + idx] = codes.float() * scales[chunk]
@@ -442,7 +433,7 @@ def _decode_nonzero(buf: bytearray, n: int, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: {len(buf)} bytes of nonzero for {n} values; expected at least {4 * m} "
                          f"(the counts of its {m} chunks)")
     counts = torch.frombuffer(buf, dtype=torch.int32, count=m).long()  # beyond 2^31: negative, refused
-    size = torch.tensor([min(CHUNK, n - c * CHUNK) for c in range(m)])
+    size = _chunk_sizes(n)
     bad = (counts < 0) | (counts > size)
     if bad.any():
         c = int(bad.nonzero()[0])
@@ -457,21 +448,32 @@ def _decode_nonzero(buf: bytearray, n: int, what: str) -> torch.Tensor:
     values = torch.frombuffer(buf, dtype=torch.float32, offset=4 * m, count=k)
     idx = torch.frombuffer(buf, dtype=torch.int16, offset=4 * m + 4 * k, count=k).to(torch.int64) & 0xFFFF
     chunk = torch.repeat_interleave(torch.arange(m), counts)
-    bad = idx >= size[chunk]
-    if bad.any():
-        i = int(bad.nonzero()[0])
-        raise ValueError(f"{what}: nonzero index {int(idx[i])} of chunk {int(chunk[i])} out of range "
-                         f"0..{int(size[chunk[i]]) - 1}")
-    same = chunk[1:] == chunk[:-1]
-    if bool((same & (idx[1:] <= idx[:-1])).any()):
-        c = int(chunk[1:][same & (idx[1:] <= idx[:-1])][0])
-        raise ValueError(f"{what}: nonzero indices of chunk {c} are not strictly increasing")
+    _check_chunk_indices(idx, chunk, size, "nonzero", what)
     bad = ~torch.isfinite(values) | (values == 0)
     if bad.any():
         i = int(bad.nonzero()[0])
         raise ValueError(f"{what}: nonzero value {float(values[i])} at {i}; expected a finite number other than 0")
     out[chunk * CHUNK + idx] = values
     return out
+
+
+def _chunk_sizes(n: int) -> torch.Tensor:
+    """How many of ``n`` values each chunk holds (CHUNK, the last one fewer)."""
+    return torch.tensor([min(CHUNK, n - c * CHUNK) for c in range(_chunks(n))])
+
+
+def _check_chunk_indices(idx: torch.Tensor, chunk: torch.Tensor, sizes: torch.Tensor, form: str, what: str) -> None:
+    """``ValueError`` naming the first index (within its chunk, ``chunk`` giving each one's) out of
+    its chunk's range, or the first chunk whose indices are not strictly increasing."""
+    bad = idx >= sizes[chunk]
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{what}: {form} index {int(idx[i])} of chunk {int(chunk[i])} out of range "
+                         f"0..{int(sizes[chunk[i]]) - 1}")
+    same = chunk[1:] == chunk[:-1]
+    if bool((same & (idx[1:] <= idx[:-1])).any()):
+        c = int(chunk[1:][same & (idx[1:] <= idx[:-1])][0])
+        raise ValueError(f"{what}: {form} indices of chunk {c} are not strictly increasing")
 
 
 def _pack4(codes: torch.Tensor) -> bytes:
