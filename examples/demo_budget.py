@@ -14,8 +14,11 @@ A phase's seconds are a cost model of three parts:
 
 ``size_phases`` gives every phase its floor (the least work its verdict still means something
 on), then grows every phase's work by one common factor of its default (clamped to the phase's
-floor and most) while the predicted total fits the budget. When even the floors do not fit it
-says by how much rather than shrinking a verdict below its floor.
+floor and most) while the predicted total fits the budget. When even the floors do not fit at the
+demo's batch, it tries a smaller one (``BATCHES``: less work per step in every phase that trains
+the pipeline's model, the same verdicts over fewer tokens); when they fit at none, it keeps the
+smallest batch's floors and says by how much they exceed the budget rather than shrinking a
+verdict below its floor.
 """
 from __future__ import annotations
 
@@ -44,6 +47,15 @@ HOST_PROBE_REFERENCE_S = 0.345
 # rounds of each cluster (the least that shows pushes from both applied and pulled back) fit
 # the budget's floor.
 DIPS_INNER_STEPS = 2
+
+# The batches the demo may train at, as shares of its default (1K tokens: 8 micro-batches of one
+# 128-token sequence), largest first: half the batch is 4 micro-batches, still more than the
+# default cluster's 3 pipeline stages, so the pipeline's steady state and its bubbles both show.
+BATCHES = (1.0, 0.5)
+# What a step at a share of the batch costs: the calibration plan's pipeline (3 stages, 8
+# micro-batches) takes (micro-batches + stages - 1) micro-batch times a step.
+CALIBRATION_MICROBATCHES = 8
+CALIBRATION_STAGES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +90,9 @@ class Phase:
     most: int = 1
     multiple_of: int = 1  # units come in multiples of this (Di-PS: an outer step every DIPS_INNER_STEPS)
     same_units_as: str | None = None  # a phase whose units this one follows (the reference: training's steps)
+    # how a unit's cost follows the batch (BATCHES): "" not at all, "tokens" in proportion (one
+    # process), "pipeline" as the calibration plan's pipeline (fill and drain do not shrink)
+    batch: str = ""
 
     def __post_init__(self) -> None:
         for name in ("starts", "chip_s", "host_s", "fixed_s", "fixed_chip_s"):
@@ -91,11 +106,25 @@ class Phase:
                              f"expected integers with 0 <= floor <= default <= most")
         if any(n % self.multiple_of for n in (self.floor, self.default, self.most)):
             raise ValueError(f"phase {self.step}: floor, default and most must be multiples of {self.multiple_of}")
+        if self.batch not in ("", "tokens", "pipeline"):
+            raise ValueError(f"phase {self.step}: batch={self.batch!r}; expected '', 'tokens' or 'pipeline'")
 
-    def seconds(self, units: int, host: Host) -> float:
-        """Predicted wall seconds of this phase with ``units`` of work on ``host``."""
+    def batch_cost(self, share: float) -> float:
+        """A unit's cost at ``share`` of the default batch, against its cost at the default."""
+        if not (isinstance(share, (int, float)) and 0 < share <= 1):
+            raise ValueError(f"batch share {share!r} is invalid; expected a number in (0, 1]")
+        if self.batch == "tokens":
+            return share
+        if self.batch == "pipeline":
+            fill = CALIBRATION_STAGES - 1
+            return (share * CALIBRATION_MICROBATCHES + fill) / (CALIBRATION_MICROBATCHES + fill)
+        return 1.0
+
+    def seconds(self, units: int, host: Host, batch: float = 1.0) -> float:
+        """Predicted wall seconds of this phase with ``units`` of work at ``batch`` (a share of
+        the default batch) on ``host``."""
         return (self.starts * host.start_s + host.cpu_factor * self.fixed_s + host.time_scale * self.fixed_chip_s
-                + units * (host.time_scale * self.chip_s + host.cpu_factor * self.host_s))
+                + units * self.batch_cost(batch) * (host.time_scale * self.chip_s + host.cpu_factor * self.host_s))
 
     def units_at(self, factor: float) -> int:
         """The phase's units at ``factor`` times its default, within its floor and most."""
@@ -105,9 +134,10 @@ class Phase:
 
 @dataclasses.dataclass(frozen=True)
 class Sizing:
-    """Each phase's units and predicted seconds against the budget."""
+    """Each phase's units and predicted seconds against the budget, at a share of the batch."""
 
     budget_s: float
+    batch: float  # the share of the default batch every phase that follows it trains at
     units: dict[str, int]  # phase step -> units
     predicted_s: dict[str, float]  # phase step -> seconds
 
@@ -121,22 +151,34 @@ class Sizing:
         return max(0.0, self.total_s - self.budget_s)
 
 
-def size_phases(phases: Sequence[Phase], host: Host, budget_s: float) -> Sizing:
+def size_phases(phases: Sequence[Phase], host: Host, budget_s: float, batches: Sequence[float] = (1.0,)) -> Sizing:
     """The most work per phase (one common factor of each phase's default) whose predicted
-    seconds fit ``budget_s``; at least each phase's floor, whatever the budget."""
+    seconds fit ``budget_s``, at the largest of ``batches`` (shares of the default batch) whose
+    floors fit; each phase's floor at the smallest batch when none does."""
     if not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s)):
         raise ValueError(f"budget_s={budget_s!r} is invalid; expected a number of seconds")
+    if not batches or any(not (isinstance(b, (int, float)) and 0 < b <= 1) for b in batches):
+        raise ValueError(f"batches={list(batches)!r} is invalid; expected shares of the batch in (0, 1]")
     by_step = {p.step: p for p in phases}
     if len(by_step) != len(phases):
         raise ValueError(f"phases {[p.step for p in phases]}: each step must appear once")
     for p in phases:
         if p.same_units_as is not None and p.same_units_as not in by_step:
             raise ValueError(f"phase {p.step} follows the units of {p.same_units_as!r}, which is not a phase")
+    for batch in sorted(set(batches), reverse=True):
+        sizing = _size_at_batch(phases, host, budget_s, batch)
+        if not sizing.over_s:
+            return sizing
+    return sizing
+
+
+def _size_at_batch(phases: Sequence[Phase], host: Host, budget_s: float, batch: float) -> Sizing:
+    """``size_phases`` at one share of the batch."""
 
     def at(factor: float) -> Sizing:
         own = {p.step: p.units_at(factor) for p in phases}
         units = {p.step: own[p.same_units_as] if p.same_units_as else own[p.step] for p in phases}
-        return Sizing(budget_s, units, {p.step: p.seconds(units[p.step], host) for p in phases})
+        return Sizing(budget_s, batch, units, {p.step: p.seconds(units[p.step], host, batch) for p in phases})
 
     lo = at(0.0)  # every phase at its floor
     if lo.total_s > budget_s:
@@ -191,8 +233,8 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
         Phase("2/9", "plan", "", fixed_s=1.0),
         # torchrun, then four ranks starting on two cores, then a step per unit on the pipeline's
         # critical path (its bubbles included)
-        Phase("3/9", "train", "step", starts=3.0, chip_s=0.0458, floor=8, default=16, most=48),
-        Phase("4/9", "fp32 reference", "step", starts=1.0, host_s=0.79, same_units_as="3/9"),
+        Phase("3/9", "train", "step", starts=3.0, chip_s=0.0458, floor=8, default=16, most=48, batch="pipeline"),
+        Phase("4/9", "fp32 reference", "step", starts=1.0, host_s=0.79, same_units_as="3/9", batch="tokens"),
         Phase("5/9", "MRE", "", fixed_s=2.0),
         Phase("6/9", "timeline", "", fixed_s=2.0),
     ]
@@ -200,13 +242,15 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
         # the CLI, the chip types' runs alone side by side (their torchruns and ranks starting at
         # once), then the whole cluster's; a step is the slowest group's (C alone) plus the whole
         # cluster's; the first step of each run is not timed, so 2 steps time one
-        phases.append(Phase("7/9", "HSR", "step", starts=13.0, chip_s=0.134, floor=2, default=2, most=4))
+        phases.append(Phase("7/9", "HSR", "step", starts=13.0, chip_s=0.134, floor=2, default=2, most=4,
+                            batch="pipeline"))
     if ps:
         # a plan, `ps bytes`, the leader and its followers, two clusters' torchruns side by side (a
         # step is the pipeline's: the one-chip cluster's half batch keeps pace with it); two outer
         # steps of each cluster at least
         phases.append(Phase("8/9", "Di-PS", "step", starts=6.0, fixed_s=1.0, chip_s=0.055, floor=2 * DIPS_INNER_STEPS,
-                            default=4 * DIPS_INNER_STEPS, most=8 * DIPS_INNER_STEPS, multiple_of=DIPS_INNER_STEPS))
+                            default=4 * DIPS_INNER_STEPS, most=8 * DIPS_INNER_STEPS, multiple_of=DIPS_INNER_STEPS,
+                            batch="pipeline"))
     if volunteer:
         # tokens, plan, four servers and five clients starting together, the reference, MRE; the
         # clients' chips run at time scale 1, so a step is the host's work; a client leaves after 8 s

@@ -53,8 +53,8 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import yaml  # noqa: E402
 
-from demo_budget import (DIPS_INNER_STEPS, Host, demo_phases, describe, predicted_against_actual,  # noqa: E402
-                         size_phases)
+from demo_budget import (BATCHES, DIPS_INNER_STEPS, Host, demo_phases, describe,  # noqa: E402
+                         predicted_against_actual, size_phases)
 from heteropp.cluster import parse_tokens  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
 from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps (default: sized to the budget)")
     p.add_argument("--chips", default="A:1,B:1,C:2", help="chip type:count pairs of the emulated cluster")
     p.add_argument("--model", default="examples/configs/llama-small.yaml")
-    p.add_argument("--gbs", default="1K", help="global batch in tokens (1K = 8 sequences of 128)")
+    p.add_argument("--gbs", default=None,
+                   help=f"global batch in tokens (default: {DEFAULT_GBS}, 8 sequences of 128, or half that when the "
+                        f"budget cannot hold every phase's least work at it)")
     p.add_argument("--memory-scale", default="0.01", help="chip memory scale (0.01: a 32 GB chip holds 328 MiB)")
     p.add_argument("--reprofile", action="store_true", help="measure the chips again even if profiles exist")
     p.add_argument("--time-scale", type=float, default=None,
@@ -159,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     phases = fixed_by_options(demo_phases(len(to_profile), len(counts) > 1 and not args.no_hsr, not args.no_ps,
                                           not args.no_volunteer), args)
     budget_s = 60 * args.budget - setup_s - PHASE_SECONDS["0/9"]
-    sizing = size_phases(phases, host, BUDGET_SHARE * budget_s)
+    sizing = size_phases(phases, host, BUDGET_SHARE * budget_s, BATCHES if args.gbs is None else (1.0,))
     units = sizing.units
+    args.gbs = args.gbs or str(round(sizing.batch * parse_tokens(DEFAULT_GBS)))
     print(f"\n[0/9] budget {args.budget:g} min: set-up {setup_s:.0f} s, phase 0 {PHASE_SECONDS['0/9']:.0f} s, "
-          f"{budget_s:.0f} s left for the phases, sized to {100 * BUDGET_SHARE:.0f}% of it; each phase's work and "
-          f"predicted seconds:\n   " + "\n   ".join(describe(sizing, phases)), flush=True)
+          f"{budget_s:.0f} s left for the phases, sized to {100 * BUDGET_SHARE:.0f}% of it; a global batch of "
+          f"{args.gbs} tokens; each phase's work and predicted seconds:\n   "
+          + "\n   ".join(describe(sizing, phases)), flush=True)
     if sizing.over_s:
         print(f"   the budget cannot hold every phase's floor (the least work its verdict means something on): "
               f"the floors need {sizing.total_s:.0f} s, {sizing.total_s - budget_s:.0f} s more than is left; the demo "
@@ -225,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
           + ("" if args.no_volunteer else f", volunteer loss curves {out / 'volunteer' / 'loss_curves.png'}"))
     return verdict
 
+
+# The demo's global batch in tokens when the budget holds every phase's floor at it (else half:
+# examples/demo_budget.py, BATCHES).
+DEFAULT_GBS = "1K"
 
 # The phases are sized to this share of the budget: their predictions err by 10-30% on a loaded
 # host (each phase's predicted and actual seconds are printed at the end).

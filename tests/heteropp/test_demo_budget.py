@@ -58,6 +58,34 @@ def test_a_phase_follows_anothers_units_and_keeps_to_its_multiples():
     assert sizing.total_s == pytest.approx(49.5)
 
 
+def test_a_smaller_batch_shrinks_each_units_cost_as_its_phase_follows_the_batch():
+    pipeline = Phase("3/9", "train", "step", starts=1.0, chip_s=0.1, batch="pipeline")
+    tokens = Phase("4/9", "reference", "step", host_s=1.0, batch="tokens")
+    fixed = Phase("9/9", "volunteers", "step", host_s=1.0)
+    # half of 8 micro-batches through 3 stages: (4 + 2) / (8 + 2) of a step's micro-batch times
+    assert pipeline.seconds(5, HOST, 0.5) == pytest.approx(2.0 + 5 * 1.0 * 0.6)
+    assert tokens.seconds(5, HOST, 0.5) == pytest.approx(2.5)
+    assert fixed.seconds(5, HOST, 0.5) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="batch share 0 is invalid"):
+        pipeline.seconds(5, HOST, 0)
+
+
+def test_the_sizing_keeps_the_largest_batch_whose_floors_fit():
+    train = Phase("a", "train", "step", chip_s=0.1, floor=8, default=16, most=48, batch="pipeline")
+    extra = Phase("b", "volunteers", "step", host_s=1.0, floor=2, default=2, most=2)
+    # floors at the whole batch: 8 x 1 s + 2 s = 10 s; at half: 8 x 0.6 s + 2 s = 6.8 s
+    whole = size_phases([train, extra], HOST, 12.0, batches=(0.5, 1.0))
+    assert whole.batch == 1.0 and whole.units == {"a": 10, "b": 2}
+    half = size_phases([train, extra], HOST, 9.0, batches=(0.5, 1.0))
+    # 11 steps at 0.6 s (6.6 s) + 2 s fit 9 s; 12 would be 9.2 s
+    assert half.batch == 0.5 and half.units == {"a": 11, "b": 2} and half.over_s == 0
+    neither = size_phases([train, extra], HOST, 5.0, batches=(1.0, 0.5))
+    assert neither.batch == 0.5 and neither.units == {"a": 8, "b": 2}
+    assert neither.over_s == pytest.approx(1.8)
+    with pytest.raises(ValueError, match=r"batches=\[1.5\] is invalid"):
+        size_phases([train], HOST, 5.0, batches=(1.5,))
+
+
 def test_bad_phases_and_budgets_are_refused_with_the_value_named():
     with pytest.raises(ValueError, match="floor=5, default=3"):
         Phase("1/9", "x", "step", floor=5, default=3, most=8)
