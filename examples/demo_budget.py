@@ -253,7 +253,8 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
                             batch="pipeline"))
     if volunteer:
         # tokens, plan, four servers and five clients starting together, the reference, MRE; the
-        # clients' chips run at time scale 1, so a step is the host's work; a client leaves after 8 s
+        # clients' chips run at time scale 1, so a step is the host's work (its batch follows the
+        # pipeline's share); a client leaves after 8 s
         phases.append(Phase("9/9", "volunteers", "step", starts=7.0, fixed_s=10.0, host_s=6.0, floor=6, default=10,
-                            most=16))
+                            most=16, batch="tokens"))
     return phases

@@ -211,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         import volunteer_demo
 
         volunteer_started = time.perf_counter()
+        # its batch follows the pipeline's share of the default (8 sequences of 64 tokens at 1K)
         verdict = volunteer_demo.main(["--model", args.model, "--out", str(out / "volunteer"), "--steps",
-                                       str(units["9/9"])], step="9/9") or verdict
+                                       str(units["9/9"]), "--batch", str(round(VOLUNTEER_BATCH * sizing.batch))],
+                                      step="9/9") or verdict
         PHASE_SECONDS["9/9"] = time.perf_counter() - volunteer_started
     summarize(out, plan, hsr, Work(steps, args.gbs, units.get("7/9"), units.get("9/9")), late)
     total = time.perf_counter() - started
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 # The demo's global batch in tokens when the budget holds every phase's floor at it (else half:
 # examples/demo_budget.py, BATCHES).
 DEFAULT_GBS = "1K"
+# The volunteer phase's batch in sequences (of 64 tokens) at the default batch.
+VOLUNTEER_BATCH = 8
 
 # The phases are sized to this share of the budget: their predictions err by 10-30% on a loaded
 # host (each phase's predicted and actual seconds are printed at the end).
