@@ -93,8 +93,12 @@ class Phase:
     # how a unit's cost follows the batch (BATCHES): "" not at all, "tokens" in proportion (one
     # process), "pipeline" as the calibration plan's pipeline (fill and drain do not shrink)
     batch: str = ""
+    # the share of training's time scale this phase's chips run at (the profiles run at their own)
+    time_scale_share: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.time_scale_share, (int, float)) and 0 < self.time_scale_share <= 1):
+            raise ValueError(f"phase {self.step}: time_scale_share={self.time_scale_share!r}; expected a number in (0, 1]")
         for name in ("starts", "chip_s", "host_s", "fixed_s", "fixed_chip_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -123,8 +127,9 @@ class Phase:
     def seconds(self, units: int, host: Host, batch: float = 1.0) -> float:
         """Predicted wall seconds of this phase with ``units`` of work at ``batch`` (a share of
         the default batch) on ``host``."""
-        return (self.starts * host.start_s + host.cpu_factor * self.fixed_s + host.time_scale * self.fixed_chip_s
-                + units * self.batch_cost(batch) * (host.time_scale * self.chip_s + host.cpu_factor * self.host_s))
+        time_scale = host.time_scale * self.time_scale_share
+        return (self.starts * host.start_s + host.cpu_factor * self.fixed_s + time_scale * self.fixed_chip_s
+                + units * self.batch_cost(batch) * (time_scale * self.chip_s + host.cpu_factor * self.host_s))
 
     def units_at(self, factor: float) -> int:
         """The phase's units at ``factor`` times its default, within its floor and most."""
@@ -213,7 +218,8 @@ def predicted_against_actual(predicted: Mapping[str, float], actual: Mapping[str
     return rows
 
 
-def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> list[Phase]:
+def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool,
+                profile_time_scale_share: float = 1.0) -> list[Phase]:
     """``examples/hetero_demo.py``'s phases after phase 0, for its default cluster (one A, one B,
     two C) and model (``llama-small``, 1K tokens per step), calibrated on the README's `make demo`
     from a fresh clone on the 2-core Xeon host, quiet, at time scale 170 (1.4 s start-ups; phases
@@ -225,10 +231,11 @@ def demo_phases(chips_to_profile: int, hsr: bool, ps: bool, volunteer: bool) -> 
     phases = []
     if chips_to_profile:
         # per chip: the CLI, then TP 1's rank and TP 2's two; each TP's fixed work (building the
-        # layer, the stage's ends and updates, one warm-up round) costs more than its repeats
+        # layer, the stage's ends and updates, one warm-up round) costs more than its repeats; the
+        # chips run at the profiles' own time scale, profile_time_scale_share of training's
         phases.append(Phase("1/9", "profiles", "repeat", starts=3.5 * chips_to_profile,
                             chip_s=0.01 * chips_to_profile, fixed_chip_s=0.08 * chips_to_profile,
-                            floor=2, default=3, most=5))
+                            floor=2, default=3, most=5, time_scale_share=profile_time_scale_share))
     phases += [
         Phase("2/9", "plan", "", fixed_s=1.0),
         # torchrun, then four ranks starting on two cores, then a step per unit on the pipeline's

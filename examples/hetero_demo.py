@@ -156,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n[0/9] a process starts in {host.start_s:.1f} s here; a fixed piece of CPU work takes {host.cpu_factor:.2f}x "
           f"the calibration host's time ({PHASE_SECONDS['0/9']:.0f} s)", flush=True)
 
+    profile_scale = profile_time_scale(time_scale, world, max(PROFILED_TP))
     to_profile = [chip for chip in counts if args.reprofile or not usable_profile(out / f"chip-{chip}.yaml", chip,
                                                                                     time_scale)]
     phases = fixed_by_options(demo_phases(len(to_profile), len(counts) > 1 and not args.no_hsr, not args.no_ps,
-                                          not args.no_volunteer), args)
+                                          not args.no_volunteer, profile_scale / time_scale), args)
     budget_s = 60 * args.budget - setup_s - PHASE_SECONDS["0/9"]
     sizing = size_phases(phases, host, BUDGET_SHARE * budget_s, BATCHES if args.gbs is None else (1.0,))
     units = sizing.units
@@ -176,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     for chip in counts:
         profile = out / f"chip-{chip}.yaml"
         if chip in to_profile:
-            run([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp", "1,2", "--repeats",
-                 str(units["1/9"]), "--time-scale", f"{time_scale:g}", "--out", str(profile)], env, "1/9")
+            profile_chip([*ditorch, "profile", "--chip", chip, "--model", args.model, "--tp",
+                          ",".join(map(str, PROFILED_TP)), "--repeats", str(units["1/9"]), "--run-time-scale",
+                          f"{time_scale:g}", "--out", str(profile)], chip, (profile_scale, time_scale), env)
         else:
             print(f"\n[1/9] chip {chip}: using the profile measured before ({profile}; --reprofile to measure again)")
     cluster = write_cluster(out / "cluster-emu.yaml", counts)
@@ -237,6 +239,40 @@ def main(argv: list[str] | None = None) -> int:
 DEFAULT_GBS = "1K"
 # The volunteer phase's batch in sequences (of 64 tokens) at the default batch.
 VOLUNTEER_BATCH = 8
+
+# The TP sizes each chip is profiled at (the plan may give a chip group either).
+PROFILED_TP = (1, 2)
+# What `ditorch profile` prints for a TP size whose host fell more than 2% behind its chip.
+PROFILE_LATE_LINE = re.compile(r"the host fell behind the chip by (\d+(?:\.\d+)?)% of its device time")
+
+
+def profile_time_scale(time_scale: float, world: int, profiled_ranks: int) -> float:
+    """The time scale the chips are measured at, for training's ``time_scale`` chosen for ``world``
+    ranks on this host's cores: a rank keeps up at a scale in inverse proportion to its share of a
+    core, and a profile runs ``profiled_ranks`` ranks (its largest TP), not the cluster's. A chip's
+    profiled times are its own at any scale its host keeps up at
+    (tests/heteropp/test_profile_invariance.py); at a lower one the profile waits less for its
+    emulated device. Two significant digits, never above training's."""
+    cores = os.cpu_count() or 1
+    scale = time_scale * min(1.0, cores / world) / min(1.0, cores / profiled_ranks)
+    return min(time_scale, float(f"{scale:.2g}"))
+
+
+def profile_chip(cmd: list[str], chip: str, time_scales: tuple[float, float], env: dict) -> None:
+    """Phase 1 for one chip: ``cmd`` (``ditorch profile`` with the runs' time scale) measuring at
+    the profiles' own scale, then, if its host fell behind there (beside other work that scale
+    can be too low: a host that falls behind leaves the times less exact), again at training's,
+    the scale the calibration found every rank keeping up at."""
+    low, high = time_scales
+    for scale in dict.fromkeys((low, high)):
+        lines: list[str] = []
+        run([*cmd, "--time-scale", f"{scale:g}"], env, "1/9", lines=lines)
+        late = [float(m.group(1)) for m in map(PROFILE_LATE_LINE.search, lines) if m]
+        if not late or scale == high:
+            return
+        print(f"\n[1/9] chip {chip}'s host fell {max(late):.1f}% behind it at time scale {scale:g}: measuring again "
+              f"at {high:g}, training's", flush=True)
+
 
 # The phases are sized to this share of the budget: their predictions err by 10-30% on a loaded
 # host (each phase's predicted and actual seconds are printed at the end).

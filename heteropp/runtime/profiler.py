@@ -463,9 +463,12 @@ def profile_tp(chip: str, spec: ModelSpec, tp: int, precision: str = "bf16", mem
         return json.loads(Path(out).read_text())
 
 
-def chip_description(chip: str, results: dict[int, dict], memory_scale: float, time_scale: float = 1.0) -> dict:
+def chip_description(chip: str, results: dict[int, dict], memory_scale: float, time_scale: float = 1.0,
+                     measured_time_scale: float | None = None) -> dict:
     """The ``chips: {NAME: ...}`` entry of cluster.yaml from measured results; links and memory
-    bandwidth from the chip's datasheet."""
+    bandwidth from the chip's datasheet. ``time_scale`` is the one the plan's runs emulate at,
+    ``measured_time_scale`` (default: the same) the one the results were measured at: the
+    results are the chip's own times whatever the scale its host kept up at."""
     import platform
 
     from diutil.datasheets.chips import resolve
@@ -474,6 +477,7 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, t
     profile = resolve(chip)
     sheet = datasheet_defaults(chip, f"ditorch profile --chip {chip}")
     late = max((r.get("host_late_percent") or 0.0) for r in results.values())
+    measured = time_scale if measured_time_scale is None else measured_time_scale
     return {
         "count": profile.chips_per_node,
         "memory_gb": round(profile.capacity_bytes(memory_scale) / 1e9, 6),
@@ -488,7 +492,7 @@ def chip_description(chip: str, results: dict[int, dict], memory_scale: float, t
         "emulated_time_scale": time_scale,
         "profiler_version": PROFILER_VERSION,
         "source": (f"measured: ditorch profile on {platform.node() or 'this host'} ({_cpu_name()}), "
-                   f"{_vendor()} vendor at time scale {time_scale:g}; the host fell behind the chip by {late:.1f}%"),
+                   f"{_vendor()} vendor at time scale {measured:g}; the host fell behind the chip by {late:.1f}%"),
     }
 
 
@@ -541,6 +545,10 @@ def register(subparsers) -> None:
                    help="run the chip this many times slower than its datasheet (default $DITORCH_TIME_SCALE, else "
                         "chosen for this host: its time for the layer against this chip's, times --ranks per core "
                         "and headroom); the plan's runs use the same")
+    p.add_argument("--run-time-scale", default=None,
+                   help="the time scale the plan's runs emulate at (default: the measured one): a chip's profiled "
+                        "times are its own at any scale its host keeps up at, so a profile, whose ranks are fewer "
+                        "than a run's, may be measured at a lower scale and wait less for its emulated device")
     p.add_argument("--ranks", type=int, default=None,
                    help="emulated ranks the plan's runs will put on this host (default: the largest --tp), for the "
                         "time scale chosen when none is given")
@@ -574,6 +582,9 @@ def profile_command(args) -> int:
             print(f"this host takes {ratio:.1f}x chip {args.chip}'s time for the layer: time scale {stretch:g}")
         else:
             stretch = time_scale_or_default(args.time_scale, "--time-scale")
+        run_stretch = stretch
+        if _speed_emulated() and getattr(args, "run_time_scale", None) is not None:
+            run_stretch = time_scale_or_default(args.run_time_scale, "--run-time-scale")
     except (ValueError, OSError) as exc:
         print(f"ditorch profile: {exc}", file=sys.stderr)
         return 2
@@ -594,7 +605,8 @@ def profile_command(args) -> int:
             print(f"    the host fell behind the chip by {r['host_late_percent']:.1f}% of its device time at time scale "
                   f"{stretch:g}: that wait is left out of these times; a run at this scale is as late "
                   f"(a larger --time-scale lets the host keep up)", flush=True)
-    desc = {"chips": {args.chip: chip_description(args.chip, results, scale, time_scale=stretch)}}
+    desc = {"chips": {args.chip: chip_description(args.chip, results, scale, time_scale=run_stretch,
+                                                  measured_time_scale=stretch)}}
     try:  # what the planner will read: a measurement it would refuse is not written
         ChipSpec.from_dict(args.chip, desc["chips"][args.chip])
     except ValueError as exc:
@@ -604,7 +616,7 @@ def profile_command(args) -> int:
     header = (f"# ditorch profile --chip {args.chip} --model {args.model}{seq} --tp {args.tp} --precision {args.precision}\n"
               f"# measured one layer per micro-batch of {spec.seq} tokens; memory is the emulated "
               f"capacity at memory scale {scale:g}; times are the chip's own (measured at time scale {stretch:g} "
-              f"and divided by it)\n")
+              f"and divided by it); the plan's runs emulate at time scale {run_stretch:g}\n")
     Path(args.out).write_text(header + yaml.safe_dump(desc, sort_keys=False))
     print(f"wrote {args.out}")
     return 0

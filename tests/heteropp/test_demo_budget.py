@@ -86,6 +86,56 @@ def test_the_sizing_keeps_the_largest_batch_whose_floors_fit():
         size_phases([train], HOST, 5.0, batches=(1.5,))
 
 
+def _hetero_demo():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        import hetero_demo
+    finally:
+        sys.path.pop(0)
+    return hetero_demo
+
+
+def test_profiles_run_at_their_own_share_of_trainings_time_scale(monkeypatch):
+    phase = Phase("1/9", "profiles", "repeat", starts=1.0, chip_s=0.1, fixed_chip_s=0.5, time_scale_share=0.5)
+    # 2 s start-up + 0.5 chip-s at 10 x 0.5 + 2 x 0.1 chip-s at 5
+    assert phase.seconds(2, HOST) == pytest.approx(2.0 + 2.5 + 1.0)
+    profile_time_scale = _hetero_demo().profile_time_scale
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # 4 ranks on 2 cores get half a core each; a TP 2 profile's 2 ranks a whole one
+    assert profile_time_scale(170.0, 4, 2) == 85.0
+    assert profile_time_scale(440.0, 4, 2) == 220.0
+    # no more ranks than cores: a core each either way
+    assert profile_time_scale(170.0, 2, 1) == 170.0
+    # 8 ranks against a TP 4 profile's 4 on 2 cores: half; a profile never runs above training's scale
+    assert profile_time_scale(300.0, 8, 4) == 150.0
+    assert profile_time_scale(300.0, 2, 4) == 300.0
+    with pytest.raises(ValueError, match="time_scale_share=0"):
+        Phase("1/9", "x", "repeat", time_scale_share=0)
+
+
+def test_a_chip_whose_host_fell_behind_at_the_profiles_scale_is_measured_again_at_trainings(monkeypatch):
+    hetero_demo = _hetero_demo()
+    # what `ditorch profile` prints for a TP size whose host fell behind (heteropp/runtime/profiler.py)
+    late_at = {"85": "    the host fell behind the chip by 3.6% of its device time at time scale 85: that wait"}
+    scales = []
+
+    def fake_run(cmd, env, step, check=True, lines=None):
+        scale = cmd[cmd.index("--time-scale") + 1]
+        scales.append(scale)
+        lines += ["  1     0.31     0.61\n", late_at.get(scale, "  2     0.33     0.62\n")]
+        return 0
+
+    monkeypatch.setattr(hetero_demo, "run", fake_run)
+    hetero_demo.profile_chip(["ditorch", "profile"], "A", (85.0, 170.0), {})
+    assert scales == ["85", "170"]
+    scales.clear()
+    hetero_demo.profile_chip(["ditorch", "profile"], "B", (90.0, 170.0), {})
+    assert scales == ["90"]
+    scales.clear()
+    hetero_demo.profile_chip(["ditorch", "profile"], "C", (85.0, 85.0), {})
+    assert scales == ["85"]
+
+
 def test_bad_phases_and_budgets_are_refused_with_the_value_named():
     with pytest.raises(ValueError, match="floor=5, default=3"):
         Phase("1/9", "x", "step", floor=5, default=3, most=8)

@@ -73,14 +73,20 @@ def _whole_stage_seconds(chip: str, time_scale: float) -> tuple[float, float]:
     return _device_seconds(micro_batch), _device_seconds(update)
 
 
-def test_a_measured_profile_adds_up_to_the_whole_stage_on_the_emulated_device():
+@pytest.mark.parametrize("run_factor", [1, 2])
+def test_a_measured_profile_adds_up_to_the_whole_stage_on_the_emulated_device(run_factor):
+    """Measured at one time scale and run at ``run_factor`` times it (`ditorch profile
+    --run-time-scale`): a profile's times are the chip's own, so the planner's stage at the run's
+    scale is the whole stage measured there."""
     scale = 6 * host_ratio("A", SPEC)  # the host keeps up: the samples are the chip's
     measured = profile_tp("A", SPEC, 1, memory_scale=0.01, repeats=3, time_scale=scale)
-    chip = ChipSpec.from_dict("A", chip_description("A", {1: measured}, 0.01, time_scale=scale))
+    chip = ChipSpec.from_dict("A", chip_description("A", {1: measured}, 0.01, time_scale=run_factor * scale,
+                                                    measured_time_scale=scale))
+    assert f"at time scale {scale:g};" in chip.source
     cluster = ClusterSpec(chips=(chip,), inter_node=LINK, inter_cluster=LINK)
     profile = ChipProfile(chip, SPEC)
     [cost] = stage_costs(SPEC, cluster, {"A": profile}, [("A", 1, 1, SPEC.n_layers, False)])
-    micro_batch, update = _whole_stage_seconds("A", scale)
+    micro_batch, update = _whole_stage_seconds("A", run_factor * scale)
     assert cost.compute == pytest.approx(micro_batch, rel=0.03)
     assert profile.stage_update_time(1, 1, SPEC.n_layers) == pytest.approx(update, rel=0.03)
 
