@@ -345,7 +345,8 @@ def test_bounded_sparse_pulls_keep_the_view_exact_and_deliver_what_they_leave(tm
     size whatever that union holds; after it every follower's record of what a holds equals a's
     held values bit for bit; what a pull leaves stays in the difference, so further pulls of the
     same version bring a's values to the global BF16 ones exactly. A follower that restarted knows
-    no view: a's next pull is whole (BF16) and the views agree again from there."""
+    no view: a's next pull is whole (BF16) and the views agree again from there; so do they when
+    the cluster restarts and joins again."""
     pull = Codec.parse("sparsebf16:0.02")
     with in_process_ps(tmp_path, outer_momentum=0.0) as (leader, followers, token):
         clients = [OuterClient(build_model(MODEL, 10 + i), leader.address, inner_steps=1, token=token, name=name,
@@ -355,11 +356,11 @@ def test_bounded_sparse_pulls_keep_the_view_exact_and_deliver_what_they_leave(tm
         units = range(len(sizes))
         who = a.speaker.cluster_id
 
-        def views_agree() -> None:
-            for f, (start, stop) in zip(followers, a.plan["units"]):
-                view = f.state.views[who][a.base]
+        def views_agree(c: OuterClient) -> None:
+            for f, (start, stop) in zip(followers, c.plan["units"]):
+                view = f.state.views[c.speaker.cluster_id][c.base]
                 for u in range(start, stop):
-                    assert torch.equal(view[u], _flat(a._held, a.layout.units[u])), u
+                    assert torch.equal(view[u], _flat(c._held, c.layout.units[u])), u
 
         for rnd in range(3):
             for i, c in enumerate(reversed(clients)):  # a pushes last, after the others' rounds
@@ -367,7 +368,7 @@ def test_bounded_sparse_pulls_keep_the_view_exact_and_deliver_what_they_leave(tm
                 pulled = a.stats["pull_bytes"]
                 assert c.step(tokens=10)
             assert a.stats["pull_bytes"] - pulled == sum(pull.payload_bytes(n) for n in sizes)
-            views_agree()
+            views_agree(a)
         target = global_params(leader, token)
         assert any(not torch.equal(a._held[n], target[n]) for n in target)  # the pulls left some of it
         held, gaps = dict(a._held), []
@@ -385,8 +386,18 @@ def test_bounded_sparse_pulls_keep_the_view_exact_and_deliver_what_they_leave(tm
         joins = a.stats["pulls"]
         assert a.step(tokens=10)
         assert a.stats["pulls"] - joins == 1
-        views_agree()
+        views_agree(a)
         latest = global_params(leader, token)
         assert all(torch.equal(a._held[n], latest[n]) for n in latest)  # the whole pull: the BF16 values
-        for c in clients:
+        # a restarted cluster joins whole (BF16), its view starts there and its next pull is bounded again
+        a.close()
+        again = OuterClient(build_model(MODEL, 50), leader.address, inner_steps=1, token=token, name="a",
+                            push_codec="sparseloco:0.05", pull_codec=str(pull))
+        views_agree(again)
+        perturb(again.model, 77)
+        pulled = again.stats["pull_bytes"]
+        assert again.step(tokens=10)
+        assert again.stats["pull_bytes"] - pulled == sum(pull.payload_bytes(n) for n in sizes)
+        views_agree(again)
+        for c in [again] + clients[1:]:
             c.close()
