@@ -12,7 +12,7 @@ The PS (one leader in the driver process and two follower processes) runs on hos
 
 Modes ``dips-int8``, ``dips-int4``, ``dips-topk``, ``dips-sparse``, ``dips-sign``,
 ``dips-sparselocoD`` (SparseLoCo's push at D%, ``nonzero`` pulls; run them at outer momentum 0,
-the default) and their variants (``WIRE`` names each one's push and pull codec, ``OUTER_LR`` an
+the default), ``dips-sparselocoD-pullP`` (the same push, pulls of each chunk's top P% in BF16) and their variants (``WIRE`` names each one's push and pull codec, ``OUTER_LR`` an
 outer learning rate of its own; ``-stream``: pushes streamed in 4 parts over the inner steps) are Di-PS with compressed pushes and pulls (docs/dips.md, "Compressed and
 streamed outer steps"); the table adds each cluster's bytes per outer round (the join's whole
 pull apart), the most bytes it handed its link in one second, the slow-linked cluster's own
@@ -94,10 +94,19 @@ MODES = {
     "dips-sparseloco2-lr1-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1, no clip"),
     "dips-sparseloco2-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 2% / nonzero, outer lr 1.5"),
     "dips-sparseloco1-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 1% / nonzero, outer lr 1.5"),
+    "dips-sparseloco1-pull4": ("dips", True, True, True, "Di-PS SparseLoCo 1% / sparse BF16 4%"),
+    "dips-sparseloco1-pull5": ("dips", True, True, True, "Di-PS SparseLoCo 1% / sparse BF16 5%"),
+    "dips-sparseloco2-pull3": ("dips", True, True, True, "Di-PS SparseLoCo 2% / sparse BF16 3%"),
+    "dips-sparseloco2-pull4": ("dips", True, True, True, "Di-PS SparseLoCo 2% / sparse BF16 4%"),
+    "dips-sparseloco3-pull3": ("dips", True, True, True, "Di-PS SparseLoCo 3% / sparse BF16 3%"),
+    "dips-sparseloco3-pull4": ("dips", True, True, True, "Di-PS SparseLoCo 3% / sparse BF16 4%"),
+    "dips-sparseloco1-pull4-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 1% / sparse BF16 4%, outer lr 1.5"),
+    "dips-sparseloco3-pull4-lr1.5": ("dips", True, True, True, "Di-PS SparseLoCo 3% / sparse BF16 4%, outer lr 1.5"),
+    "dips-sparseloco3-pull4-noclip": ("dips", False, True, True, "Di-PS SparseLoCo 3% / sparse BF16 4% without clipping"),
 }
 # mode -> the outer learning rate it runs at instead of --outer-lr
 OUTER_LR = {"dips-sparseloco2-lr1": 1.0, "dips-sparseloco2-lr1-noclip": 1.0, "dips-sparseloco2-lr1.5": 1.5,
-            "dips-sparseloco1-lr1.5": 1.5}
+            "dips-sparseloco1-lr1.5": 1.5, "dips-sparseloco1-pull4-lr1.5": 1.5, "dips-sparseloco3-pull4-lr1.5": 1.5}
 # mode -> (push codec, pull codec, fragments of a streamed push); the others move BF16 in one burst
 WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dips-topk": ("topk:0.02", "int4", 1),
         "dips-topk2": ("topk:0.02", "topk:0.02", 1), "dips-topk-bf16": ("topk:0.02", "bf16", 1), "dips-int8-stream": ("int8", "int8", 4),
@@ -115,7 +124,16 @@ WIRE = {"dips-int8": ("int8", "int8", 1), "dips-int4": ("int4", "int4", 1), "dip
         "dips-sparseloco2-lr1": ("sparseloco:0.02", "nonzero", 1),
         "dips-sparseloco2-lr1-noclip": ("sparseloco:0.02", "nonzero", 1),
         "dips-sparseloco2-lr1.5": ("sparseloco:0.02", "nonzero", 1),
-        "dips-sparseloco1-lr1.5": ("sparseloco:0.01", "nonzero", 1)}
+        "dips-sparseloco1-lr1.5": ("sparseloco:0.01", "nonzero", 1),
+        "dips-sparseloco1-pull4": ("sparseloco:0.01", "sparsebf16:0.04", 1),
+        "dips-sparseloco1-pull5": ("sparseloco:0.01", "sparsebf16:0.05", 1),
+        "dips-sparseloco2-pull3": ("sparseloco:0.02", "sparsebf16:0.03", 1),
+        "dips-sparseloco2-pull4": ("sparseloco:0.02", "sparsebf16:0.04", 1),
+        "dips-sparseloco3-pull3": ("sparseloco:0.03", "sparsebf16:0.03", 1),
+        "dips-sparseloco3-pull4": ("sparseloco:0.03", "sparsebf16:0.04", 1),
+        "dips-sparseloco1-pull4-lr1.5": ("sparseloco:0.01", "sparsebf16:0.04", 1),
+        "dips-sparseloco3-pull4-lr1.5": ("sparseloco:0.03", "sparsebf16:0.04", 1),
+        "dips-sparseloco3-pull4-noclip": ("sparseloco:0.03", "sparsebf16:0.04", 1)}
 DEFAULT_MODES = "dips,sync,async,dips-noclip,dips-nofilter,dips-nostale"
 # The paper moves LLaMA3.2-1B (2.5 GB in BF16) over 10 Gbps links: 2 s per transfer, against an
 # outer step of 64 inner steps of 32 K tokens on one H800 of about 40 s (6 N tokens FLOPs at ~40%

@@ -181,13 +181,13 @@ def run_bytes(args: argparse.Namespace) -> int:
 
     bf16 = 2 * total(Codec("bf16"))
     print(f"{sum(sizes)} parameters in {len(sizes)} units; BF16 both ways: {bf16} bytes per outer round")
-    print(f"{'push':>16} {'pull':>10} {'bytes/round':>12} {'vs bf16':>8}")
+    print(f"{'push':>16} {'pull':>16} {'bytes/round':>12} {'vs bf16':>8}")
     for a in push:
         for b in pull:
             n = total(a) + total(b, a)
             bound = "" if b.fixed_size else f"  (at most: the union of {args.clusters} pushes, or BF16)"
-            print(f"{str(a):>16} {str(b):>10} {n:>12} {bf16 / n:>7.1f}x{bound}")
-    print(f"a join's whole pull (once per cluster): {total(Codec('bf16'))} bytes in BF16 (bf16, nonzero), "
+            print(f"{str(a):>16} {str(b):>16} {n:>12} {bf16 / n:>7.1f}x{bound}")
+    print(f"a join's whole pull (once per cluster): {total(Codec('bf16'))} bytes in BF16 (bf16, nonzero, sparsebf16), "
           f"{total(Codec('int8'))} in int8 (any other compressed pull)")
     return 0
 

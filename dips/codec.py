@@ -4,8 +4,9 @@ of each chunk of 4096 values (16-bit indices within the chunk, int8 codes, a sca
 every value's sign with a scale per block of 256 (1 bit a value; ``sign:F`` sends only the
 fraction F of the blocks whose signs remove the most error, with their indices), SparseLoCo's
 push (``sparseloco:D``: each chunk's top-k with 2-bit codes; the cluster's error feedback decays
-by ``DECAY``), or the nonzero entries of a difference exactly (``nonzero``: 16-bit indices within
-chunks and FP32 values, a pull whose size follows from how many entries changed).
+by ``DECAY``), the nonzero entries of a difference exactly (``nonzero``: 16-bit indices within
+chunks and FP32 values, a pull whose size follows from how many entries changed), or each chunk's
+top-k with BF16 values (``sparsebf16:D``: a pull of bounded size, 4 bytes a kept value).
 
 A payload's size follows from the codec and the unit's element count alone (for ``nonzero``,
 from the per-chunk counts at its start, each bounded by its chunk), so a receiver checks the
@@ -26,12 +27,13 @@ import numpy as np
 import torch
 
 BLOCK = 64                       # values sharing one FP32 scale
-KINDS = ("bf16", "int8", "int4", "sign", "topk", "sparse", "sparseloco", "nonzero")
-SPARSE = ("topk", "sparse", "sparseloco")  # the kinds that send a fraction of the values
-CHUNKED = ("sparse", "sparseloco")  # top-k per chunk, 16-bit indices within it
+KINDS = ("bf16", "int8", "int4", "sign", "topk", "sparse", "sparseloco", "sparsebf16", "nonzero")
+SPARSE = ("topk", "sparse", "sparseloco", "sparsebf16")  # the kinds that send a fraction of the values
+CHUNKED = ("sparse", "sparseloco", "sparsebf16")  # top-k per chunk, 16-bit indices within it
 DECAY = 0.95                     # sparseloco: the cluster's error feedback e <- DECAY e + pseudo-gradient
 CHUNK = 4096                     # sparse: values sharing one top-k choice, one scale and 16-bit indices
 SIGN_BLOCK = 256                 # sign: values sharing one FP32 scale (their mean magnitude)
+EXACT_JOIN = ("nonzero", "sparsebf16")  # pulls whose join is the BF16 values themselves
 DEFAULT_DENSITY = 0.02           # top-k without a density keeps this fraction of the values
 MAX_DENSITY = 0.25               # beyond ~0.21 top-k's (0.35 sparse's) indices make it larger than int8
 MAX_SPEC_CHARS = 32
@@ -50,10 +52,11 @@ class Codec:
     @classmethod
     def parse(cls, spec: object) -> "Codec":
         """``bf16``, ``int8``, ``int4``, ``nonzero``, ``sign[:F]`` (0 < F < 1), ``topk[:D]``,
-        ``sparse[:D]`` or ``sparseloco[:D]`` (0 < D <= 0.25), as a peer or a flag gives it;
+        ``sparse[:D]``, ``sparseloco[:D]`` or ``sparsebf16[:D]`` (0 < D <= 0.25), as a peer or a
+        flag gives it;
         ``ValueError`` naming the spec otherwise."""
         expected = ("expected one of bf16, int8, int4, sign[:FRACTION], topk[:DENSITY], sparse[:DENSITY], "
-                    "sparseloco[:DENSITY], nonzero")
+                    "sparseloco[:DENSITY], sparsebf16[:DENSITY], nonzero")
         if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
             raise ValueError(f"codec {str(spec)[:40]!r}: {expected}")
         kind, _, arg = spec.partition(":")
@@ -111,9 +114,10 @@ class Codec:
         """How whole values travel when a pull in this codec has nothing to be a difference from
         (a join): int8 for every compressed pull (a sparse payload could not carry a model, and
         4-bit codes would leave an error larger than many rounds' updates), BF16 otherwise and
-        for ``nonzero``, whose later pulls carry only what changed: a view equal to the BF16
-        parameters keeps every unchanged entry's difference exactly 0."""
-        return Codec("int8") if self.lossy and self.kind != "nonzero" else Codec("bf16")
+        for ``nonzero`` and ``sparsebf16``, whose later pulls carry what changed: a view equal
+        to the BF16 parameters keeps every unchanged entry's difference exactly 0, so top-k
+        picks changes, not the codes' error."""
+        return Codec("int8") if self.lossy and self.kind not in EXACT_JOIN else Codec("bf16")
 
     def kept(self, n: int) -> int:
         """How many of ``n`` values top-k sends (``n`` for the dense codecs; for sparse, the sum
@@ -149,6 +153,8 @@ class Codec:
         if self.kind == "sparseloco":
             k = self.kept(n)
             return 8 * _chunks(n) + 2 * k + (k + 3) // 4
+        if self.kind == "sparsebf16":
+            return 4 * self.kept(n)
         k = self.kept(n)
         return 4 * k + 4 * _blocks(k) + k
 
@@ -219,7 +225,8 @@ class Codec:
     def _encode_sparse(self, x: torch.Tensor) -> bytes:
         """Each chunk's k largest magnitudes: the chunks' FP32 scales, then every chunk's 16-bit
         indices within it (increasing), then every chunk's codes: ``sparse`` int8 codes in
-        -127..127 (scale: kept absmax / 127); ``sparseloco`` see ``_encode_two_levels``."""
+        -127..127 (scale: kept absmax / 127); ``sparseloco`` see ``_encode_two_levels``;
+        ``sparsebf16`` has no scales, its values are BF16 (rounded to nearest even)."""
         n = x.numel()
         kept = self._chunk_kept(n)
         full = n // CHUNK
@@ -232,6 +239,11 @@ class Codec:
         vals = [p[1] for p in parts]
         if self.kind == "sparseloco":
             return _encode_two_levels(idx, torch.cat([v.reshape(-1) for v in vals]), kept)
+        if self.kind == "sparsebf16":
+            values = torch.cat([v.reshape(-1) for v in vals]).to(torch.bfloat16)
+            if not torch.isfinite(values).all():
+                raise ValueError(f"{self}: values beyond BF16's range")
+            return _bytes(idx.to(torch.int16)) + _bytes(values.view(torch.int16))
         scales = torch.cat([v.abs().amax(dim=1) / _QMAX["int8"] for v in vals])
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes, at = [], 0
@@ -243,10 +255,17 @@ class Codec:
     def _decode_sparse(self, buf: bytearray, n: int, what: str) -> torch.Tensor:
         kept = self._chunk_kept(n)
         m, k = len(kept), sum(kept)
-        nscales = m if self.kind == "sparse" else 2 * m  # sparseloco: each chunk's low and high magnitude
-        scales = _scales(buf, 0, nscales, what)
+        # sparseloco: each chunk's low and high magnitude; sparsebf16: none
+        nscales = {"sparse": m, "sparseloco": 2 * m, "sparsebf16": 0}[self.kind]
+        scales = _scales(buf, 0, nscales, what) if nscales else None
         idx = torch.frombuffer(buf, dtype=torch.int16, offset=4 * nscales, count=k).to(torch.int64) & 0xFFFF
-        if self.kind == "sparse":
+        if self.kind == "sparsebf16":
+            values = torch.frombuffer(buf, dtype=torch.bfloat16, offset=2 * k, count=k).float()
+            bad = ~torch.isfinite(values)
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                raise ValueError(f"{what}: sparsebf16 value {float(values[i])} at {i}; expected a finite number")
+        elif self.kind == "sparse":
             codes = _checked_codes(torch.frombuffer(buf, dtype=torch.int8, offset=4 * m + 2 * k, count=k),
                                    _QMAX["int8"], what)
         else:
@@ -254,7 +273,9 @@ class Codec:
         chunk = torch.repeat_interleave(torch.arange(m), torch.tensor(kept))
         _check_chunk_indices(idx, chunk, _chunk_sizes(n), "sparse", what)
         out = torch.zeros(n)
-        if self.kind == "sparse":
+        if self.kind == "sparsebf16":
+            out[chunk * CHUNK + idx] = values
+        elif self.kind == "sparse":
             out[chunk * CHUNK + idx] = codes.float() * scales[chunk]
         else:
             levels = scales.view(m, 2)[chunk, codes >> 1]

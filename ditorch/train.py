@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decaying for sparseloco; docs/dips.md) (with --ps)")
     p.add_argument("--ps-pull", default="bf16", metavar="CODEC",
                    help="how pulls travel: bf16 (parameters), int8, int4, sign[:FRACTION], topk[:DENSITY], "
-                        "sparse[:DENSITY] (the change since the version held; a join's whole pull in int8) or nonzero "
-                        "(the changed values exactly; a join in BF16) (with --ps)")
+                        "sparse[:DENSITY] (the change since the version held; a join's whole pull in int8), nonzero "
+                        "(the changed values exactly; a join in BF16) or sparsebf16[:DENSITY] (each chunk's largest "
+                        "changes in BF16, a bounded size; a join in BF16) (with --ps)")
     p.add_argument("--ps-fragments", type=int, default=1,
                    help="stream each push: send its units in this many parts over the inner steps (with --ps; "
                         "1: all at the outer step)")

@@ -30,7 +30,7 @@ def _unflat(flat: torch.Tensor, unit) -> dict:
 
 @pytest.mark.parametrize("push,pull", [("int8", "bf16"), ("topk:0.05", "int8"), ("int4", "int4"),
                                       ("sparse:0.05", "sparse:0.05"), ("sign", "sign"), ("sign:0.5", "sign"),
-                                      ("sparseloco:0.05", "nonzero")])
+                                      ("sparseloco:0.05", "nonzero"), ("sparseloco:0.05", "sparsebf16:0.05")])
 def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push, pull):
     """Three rounds: the cluster pushes codec(held - local + decay * residual) (decay 0.95 for
     SparseLoCo's accumulator, 1 otherwise); the reference applies the same decoded values through
@@ -46,7 +46,7 @@ def test_compressed_rounds_match_a_reference_with_error_feedback(tmp_path, push,
                         pull_codec=pull, state_dir=tmp_path / "state")
         units = c.layout.units
         held = {n: t.bfloat16().float() for n, t in theta.items()}  # joined: a whole pull, BF16 ...
-        if qc.lossy and qc.kind != "nonzero":  # ... or int8 codes of the values for a compressed pull
+        if qc.whole == Codec("int8"):  # ... or int8 codes of the values for a compressed pull
             for unit in units:
                 held.update(_unflat(Codec.parse("int8").round_trip(_flat(held, unit))[1], unit))
         residual = {u: torch.zeros(sum(t.numel for t in unit.tensors)) for u, unit in enumerate(units)}
@@ -167,13 +167,18 @@ def _mutations(codec: Codec, n: int):
 
     cases = {"short": (lambda p: p[:-1], "bytes of"), "long": (lambda p: p + b"\0", "bytes of")}
     m = math.ceil(n / CHUNK)
-    cases["nan scale"] = (lambda p: scale(p, float("nan")), "scale nan")
-    cases["inf scale"] = (lambda p: scale(p, float("inf")), "scale inf")
+    if codec.kind == "sparsebf16":  # no scales: its first value (BF16, after the k indices)
+        v = 2 * codec.kept(n)
+        cases["nan value"] = (lambda p: p[:v] + struct.pack("<H", 0x7FC0) + p[v + 2:], "value nan")
+        cases["inf value"] = (lambda p: p[:v] + struct.pack("<H", 0xFF80) + p[v + 2:], "value -inf")
+    else:
+        cases["nan scale"] = (lambda p: scale(p, float("nan")), "scale nan")
+        cases["inf scale"] = (lambda p: scale(p, float("inf")), "scale inf")
     if codec.kind == "topk":
         cases["index out of range"] = (lambda p: index(p, n), f"index {n} out of range")
         cases["index repeated"] = (lambda p: p[:4] + p[:4] + p[8:], "strictly increasing")
-    if codec.kind in ("sparse", "sparseloco"):  # the first chunk's second index (chunks of 4096 values)
-        at = (4 if codec.kind == "sparse" else 8) * m + 2
+    if codec.kind in ("sparse", "sparseloco", "sparsebf16"):  # the first chunk's second index (chunks of 4096)
+        at = {"sparse": 4, "sparseloco": 8, "sparsebf16": 0}[codec.kind] * m + 2
         cases["index out of range"] = (lambda p: p[:at] + struct.pack("<H", min(n, CHUNK)) + p[at + 2:],
                                        "out of range")
         cases["index repeated"] = (lambda p: p[:at] + p[at - 2:at] + p[at + 2:], "strictly increasing")
@@ -185,7 +190,8 @@ def _mutations(codec: Codec, n: int):
     return cases
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sparse:0.05", "sign", "sign:0.5", "sparseloco:0.05"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sparse:0.05", "sign", "sign:0.5", "sparseloco:0.05",
+                                  "sparsebf16:0.05"])
 def test_compressed_payloads_that_do_not_fit_are_refused_with_nothing_applied(tmp_path, spec):
     codec = Codec.parse(spec)
     with in_process_ps(tmp_path) as (leader, followers, token):
@@ -277,7 +283,7 @@ def test_what_a_pull_drops_comes_with_the_next(tmp_path):
         a.close()
 
 
-@pytest.mark.parametrize("pull", ["sign", "sign:0.5", "sparse:0.05", "nonzero"])
+@pytest.mark.parametrize("pull", ["sign", "sign:0.5", "sparse:0.05", "nonzero", "sparsebf16:0.05"])
 def test_followers_record_exactly_what_the_cluster_holds(tmp_path, pull):
     """After a compressed join and two rounds of compressed pulls, each follower's record of what
     the cluster holds (its view) equals the cluster's held values bit for bit: both add the same
@@ -331,3 +337,67 @@ def test_sign_error_feedback_by_hand():
     assert residual.tolist() == [1.75, 0.25, -0.75, 0.75]
     dec2 = codec.round_trip(torch.zeros(4) + residual)[1]
     assert dec2.tolist() == [0.875, 0.875, -0.875, 0.875]
+
+
+def test_bounded_sparse_pulls_keep_the_view_exact_and_deliver_what_they_leave(tmp_path):
+    """Three clusters push SparseLoCo 5% with plain outer SGD; cluster a pulls ``sparsebf16:0.02``,
+    less than the union of the pushes that land between its pulls. Each pull is the codec's fixed
+    size whatever that union holds; after it every follower's record of what a holds equals a's
+    held values bit for bit; what a pull leaves stays in the difference, so further pulls of the
+    same version bring a's values to the global BF16 ones exactly. A follower that restarted knows
+    no view: a's next pull is whole (BF16) and the views agree again from there; so do they when
+    the cluster restarts and joins again."""
+    pull = Codec.parse("sparsebf16:0.02")
+    with in_process_ps(tmp_path, outer_momentum=0.0) as (leader, followers, token):
+        clients = [OuterClient(build_model(MODEL, 10 + i), leader.address, inner_steps=1, token=token, name=name,
+                               push_codec="sparseloco:0.05", pull_codec=str(pull)) for i, name in enumerate("abc")]
+        a = clients[0]
+        sizes = [sum(t.numel for t in u.tensors) for u in a.layout.units]
+        units = range(len(sizes))
+        who = a.speaker.cluster_id
+
+        def views_agree(c: OuterClient) -> None:
+            for f, (start, stop) in zip(followers, c.plan["units"]):
+                view = f.state.views[c.speaker.cluster_id][c.base]
+                for u in range(start, stop):
+                    assert torch.equal(view[u], _flat(c._held, c.layout.units[u])), u
+
+        for rnd in range(3):
+            for i, c in enumerate(reversed(clients)):  # a pushes last, after the others' rounds
+                perturb(c.model, 10 * rnd + i)
+                pulled = a.stats["pull_bytes"]
+                assert c.step(tokens=10)
+            assert a.stats["pull_bytes"] - pulled == sum(pull.payload_bytes(n) for n in sizes)
+            views_agree(a)
+        target = global_params(leader, token)
+        assert any(not torch.equal(a._held[n], target[n]) for n in target)  # the pulls left some of it
+        held, gaps = dict(a._held), []
+        for _ in range(60):
+            change = a.transfer.pull(a.base, units, pull, since=a.base, cluster=who)
+            held = {n: held[n] + change[n] for n in held}
+            gaps.append(sum(int((held[n] != target[n]).sum()) for n in target))
+            if not gaps[-1]:
+                break
+        assert len(gaps) > 2 and gaps[-1] == 0 and all(b <= g for g, b in zip(gaps, gaps[1:])), gaps
+        # a restarted follower knows no view: the pull is refused, a pulls whole and the views start again
+        for f in followers:
+            f.state.views.clear()
+        perturb(a.model, 99)
+        joins = a.stats["pulls"]
+        assert a.step(tokens=10)
+        assert a.stats["pulls"] - joins == 1
+        views_agree(a)
+        latest = global_params(leader, token)
+        assert all(torch.equal(a._held[n], latest[n]) for n in latest)  # the whole pull: the BF16 values
+        # a restarted cluster joins whole (BF16), its view starts there and its next pull is bounded again
+        a.close()
+        again = OuterClient(build_model(MODEL, 50), leader.address, inner_steps=1, token=token, name="a",
+                            push_codec="sparseloco:0.05", pull_codec=str(pull))
+        views_agree(again)
+        perturb(again.model, 77)
+        pulled = again.stats["pull_bytes"]
+        assert again.step(tokens=10)
+        assert again.stats["pull_bytes"] - pulled == sum(pull.payload_bytes(n) for n in sizes)
+        views_agree(again)
+        for c in [again] + clients[1:]:
+            c.close()

@@ -63,8 +63,8 @@ def test_bytes_prints_each_codec_pair_per_round(tmp_path, capsys):
     assert f"BF16 both ways: {2 * bf16} bytes" in out
     rows = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()[2:-1]}
     assert rows == {("topk:0.02", "bf16"): topk + bf16, ("int8", "bf16"): int8 + bf16, ("sign", "bf16"): sign + bf16}
-    assert out.splitlines()[-1] == f"a join's whole pull (once per cluster): {bf16} bytes in BF16 (bf16, nonzero), " \
-                                   f"{int8} in int8 (any other compressed pull)"
+    assert out.splitlines()[-1] == f"a join's whole pull (once per cluster): {bf16} bytes in BF16 (bf16, nonzero, " \
+                                   f"sparsebf16), {int8} in int8 (any other compressed pull)"
     # SparseLoCo 2%: two levels per chunk of 4096, a 16-bit index and 2 bits per kept value; a
     # nonzero pull at most the 3 clusters' kept values (a count per chunk, FP32 value, 16-bit
     # index each), or the unit in BF16 when that is smaller (the 7-value unit: 4 + 6 * 3 > 14)
@@ -74,6 +74,12 @@ def test_bytes_prints_each_codec_pair_per_round(tmp_path, capsys):
     push = (8 + 2 * 60 + 15) + (8 + 2 * 1 + 1)
     pull = (4 + 6 * 3 * 60) + 2 * 7
     assert row[:3] == ["sparseloco:0.02", "nonzero", str(push + pull)]
+    # sparsebf16 3%: per kept value a 16-bit index and a BF16 value, whatever the clusters
+    for clusters in ("3", "9"):
+        assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "sparseloco:0.02", "--pull",
+                         "sparsebf16:0.03", "--clusters", clusters]) == 0
+        row = capsys.readouterr().out.splitlines()[2].split()
+        assert row[:3] == ["sparseloco:0.02", "sparsebf16:0.03", str(push + 4 * (90 + 1))]
     assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "nonzero"]) == 2
     assert "a pull codec" in capsys.readouterr().err
     assert cli.main(["bytes", "--init", str(tmp_path / "m.pt"), "--push", "int9"]) == 2

@@ -105,7 +105,7 @@ push_or_pull = st.fixed_dictionaries(
                                             "version", "units", "since", "sqnorm")},
               # the compressed forms: a real codec now and then, so their checks are reached too
               "codec": st.sampled_from(["int8", "int4", "topk:0.02", "sparse:0.03", "sign", "sign:0.5", "bf16",
-                                             "sparseloco:0.02", "nonzero"]) | header_values})
+                                             "sparseloco:0.02", "sparsebf16:0.04", "nonzero"]) | header_values})
 
 
 def test_fuzzed_data_headers_never_stop_the_follower(ps):
