@@ -24,11 +24,14 @@ demo-single: setup
 # TEST_WORKERS=0 runs it in one process. The 15 slowest tests in wall time and the 15 that used
 # the most CPU (the suite's real cost on 2 shared cores: tests/cpu_time.py) are listed at the end.
 # TEST_BUSY=N runs the suite beside N busy processes (tests/conftest.py): the loaded machine.
+# Each test's worker, start, end, wall and CPU time go to $(TEST_TIMELINE), with each worker's busy
+# time and the run's tail printed (tests/timeline.py).
 TEST_WORKERS ?= 3
 TEST_BUSY ?= 0
+TEST_TIMELINE ?= build/test_timeline.jsonl
 export TEST_WORKERS
 test: setup
-	GLOO_SOCKET_IFNAME=lo DITORCH_TEST_BUSY=$(TEST_BUSY) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 --cpu-durations=15 tests $(TEST_ARGS)
+	GLOO_SOCKET_IFNAME=lo DITORCH_TEST_BUSY=$(TEST_BUSY) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 --cpu-durations=15 --timeline=$(TEST_TIMELINE) tests $(TEST_ARGS)
 
 # tests/comm and tests/device against sanitized (ASan + UBSan) builds, then the frame fuzzer: scripts/test_asan.sh.
 test-asan: setup

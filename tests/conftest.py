@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from busy_load import busy_processes  # noqa: E402  (needs the path above)
 
-pytest_plugins = ["cpu_time"]  # --cpu-durations=N (tests/cpu_time.py)
+pytest_plugins = ["cpu_time", "timeline"]  # --cpu-durations=N, --timeline=FILE (tests/cpu_time.py, tests/timeline.py)
 
 
 def pytest_configure(config):
