@@ -27,8 +27,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run first. On two workers the suite's length is the longest worker's:
-    a long test that starts last (Inductor's compile of the pipeline, the OpInfo sweep) leaves the
-    other worker idle at the end, one that starts first overlaps the many short tests (the
-    longest-job-first rule for scheduling on parallel machines). The order is stable otherwise."""
+    """Tests marked ``slow`` run first. On several workers the suite's length is the longest worker's:
+    a long test that starts last (Inductor's compile of the pipeline, the OpInfo sweep, the
+    volunteer demo) leaves the other workers idle at the end, one that starts first overlaps the
+    many short tests (the longest-job-first rule for scheduling on parallel machines). A test is
+    marked slow where the suite's timeline (``--timeline``, tests/timeline.py) shows it over about
+    15 s. The order is stable otherwise. ``make test`` passes ``--no-loadscope-reorder``: without
+    it xdist's ``loadgroup`` hands out the groups with the most tests first, whatever this order."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
