@@ -24,7 +24,6 @@ def _busy_within(seconds: float, want: bool) -> bool:
     return False
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_busy_process_per_core_makes_the_host_busy():
     cores = len(os.sched_getaffinity(0))
