@@ -16,19 +16,22 @@ demo: setup
 demo-single: setup
 	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
-# Three pytest-xdist workers by default on 2 cores: the suite's tests spend part of their time
-# waiting (rank processes starting, sockets, timeouts), so a third worker fills the cores (121%
-# of a core on average against 111% with two); 9m32s on a fresh clone on 2 cores with nothing
-# else running (README). Tests marked slow start first (tests/conftest.py). Test ranks fork from a
-# process that has imported torch (tests/forked_ranks.py).
+# Four pytest-xdist workers by default on 2 cores: the suite's tests spend much of their time
+# waiting (rank processes starting, sockets, timeouts); with three the cores were busy 121% of
+# a core on average (9m32s on a fresh clone on 2 cores with nothing else running), 111% with
+# two. Tests marked slow start first (tests/conftest.py). Test ranks fork from a process that has
+# imported torch (tests/forked_ranks.py).
 # TEST_WORKERS=0 runs it in one process. The 15 slowest tests in wall time and the 15 that used
 # the most CPU (the suite's real cost on 2 shared cores: tests/cpu_time.py) are listed at the end.
 # TEST_BUSY=N runs the suite beside N busy processes (tests/conftest.py): the loaded machine.
-TEST_WORKERS ?= 3
+# Each test's worker, start, end, wall and CPU time go to $(TEST_TIMELINE), with each worker's busy
+# time and the run's tail printed (tests/timeline.py).
+TEST_WORKERS ?= 4
 TEST_BUSY ?= 0
+TEST_TIMELINE ?= build/test_timeline.jsonl
 export TEST_WORKERS
 test: setup
-	GLOO_SOCKET_IFNAME=lo DITORCH_TEST_BUSY=$(TEST_BUSY) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 --cpu-durations=15 tests $(TEST_ARGS)
+	GLOO_SOCKET_IFNAME=lo DITORCH_TEST_BUSY=$(TEST_BUSY) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15 --cpu-durations=15 --timeline=$(TEST_TIMELINE) tests $(TEST_ARGS)
 
 # tests/comm and tests/device against sanitized (ASan + UBSan) builds, then the frame fuzzer: scripts/test_asan.sh.
 test-asan: setup

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from busy_load import busy_processes  # noqa: E402  (needs the path above)
 
-pytest_plugins = ["cpu_time"]  # --cpu-durations=N (tests/cpu_time.py)
+pytest_plugins = ["cpu_time", "timeline"]  # --cpu-durations=N, --timeline=FILE (tests/cpu_time.py, tests/timeline.py)
 
 
 def pytest_configure(config):
@@ -27,8 +27,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run first. On two workers the suite's length is the longest worker's:
-    a long test that starts last (Inductor's compile of the pipeline, the OpInfo sweep) leaves the
-    other worker idle at the end, one that starts first overlaps the many short tests (the
-    longest-job-first rule for scheduling on parallel machines). The order is stable otherwise."""
+    """Tests marked ``slow`` run first. On several workers the suite's length is the longest worker's:
+    a long test that starts last (Inductor's compile of the pipeline, the OpInfo sweep, the
+    volunteer demo) leaves the other workers idle at the end, one that starts first overlaps the
+    many short tests (the longest-job-first rule for scheduling on parallel machines). A test is
+    marked slow where the suite's timeline (``--timeline``, tests/timeline.py) shows it over about
+    15 s. The order is stable otherwise. ``make test`` passes ``--no-loadscope-reorder``: without
+    it xdist's ``loadgroup`` hands out the groups with the most tests first, whatever this order."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -33,6 +33,7 @@ def _peer_regressed(output: str) -> bool:
                for line in output.splitlines())
 
 
+@pytest.mark.slow
 def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
     saved = _make("bench", tmp_path)
     assert saved.returncode == 0, saved.stdout + saved.stderr
@@ -72,6 +73,7 @@ def test_bench_saves_a_run_and_compare_fails_only_on_a_regression(tmp_path):
     assert runs_saved == baselines, f"{runs_saved} saved runs for {baselines} baseline(s): a compare run must not save itself"
 
 
+@pytest.mark.slow
 def test_every_micro_benchmark_runs_once_and_checks_its_result():
     """Each benchmark called once (--benchmark-disable): its own checks of the result hold, and
     the helper rank mirrors the single call of a disabled benchmark."""

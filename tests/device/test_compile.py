@@ -55,6 +55,7 @@ def test_the_generated_code_runs_kernels_through_the_chip(tmp_path):
     torch.testing.assert_close(out.cpu(), pointwise_chain(x.cpu()))
 
 
+@pytest.mark.slow
 def test_training_through_a_compiled_module_matches_eager():
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to("dipu")

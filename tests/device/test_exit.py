@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_ranks_on_chips_b_and_c_exit_with_zero_and_no_terminate():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("exit_worker.py"))], env=env, cwd=REPO,

@@ -1,4 +1,5 @@
 """The small LLaMA trains on dipu like on CPU: fp32 equal to 1e-5, bf16 autocast within 1.5% MRE."""
+import pytest
 import torch
 
 import ditorch
@@ -34,6 +35,7 @@ def test_fp32_training_matches_cpu():
     assert ditorch.cpu_fallback_counts() == {}
 
 
+@pytest.mark.slow
 def test_bf16_autocast_training_aligns_with_cpu_fp32():
     cpu, dipu = train("cpu", 30), train("dipu", 30, autocast=True)
     report = mean_relative_error(cpu, dipu)

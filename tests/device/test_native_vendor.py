@@ -66,6 +66,7 @@ def test_the_cpu_vendor_is_the_kernel_devices_memory_adopted_and_counted():
     assert facts["oom"] and "kernel's result of 3.81 MiB on dipu:0 does not fit chip 'C'" in facts["oom"]
 
 
+@pytest.mark.slow
 def test_device_tests_pass_on_the_cpu_vendor():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:randomly", *VENDOR_GENERIC], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, env={**os.environ, "DITORCH_VENDOR": "cpu"})

@@ -62,6 +62,7 @@ def test_host_read_of_device_memory_crashes_only_when_protected():
     assert protected.returncode == -signal.SIGSEGV, (protected.returncode, protected.stderr[-2000:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chip", ["host", "D"])
 def test_training_is_bit_identical_with_memory_protected(chip):
     """Chip D exercises every numerics path (recomputed matmuls, truncated casts, flushed
@@ -72,6 +73,7 @@ def test_training_is_bit_identical_with_memory_protected(chip):
     assert runs["1"].stdout.splitlines()[-1] == runs["0"].stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_device_tests_pass_with_memory_protected():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "tests/device/test_device.py",
                           "tests/device/test_device_refusals.py"], cwd=ROOT, capture_output=True, text=True,

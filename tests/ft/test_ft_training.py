@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from plans import ROOT, chip_file, kill_tree, make_plan  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("torchft")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchft")]
 
 STAGES = [("X", 1, 2, False), ("Y", 1, 2, False)]
 

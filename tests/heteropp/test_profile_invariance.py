@@ -47,6 +47,7 @@ def _profile(chip: str, time_scale: float) -> tuple[dict, float]:
     raise AssertionError(f"the host fell behind up to time scale {time_scale / 2:g}: {result}")
 
 
+@pytest.mark.slow
 def test_layer_times_and_plans_do_not_depend_on_the_time_scale_or_the_hosts_load(ratio):
     # One rank of chip A just keeps up at `ratio`; the busy processes (and this machine's other
     # work) leave the rank a fraction of a core, so the loaded run takes a far larger scale.
@@ -80,6 +81,7 @@ def _profile_behind(chip: str, time_scale: float) -> dict:
         time_scale = max(1.0, time_scale / 2)
 
 
+@pytest.mark.slow
 def test_a_host_that_falls_behind_is_left_out_of_the_layer_times(ratio):
     """Below the scale at which the host keeps up, the device waits for the host much of the
     time; the profile leaves those waits out and measures the chip as at a scale that keeps up."""

@@ -38,6 +38,7 @@ def test_search_finds_the_exhaustive_optimum_on_broad_cases(seed):
     assert auto.search(two_stage=False).objective == pytest.approx(exact.objective, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_stage_two_refines_sub_groups_towards_their_optimum():
     """Chip types split into 2-6 sub-groups of 4 chips (stage two searches those exactly): over
     random cases the result equals the best of stage one and the exhaustive optimum over the

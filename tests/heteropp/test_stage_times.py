@@ -73,6 +73,7 @@ def _whole_stage_seconds(chip: str, time_scale: float) -> tuple[float, float]:
     return _device_seconds(micro_batch), _device_seconds(update)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_factor", [1, 2])
 def test_a_measured_profile_adds_up_to_the_whole_stage_on_the_emulated_device(run_factor):
     """Measured at one time scale and run at ``run_factor`` times it (`ditorch profile
@@ -110,6 +111,7 @@ def test_datasheet_layer_times_add_up_to_the_priced_stage(layers):
     assert k.stage_fwd > 0  # the position tables are the stage's, not a layer's
 
 
+@pytest.mark.slow
 def test_a_tp2_profile_measures_its_link_and_loads():
     """At TP 2 the profile also times one activation between the ranks (no kernels: a plain
     synchronisation bounds it) and the planner accepts what it wrote."""
@@ -119,6 +121,7 @@ def test_a_tp2_profile_measures_its_link_and_loads():
     assert chip.measured_ms[2]["stage_fwd"] > 0
 
 
+@pytest.mark.slow
 def test_a_chip_too_small_for_two_layers_update_is_profiled_with_the_update_whole():
     """The split of an update into a layer's part and the stage's needs a two-layer stage's
     optimizer state; a chip that holds one layer's but not that is still profiled, its

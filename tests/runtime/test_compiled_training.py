@@ -40,6 +40,9 @@ def compiled(tmp_path_factory):
     return tmp, eager
 
 
+# The two tests of the module's compiled run share one xdist worker (its group): on two workers
+# the run, Inductor's compile in 3 ranks, would be made twice.
+@pytest.mark.xdist_group("compiled training")
 def test_compiled_losses_equal_eager_over_a_tp_changing_plan(compiled):
     folder, eager = compiled
     losses = _losses(folder / "run.jsonl")
@@ -48,6 +51,7 @@ def test_compiled_losses_equal_eager_over_a_tp_changing_plan(compiled):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: eager {a} compiled {b}"
 
 
+@pytest.mark.xdist_group("compiled training")
 def test_profile_steps_writes_one_trace_per_rank_with_the_dipu_kernels(compiled):
     for rank in range(3):
         trace = json.loads((compiled[0] / "profile" / f"rank{rank}.json").read_text())

@@ -84,6 +84,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xdist_group(f"exactness {CASES[c][0]}"))
                                   for c in CASES])
 def test_pipeline_equals_single_process(case, tmp_path, tmp_path_factory):
@@ -102,6 +103,7 @@ def test_pipeline_equals_single_process(case, tmp_path, tmp_path_factory):
     assert saved["train/step"].item() == STEPS
 
 
+@pytest.mark.slow
 def test_mixed_precision_on_emulated_chips_stays_within_the_mre_criterion(tmp_path):
     """bf16 autocast on chips A, B and C (their numerics and speeds) against the fp32 CPU run:
     MRE < 1.5% (the H2 paper's alignment criterion), and not identical (the chips do differ)."""

@@ -41,6 +41,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_hf_model_trains_on_the_pipeline_as_in_one_process(case, tmp_path):
     from transformers import AutoModelForCausalLM

@@ -16,6 +16,7 @@ from plans import ROOT, chip_file, make_plan
 STEPS = 4
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
 def test_two_hosts_train_like_one_process(tmp_path):
     from heteropp.runtime.reference import train_reference

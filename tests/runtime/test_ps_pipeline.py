@@ -57,6 +57,7 @@ def losses(path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages,dp,model", [(TWO_STAGES, 1, MODEL), ([("X", 1, 2, False), ("Y", 1, 2, False)], 2, MODEL),
                                             (TWO_STAGES, 1, QWEN3)], ids=["tp2-tp1", "dp2", "hf-qwen3-tp2-tp1"])
 def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages, dp, model):
@@ -101,6 +102,7 @@ def test_pipeline_cluster_through_the_ps_equals_plain_training(tmp_path, stages,
         torch.testing.assert_close(final[name], value.float(), rtol=1e-2, atol=1e-2 * value.abs().max().item())
 
 
+@pytest.mark.slow
 def test_pipeline_and_data_parallel_clusters_train_one_model(tmp_path):
     plan = make_plan(TWO_STAGES)
     plan.to_json(tmp_path / "plan.json")
@@ -119,6 +121,7 @@ def test_pipeline_and_data_parallel_clusters_train_one_model(tmp_path):
         assert leader.status()["version"] >= 6
 
 
+@pytest.mark.slow
 def test_a_pipeline_cluster_pushes_and_pulls_compressed_and_streamed(tmp_path):
     """``--ps-push int8 --ps-pull int8 --ps-fragments 2`` with H = 2: as in the exactness test
     above (outer lr 1, no momentum, clipping or penalty) each round hands the cluster back the

@@ -22,6 +22,7 @@ def _losses(path) -> dict[int, float]:
     return {(d := json.loads(line))["step"]: d["loss"] for line in path.read_text().splitlines()}
 
 
+@pytest.mark.slow
 def test_resume_under_another_plan_continues_the_curve(tmp_path):
     """3 steps under TP 2 -> TP 1, then 3 more under TP 1 -> TP 2 with DP 2, ZeRO-1 and recompute
     on other chips, equal the 6 steps of one uninterrupted run (the one-process reference, which

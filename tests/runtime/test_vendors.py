@@ -19,6 +19,7 @@ from plans import ROOT, chip_file, make_plan
 STEPS = 4
 
 
+@pytest.mark.slow
 def test_a_pipeline_over_the_cpu_vendor_and_emulated_chips_equals_one_process(tmp_path):
     from heteropp.runtime.reference import train_reference
     from heteropp.runtime.trainer import TrainOptions

@@ -164,6 +164,7 @@ print(json.dumps({"ops": sorted({r.op for r in ac.results}), "bad": sorted({r.op
 """
 
 
+@pytest.mark.slow
 @needs_dipu
 def test_finds_the_emulated_chips_matmul_numerics():
     """Chip D rounds matmul inputs (device layer): autocompare against the CPU must flag mm

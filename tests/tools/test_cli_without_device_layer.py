@@ -43,6 +43,7 @@ def run(tree: Path, *args: str) -> subprocess.CompletedProcess:
     return python(tree, "from ditorch.cli import main\nsys.exit(main(sys.argv[1:]))", *args)
 
 
+@pytest.mark.slow
 def test_plan_and_simulate_run_without_the_device_layer(pure_python_tree, tmp_path):
     configs = Path(REPO) / "examples" / "configs"
     plan = tmp_path / "plan.json"

@@ -96,6 +96,7 @@ def run_job(tmp_path: Path, addresses: list[str], on_host=lambda name: [], bind=
     assert "joins stage" in (tmp_path / "chooser.log").read_text()
 
 
+@pytest.mark.slow
 def test_the_demo_kills_a_client_and_still_equals_single_process_training(tmp_path, capsys):
     """examples/volunteer_demo.py, every client on the exact host chip: its MRE check against
     ``ditorch volunteer reference`` at 0.001% (a row lost or counted twice moves a loss by ~1/B)."""
@@ -115,6 +116,7 @@ def test_the_demo_kills_a_client_and_still_equals_single_process_training(tmp_pa
     assert "late joins stage" in out and late and int(late.group(1)) > 0, out  # paced: it arrives in time
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
 def test_stages_and_clients_on_three_hosts(tmp_path):
     """Each stage's servers on a host of their own, listening on all interfaces and advertised by

@@ -101,6 +101,7 @@ def departing(rng: random.Random, point: str):
     return hook
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_clients_leaving_anywhere_lose_no_row_and_count_none_twice(seed):
     rng = random.Random(seed)
