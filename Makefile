@@ -17,9 +17,9 @@ demo-single: setup
 	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
 # Four pytest-xdist workers by default on 2 cores: the suite's tests spend much of their time
-# waiting (rank processes starting, sockets, timeouts); with three the cores were busy 121% of
-# a core on average (9m32s on a fresh clone on 2 cores with nothing else running), 111% with
-# two. Tests marked slow start first (tests/conftest.py). Test ranks fork from a process that has
+# waiting (rank processes starting, sockets, timeouts); with four the cores were busy 137% of a
+# core on average (8m49s on a fresh clone on 2 cores with nothing else running), with three 121%
+# and with two 111% (earlier trees). Tests marked slow start first (tests/conftest.py). Test ranks fork from a process that has
 # imported torch (tests/forked_ranks.py).
 # TEST_WORKERS=0 runs it in one process. The 15 slowest tests in wall time and the 15 that used
 # the most CPU (the suite's real cost on 2 shared cores: tests/cpu_time.py) are listed at the end.
