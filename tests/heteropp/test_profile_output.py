@@ -23,11 +23,12 @@ def _measured(activation_bytes: float) -> dict:
     return {**{key: 1.0 for key in profiler.MEASURED_TIME_KEYS}, **ms}
 
 
-def _profile(monkeypatch, tmp_path, activation_bytes: float) -> tuple[int, Path]:
+def _profile(monkeypatch, tmp_path, activation_bytes: float, time_scale: str = "1",
+             run_time_scale: str | None = None) -> tuple[int, Path]:
     monkeypatch.setattr(profiler, "profile_tp", lambda *a, **k: _measured(activation_bytes))
     out = tmp_path / "chip-B.yaml"
     args = argparse.Namespace(chip="B", model=str(MODEL), seq=None, tp="1", precision="bf16", memory_scale=0.001,
-                              time_scale="1", ranks=None, repeats=1,
+                              time_scale=time_scale, run_time_scale=run_time_scale, ranks=None, repeats=1,
                               sequence_parallel=True, out=str(out))
     return profiler.profile_command(args), out
 
@@ -37,6 +38,16 @@ def test_a_valid_measurement_is_written_and_loads(monkeypatch, tmp_path):
     assert rc == 0
     spec = ChipSpec.from_dict("B", yaml.safe_load(out.read_text())["chips"]["B"])
     assert spec is not None
+
+
+def test_a_profile_measured_at_one_time_scale_is_written_for_runs_at_another(monkeypatch, tmp_path, capsys):
+    rc, out = _profile(monkeypatch, tmp_path, 5 * 2**20, time_scale="40", run_time_scale="80")
+    assert rc == 0
+    spec = ChipSpec.from_dict("B", yaml.safe_load(out.read_text())["chips"]["B"])
+    assert spec.emulated_time_scale == 80.0 and "at time scale 40;" in spec.source
+    rc, bad = _profile(monkeypatch, tmp_path / "bad", 5 * 2**20, time_scale="40", run_time_scale="0.5")
+    assert rc == 2 and not bad.exists()
+    assert "--run-time-scale='0.5' is invalid" in capsys.readouterr().err
 
 
 def test_a_measurement_the_planner_refuses_is_not_written(monkeypatch, tmp_path, capsys):
