@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ps:
         from dips.codec import Codec
         try:
-            Codec.parse_push(args.ps_push), Codec.parse(args.ps_pull)
+            Codec.parse_push(args.ps_push)
+            Codec.parse(args.ps_pull)
         except ValueError as exc:
             print(f"ditorch.train: --ps-push/--ps-pull: {exc}", file=sys.stderr)
             return 2
