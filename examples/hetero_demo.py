@@ -57,7 +57,7 @@ from demo_budget import (BATCHES, DIPS_INNER_STEPS, Host, demo_phases, describe,
                          predicted_against_actual, size_phases)
 from heteropp.cluster import parse_tokens  # noqa: E402
 from heteropp.model_spec import ModelSpec  # noqa: E402
-from heteropp.runtime.profiler import cluster_time_scale, write_cluster  # noqa: E402
+from heteropp.runtime.profiler import LATE_WARNING_LINE, cluster_time_scale, write_cluster  # noqa: E402
 
 NOISE = ("rdma transport not usable", "FutureWarning", "return func(", "OMP_NUM_THREADS", "*****")
 
@@ -242,8 +242,6 @@ VOLUNTEER_BATCH = 8
 
 # The TP sizes each chip is profiled at (the plan may give a chip group either).
 PROFILED_TP = (1, 2)
-# What `ditorch profile` prints for a TP size whose host fell more than 2% behind its chip.
-PROFILE_LATE_LINE = re.compile(r"the host fell behind the chip by (\d+(?:\.\d+)?)% of its device time")
 
 
 def profile_time_scale(time_scale: float, world: int, profiled_ranks: int) -> float:
@@ -267,7 +265,7 @@ def profile_chip(cmd: list[str], chip: str, time_scales: tuple[float, float], en
     for scale in dict.fromkeys((low, high)):
         lines: list[str] = []
         run([*cmd, "--time-scale", f"{scale:g}"], env, "1/9", lines=lines)
-        late = [float(m.group(1)) for m in map(PROFILE_LATE_LINE.search, lines) if m]
+        late = [float(m.group(1)) for m in map(LATE_WARNING_LINE.search, lines) if m]
         if not late or scale == high:
             return
         print(f"\n[1/9] chip {chip}'s host fell {max(late):.1f}% behind it at time scale {scale:g}: measuring again "

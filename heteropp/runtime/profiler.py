@@ -30,6 +30,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -53,6 +54,13 @@ PROFILER_VERSION = 5
 # version 4 leaves out the time the emulated device waited for a host that fell behind; version 5
 # also its idle time at a sample's bounds (ditorch_ext.chip.timing_fence), and measures what a
 # stage does once whatever its layers (stage_fwd, stage_update) apart from the layer's share.
+
+
+# What `ditorch profile` prints for a TP size whose host fell more than LATE_WARN_PERCENT behind its
+# chip, and how a caller reads it back (the demo measures such a chip again at a larger scale).
+LATE_WARN_PERCENT = 2.0
+LATE_WARNING = "the host fell behind the chip by {percent:.1f}% of its device time at time scale {scale:g}"
+LATE_WARNING_LINE = re.compile(r"the host fell behind the chip by (\d+(?:\.\d+)?)% of its device time")
 
 
 def _chip_seconds(fn, sync) -> float:
@@ -601,10 +609,10 @@ def profile_command(args) -> int:
               f"{r['activation_bytes'] / 2**20:>8.2f} {p2p:>8} {r['stage_fwd']:>6.2f}/{r['stage_update']:<6.2f} "
               f"{r['embed_fwd']:>6.2f}/{r['embed_bwd']:<6.2f} "
               f"{r['head_fwd']:>6.2f}/{r['head_bwd']:<6.2f}", flush=True)
-        if (r.get("host_late_percent") or 0) > 2:
-            print(f"    the host fell behind the chip by {r['host_late_percent']:.1f}% of its device time at time scale "
-                  f"{stretch:g}: that wait is left out of these times; a run at this scale is as late "
-                  f"(a larger --time-scale lets the host keep up)", flush=True)
+        if (r.get("host_late_percent") or 0) > LATE_WARN_PERCENT:
+            print("    " + LATE_WARNING.format(percent=r["host_late_percent"], scale=stretch)
+                  + ": that wait is left out of these times; a run at this scale is as late "
+                  "(a larger --time-scale lets the host keep up)", flush=True)
     desc = {"chips": {args.chip: chip_description(args.chip, results, scale, time_scale=run_stretch,
                                                   measured_time_scale=stretch)}}
     try:  # what the planner will read: a measurement it would refuse is not written

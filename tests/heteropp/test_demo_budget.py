@@ -115,8 +115,10 @@ def test_profiles_run_at_their_own_share_of_trainings_time_scale(monkeypatch):
 
 def test_a_chip_whose_host_fell_behind_at_the_profiles_scale_is_measured_again_at_trainings(monkeypatch):
     hetero_demo = _hetero_demo()
-    # what `ditorch profile` prints for a TP size whose host fell behind (heteropp/runtime/profiler.py)
-    late_at = {"85": "    the host fell behind the chip by 3.6% of its device time at time scale 85: that wait"}
+    from heteropp.runtime.profiler import LATE_WARNING
+
+    # what `ditorch profile` prints for a TP size whose host fell behind
+    late_at = {"85": "    " + LATE_WARNING.format(percent=3.6, scale=85.0) + ": that wait ..."}
     scales = []
 
     def fake_run(cmd, env, step, check=True, lines=None):
